@@ -1,0 +1,214 @@
+"""Offline corpora with locally trained tokenizers, laid out for Levanter's data pipeline.
+
+``prepare_corpus(name, root)`` writes ``<root>/<name>/{train,validation}.jsonl`` (one ``{"text": ...}``
+document per line), a Hugging Face tokenizer directory ``<root>/<name>/tokenizer`` and a
+``manifest.json``; nothing is ever downloaded.
+
+Special tokens: ``<|endoftext|>`` is both bos and eos, and the tokenizer's post-processor already wraps
+every encoded text as ``<|endoftext|> text <|endoftext|>``. Levanter's ``BatchTokenizer`` probes
+``tokenizer("hi there")``, sees both tokens present and therefore adds nothing itself (otherwise it would
+splice ``bos + " "`` and ``" " + eos`` into the raw string, i.e. extra space tokens). Consequence for
+other users: pass ``add_special_tokens=False`` when encoding a prompt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
+EOS = "<|endoftext|>"
+NAMES = ("pydoc", "tinyshakespeare")
+DEFAULT_PYDOC_VOCAB = 2048
+CHUNK_CHARS = 10_000  # tinyshakespeare is written as documents of about this many characters
+_FORMAT_VERSION = 1  # bump when the on-disk layout or tokenizer recipe changes
+
+
+@dataclass(frozen=True)
+class PreparedCorpus:
+    """Local files of a prepared corpus, ready for ``levanter.data.text.UrlSingleDatasetLMConfig``."""
+
+    train_urls: list[str]  # jsonl paths, each line {"text": ...}
+    validation_urls: list[str]
+    tokenizer: str  # local directory loadable with AutoTokenizer.from_pretrained(path) offline
+
+    def to_levanter_config(self, cache_dir: str | None = None, **kwargs: Any) -> Any:
+        """A ``UrlSingleDatasetLMConfig`` over this corpus.
+
+        Levanter reuses an existing cache by directory alone (a changed tokenizer only logs a warning), so
+        the default ``cache_dir`` lives inside the corpus directory and vanishes whenever it is rebuilt.
+        """
+        from levanter.data.text import UrlSingleDatasetLMConfig
+
+        cache_dir = cache_dir or str(Path(self.tokenizer).parent / "levanter_cache")
+        return UrlSingleDatasetLMConfig(
+            train_urls=self.train_urls, validation_urls=self.validation_urls,
+            tokenizer=self.tokenizer, cache_dir=cache_dir, **kwargs,
+        )
+
+
+def default_shared_dir() -> Path:
+    """``$QKVFLOW_SHARED_DIR`` if set, else the ``shared`` folder beside the project root."""
+    env = os.environ.get("QKVFLOW_SHARED_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[2].parent / "shared"
+
+
+def prepare_corpus(
+    name: str, root: str, *, vocab_size: int | None = None, shared_dir: str | None = None
+) -> PreparedCorpus:
+    """Build (or reuse) the corpus ``name`` under ``<root>/<name>`` and return its paths.
+
+    * ``pydoc``: CPython's ``pydoc_data.topics.topics``, one document per topic. Topics are sorted by
+      key and every 10th one (sorted index ``i % 10 == 0``) goes to validation. A byte-level BPE
+      tokenizer (``vocab_size``, default 2048, counting ``<|endoftext|>``) is trained on train only.
+    * ``tinyshakespeare``: ``<shared_dir>/data/tinyshakespeare/input.txt``. nanoGPT split: first 90% of
+      characters train, the rest validation, each cut into ~10k-character documents at line ends so that
+      concatenating them gives the split back exactly. Character-level tokenizer: ids 0..64 are the
+      sorted characters of the whole file (nanoGPT's ``stoi``), id 65 is ``<|endoftext|>``.
+
+    Reuses existing output when ``manifest.json`` matches (source sha256, vocab size, format version);
+    otherwise builds in a temporary directory and renames it into place, so a partial build is never used.
+    """
+    if name == "pydoc":
+        train, validation, digest = _pydoc_source()
+        vocab = vocab_size or DEFAULT_PYDOC_VOCAB
+        build: Callable[[], Tokenizer] = lambda: _bpe_tokenizer(train, vocab)
+    elif name == "tinyshakespeare":
+        train, validation, digest, chars = _shakespeare_source(shared_dir)
+        vocab = len(chars) + 1
+        if vocab_size not in (None, vocab):
+            raise ValueError(f"tinyshakespeare is character-level: vocab_size must be {vocab}, got {vocab_size}")
+        build = lambda: _char_tokenizer(chars)
+    else:
+        raise ValueError(f"unknown corpus {name!r}; expected one of {', '.join(NAMES)}")
+
+    out = Path(root).resolve() / name
+    key = {"name": name, "format_version": _FORMAT_VERSION, "source_sha256": digest, "vocab_size": vocab}
+    if not _is_cached(out, key):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=out.parent))
+        tmp.chmod(0o755)  # mkdtemp makes it private
+        try:
+            _write_jsonl(tmp / "train.jsonl", train)
+            _write_jsonl(tmp / "validation.jsonl", validation)
+            hf = _wrap(build())
+            if len(hf) != vocab:
+                raise RuntimeError(f"{name}: tokenizer has {len(hf)} tokens, expected {vocab}")
+            hf.save_pretrained(str(tmp / "tokenizer"))
+            manifest = {**key, "train_docs": len(train), "validation_docs": len(validation)}
+            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")  # written last
+            _publish(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return PreparedCorpus([str(out / "train.jsonl")], [str(out / "validation.jsonl")], str(out / "tokenizer"))
+
+
+def _pydoc_source() -> tuple[list[str], list[str], str]:
+    from pydoc_data.topics import topics
+
+    keys = sorted(topics)
+    digest = _sha256(json.dumps(topics, sort_keys=True).encode())
+    train = [topics[k] for i, k in enumerate(keys) if i % 10 != 0]
+    validation = [topics[k] for i, k in enumerate(keys) if i % 10 == 0]
+    return train, validation, digest
+
+
+def _shakespeare_source(shared_dir: str | None) -> tuple[list[str], list[str], str, list[str]]:
+    path = Path(shared_dir) if shared_dir else default_shared_dir()
+    path = path / "data" / "tinyshakespeare" / "input.txt"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"tinyshakespeare source not found at {path}; pass shared_dir= or set QKVFLOW_SHARED_DIR"
+        )
+    raw = path.read_bytes()
+    text = raw.decode("utf-8")
+    n = int(len(text) * 0.9)
+    return _chunk(text[:n]), _chunk(text[n:]), _sha256(raw), sorted(set(text))
+
+
+def _chunk(text: str, size: int = CHUNK_CHARS) -> list[str]:
+    """Cut ``text`` after the first line end past every ``size`` characters; ``"".join`` restores it."""
+    chunks: list[str] = []
+    current: list[str] = []
+    length = 0
+    for line in text.splitlines(keepends=True):
+        current.append(line)
+        length += len(line)
+        if length >= size:
+            chunks.append("".join(current))
+            current, length = [], 0
+    if current:
+        chunks.append("".join(current))
+    return chunks
+
+
+def _bpe_tokenizer(docs: list[str], vocab_size: int) -> Tokenizer:
+    """GPT-2 style byte-level BPE trained on ``docs`` (all 256 bytes kept, so any text encodes)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(docs, trainer)
+    return tok
+
+
+def _char_tokenizer(chars: list[str]) -> Tokenizer:
+    """One token per character; characters outside ``chars`` raise an error when encoded."""
+    vocab = {c: i for i, c in enumerate(chars)} | {EOS: len(chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))  # "<unk>" is absent on purpose
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # join tokens without inserting spaces
+    return tok
+
+
+def _wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
+    """Mark ``EOS`` special, frame every text with it and wrap as a transformers tokenizer."""
+    tok.add_special_tokens([EOS])
+    eos = (EOS, tok.token_to_id(EOS))
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{EOS} $A {EOS}", pair=f"{EOS} $A {EOS} $B:1 {EOS}:1", special_tokens=[eos]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=EOS, eos_token=EOS, clean_up_tokenization_spaces=False,
+        model_input_names=["input_ids", "attention_mask"],  # no token_type_ids in Levanter's cache
+    )
+
+
+def _write_jsonl(path: Path, docs: list[str]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for doc in docs:
+            f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
+
+
+def _is_cached(out: Path, key: dict[str, Any]) -> bool:
+    try:
+        manifest = json.loads((out / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return False
+    files = ("train.jsonl", "validation.jsonl", "tokenizer/tokenizer.json")
+    return all(manifest.get(k) == v for k, v in key.items()) and all((out / f).is_file() for f in files)
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Swap the finished ``tmp`` directory in for ``out`` using directory renames."""
+    if out.exists():
+        stale = Path(tempfile.mkdtemp(prefix=f".{out.name}.stale-", dir=out.parent))
+        os.replace(out, stale / out.name)
+        shutil.rmtree(stale, ignore_errors=True)
+    os.replace(tmp, out)
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()

@@ -1,0 +1,62 @@
+"""How the depth ODE is integrated: solver, step control and gradient method."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .solvers import ADAPTIVE_BY_DEFAULT, EMBEDDED_ERROR, SOLVERS
+
+ADJOINTS = ("recursive_checkpoint", "direct", "backsolve")
+WEIGHT_CACHES = ("precompute", "on_the_fly")
+
+
+@dataclass(frozen=True)
+class OdeConfig:
+    num_steps: int = 12
+    """N: fixed step size dt = 1/N (the paper matches N to the baseline's layer count); for an
+    adaptive solver, the size of the first step tried."""
+    solver: str = "euler"
+    """One of euler (the paper's), heun, midpoint, ralston, rk4, tsit5, dopri5."""
+    adaptive: Optional[bool] = None
+    """Adaptive step-size control (a PID controller on rtol/atol). None: on for tsit5/dopri5 only."""
+    rtol: float = 1e-3
+    atol: float = 1e-4
+    max_steps: int = 256
+    """Bound on the steps an adaptive solve may take (diffrax's `max_steps`)."""
+    adjoint: str = "recursive_checkpoint"
+    """Gradient method: recursive_checkpoint (online checkpointing, Stumm & Walther 2010), direct,
+    or backsolve (continuous adjoint, Chen et al. 2018)."""
+    checkpoints: Optional[int] = None
+    """Checkpoints kept by recursive_checkpoint. None: diffrax's default (all steps of a fixed grid)."""
+    weight_cache: str = "precompute"
+    """Fixed grids only. precompute: generate W(t) for every evaluation time in one batched
+    hypernetwork call before the solve (fast, holds all weights); on_the_fly: generate inside each
+    vector-field evaluation (memory flat in N)."""
+
+    def __post_init__(self):
+        _check(self.num_steps >= 1, "ode.num_steps", self.num_steps, "an integer >= 1")
+        _check(self.solver in SOLVERS, "ode.solver", self.solver, f"one of {sorted(SOLVERS)}")
+        if self.adaptive:
+            _check(
+                self.solver in EMBEDDED_ERROR,
+                "ode.adaptive",
+                self.adaptive,
+                f"false for solver {self.solver!r}; adaptive control needs one of {sorted(EMBEDDED_ERROR)}",
+            )
+        _check(self.rtol > 0, "ode.rtol", self.rtol, "a positive float")
+        _check(self.atol > 0, "ode.atol", self.atol, "a positive float")
+        _check(self.max_steps >= 1, "ode.max_steps", self.max_steps, "an integer >= 1")
+        _check(self.adjoint in ADJOINTS, "ode.adjoint", self.adjoint, f"one of {list(ADJOINTS)}")
+        if self.checkpoints is not None:
+            _check(self.checkpoints >= 1, "ode.checkpoints", self.checkpoints, "null or an integer >= 1")
+        _check(
+            self.weight_cache in WEIGHT_CACHES, "ode.weight_cache", self.weight_cache, f"one of {list(WEIGHT_CACHES)}"
+        )
+
+    @property
+    def is_adaptive(self) -> bool:
+        return self.solver in ADAPTIVE_BY_DEFAULT if self.adaptive is None else self.adaptive
+
+
+def _check(ok: bool, field: str, value, expected: str):
+    if not ok:
+        raise ValueError(f"{field}={value!r} is invalid: expected {expected}")

@@ -1,0 +1,96 @@
+"""Integrate dx/dt = F(W(t), x) over depth time t in [0, 1] with diffrax.
+
+diffrax's internal arithmetic works on raw arrays, so the state travels as a plain array and the
+caller's vector field re-wraps it in named axes. Everything the field depends on (the weight
+source, masks) goes through `args`, which every diffrax adjoint, BacksolveAdjoint included,
+differentiates.
+
+With `kinetic=True` the state is augmented with the running kinetic energy
+
+    E(t) = int_0^t mean_tokens ||dx/ds||^2 ds,
+
+the arclength regulariser of the N-ODE Transformer (Baier-Reinio & De Sterck, 2020, eq. 6).
+"""
+
+from typing import Callable, NamedTuple, Optional
+
+import diffrax as dfx
+import jax
+import jax.numpy as jnp
+
+from .config import OdeConfig
+from .solvers import SOLVERS, evaluations
+
+
+class OdeStats(NamedTuple):
+    num_steps: jax.Array
+    """Steps taken, rejected ones included."""
+    nfe: jax.Array
+    """Vector-field evaluations in the forward solve: the model's effective depth."""
+
+
+def build_solver(config: OdeConfig) -> dfx.AbstractSolver:
+    return SOLVERS[config.solver]()
+
+
+def build_adjoint(config: OdeConfig) -> dfx.AbstractAdjoint:
+    if config.adjoint == "recursive_checkpoint":
+        return dfx.RecursiveCheckpointAdjoint(checkpoints=config.checkpoints)
+    if config.adjoint == "direct":
+        return dfx.DirectAdjoint()
+    return dfx.BacksolveAdjoint(solver=build_solver(config))
+
+
+def integrate(
+    field: Callable,
+    y0: jax.Array,
+    args,
+    config: OdeConfig,
+    *,
+    tokens: Optional[int] = None,
+) -> tuple[jax.Array, Optional[jax.Array], OdeStats]:
+    """Solve from t=0 to t=1; return (x(1), kinetic energy or None, stats).
+
+    `field(t, y, args) -> dy/dt` with y shaped like y0. Pass `tokens` (the number of token states
+    in y0) to integrate the kinetic energy alongside.
+    """
+    solver = build_solver(config)
+    dt0 = 1.0 / config.num_steps
+
+    if tokens is None:
+        term_fn, state0 = field, y0
+    else:
+
+        def term_fn(t, state, args):
+            dy = field(t, state[0], args)
+            energy_rate = jnp.sum(jnp.square(dy.astype(jnp.float32))) / tokens
+            return dy, energy_rate
+
+        state0 = (y0, jnp.zeros((), jnp.float32))
+
+    if config.is_adaptive:
+        controller = dfx.PIDController(rtol=config.rtol, atol=config.atol)
+        max_steps = config.max_steps
+    else:
+        controller = dfx.ConstantStepSize()
+        max_steps = config.num_steps
+
+    solution = dfx.diffeqsolve(
+        dfx.ODETerm(term_fn),
+        solver,
+        t0=0.0,
+        t1=1.0,
+        dt0=dt0,
+        y0=state0,
+        args=args,
+        saveat=dfx.SaveAt(t1=True),
+        stepsize_controller=controller,
+        adjoint=build_adjoint(config),
+        max_steps=max_steps,
+    )
+    final = jax.tree_util.tree_map(lambda a: a[-1], solution.ys)
+    num_steps = solution.stats["num_steps"]
+    stats = OdeStats(num_steps=num_steps, nfe=evaluations(solver, num_steps))
+    if tokens is None:
+        return final, None, stats
+    return final[0], final[1], stats

@@ -1,0 +1,67 @@
+"""Parameter and FLOP accounting from shapes alone (`jax.eval_shape`: nothing is allocated).
+
+Forward FLOPs per token count one vector-field evaluation as one transformer layer (Levanter's
+`lm_flops_per_token`, matmuls and attention) times the evaluations a solve makes, plus the LM head.
+The hypernetwork runs once per evaluation time for the whole batch, not per token, so it is
+reported separately per forward pass.
+"""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.random as jrandom
+from haliax import Axis
+from levanter.utils.flop_utils import lm_flops_per_token
+
+from qkvflow.integrate.solve import build_solver
+from qkvflow.integrate.solvers import evaluations
+from qkvflow.integrate.weight_source import evaluation_times
+
+
+def model_shapes(config, vocab_size: int):
+    """The model as a pytree of `jax.ShapeDtypeStruct`s."""
+    return jax.eval_shape(lambda: config.build(Axis("vocab", vocab_size), key=jrandom.PRNGKey(0)))
+
+
+def _count(tree) -> int:
+    leaves = jax.tree_util.tree_leaves(eqx.filter(tree, eqx.is_array_like))
+    return sum(math.prod(leaf.shape) for leaf in leaves)
+
+
+def parameter_counts(config, vocab_size: int) -> dict[str, int]:
+    model = model_shapes(config, vocab_size)
+    embedding = _count((model.token_embeddings, model.position_embeddings, model.lm_head))
+    generator = _count(model.generator)
+    return {
+        "total_params": _count(model),
+        "hypernetwork_params": generator,
+        "embedding_params": embedding,
+    }
+
+
+def nominal_evaluations(config) -> int:
+    """Vector-field evaluations of a solve: exact for fixed steps; for adaptive solvers, the count
+    at `num_steps` accepted steps (the real number depends on the input)."""
+    return int(evaluations(build_solver(config.ode), config.ode.num_steps))
+
+
+def forward_flops_per_token(config, vocab_size: int) -> float:
+    return lm_flops_per_token(
+        hidden_dim=config.hidden_dim,
+        intermediate_dim=config.mlp_dim,
+        num_layers=nominal_evaluations(config),
+        num_kv_heads=config.num_heads,
+        num_heads=config.num_heads,
+        seq_len=config.seq_len,
+        vocab_size=vocab_size,
+        glu=config.flavour == "llama",
+    )
+
+
+def hypernetwork_flops_per_forward(config, vocab_size: int) -> float:
+    """2 x (multiply-adds of one generator call) x (evaluation times of a solve)."""
+    model = model_shapes(config, vocab_size)
+    times = evaluation_times(config.ode)
+    n_times = len(times) if times is not None else nominal_evaluations(config)
+    return 2.0 * _count(model.generator) * n_times

@@ -1,0 +1,59 @@
+"""Pieces both vector fields share: affine maps on named weights and causal self-attention."""
+
+from typing import Optional
+
+import haliax as hax
+from haliax import NamedArray
+from levanter.layers.attention import AttentionMask, dot_product_attention
+
+from qkvflow.models.generator import WeightSpec
+
+
+def affine(x: NamedArray, weights: dict, name: str, In) -> NamedArray:
+    """x @ W[name] (+ W[name_bias] when the generator supplies one)."""
+    y = hax.dot(x, weights[name], axis=In)
+    bias = weights.get(f"{name}_bias")
+    return y if bias is None else y + bias
+
+
+def attention_specs(config, *, use_bias: bool) -> dict[str, WeightSpec]:
+    Embed, Heads, HeadSize = config.Embed, config.Heads, config.HeadSize
+    specs = {}
+    for name in ("q", "k", "v"):
+        specs[name] = WeightSpec((Heads, HeadSize), "matrix", (Embed,))
+        if use_bias:
+            specs[f"{name}_bias"] = WeightSpec((Heads, HeadSize), "bias")
+    specs["o"] = WeightSpec((Embed,), "matrix", (Heads, HeadSize))
+    if use_bias:
+        specs["o_bias"] = WeightSpec((Embed,), "bias")
+    return specs
+
+
+def self_attention(
+    h: NamedArray,
+    weights: dict,
+    config,
+    mask: Optional[AttentionMask | NamedArray],
+    rotary=None,
+    pos_ids: Optional[NamedArray] = None,
+) -> NamedArray:
+    """Multi-head attention with Q_h(t), K_h(t), V_h(t), O(t); Levanter's kernels do the softmax."""
+    q = affine(h, weights, "q", config.Embed)
+    k = affine(h, weights, "k", config.Embed)
+    v = affine(h, weights, "v", config.Embed)
+    if rotary is not None:
+        q, k = rotary(q, pos_ids), rotary(k, pos_ids)
+    k = k.rename({config.Pos.name: config.KeyPos.name})
+    v = v.rename({config.Pos.name: config.KeyPos.name})
+    out = dot_product_attention(
+        config.Pos.name,
+        config.KeyPos.name,
+        config.HeadSize.name,
+        q,
+        k,
+        v,
+        mask=mask,
+        attn_backend=config.attn_backend,
+        flash_block_size=config.flash_attention_block_size,
+    )
+    return affine(out.astype(h.dtype), weights, "o", (config.Heads, config.HeadSize))

@@ -1,0 +1,114 @@
+"""Weight generators: t -> the named weights of one transformer layer.
+
+A generator is the only place time enters the model. The vector field (`qkvflow.models.fields`)
+reads whatever dict of named arrays a generator returns, so the DiffEqFormer and its baselines
+differ only here:
+
+* `HyperGenerator` (DiffEqFormer): every weight is W(t) = Proj(MLP(Sinusoidal(t))).
+* `SharedGenerator` (weight-shared N-ODE Transformer, Baier-Reinio & De Sterck, 2020): constant
+  weights; time enters only as a bias c * t added to the output of every affine map.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import equinox as eqx
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import jax.random as jrandom
+from haliax import Axis, NamedArray
+
+from qkvflow.nn.time_dependent import TimeDependentWeight, TimeMLP
+from qkvflow.nn.time_embedding import SinusoidalTimeEmbedding
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """Named shape of one layer weight. A matrix maps `in_axes` to `out_axes`."""
+
+    out_axes: tuple[Axis, ...]
+    kind: Literal["matrix", "bias", "norm"]
+    in_axes: tuple[Axis, ...] = ()
+
+    @property
+    def axes(self) -> tuple[Axis, ...]:
+        return (*self.in_axes, *self.out_axes)
+
+
+class HyperGenerator(eqx.Module):
+    time_embedding: SinusoidalTimeEmbedding
+    shared_mlp: Optional[TimeMLP]
+    weights: dict[str, TimeDependentWeight]
+
+    @staticmethod
+    def init(specs: dict[str, WeightSpec], config, *, key) -> "HyperGenerator":
+        """`config` supplies num_frequencies, time_scale, time_embed_dim, shared_time_mlp, initializer_range.
+
+        Matrices start with W(t) ~ N(0, initializer_range^2) at every t (the projection is rescaled
+        by the measured size of its time embedding); biases start at 0 and norm scales at 1.
+        """
+        embedding = SinusoidalTimeEmbedding.init(config.num_frequencies, config.time_scale)
+        k_shared, *keys = jrandom.split(key, len(specs) + 1)
+        d = config.time_embed_dim
+        own = not config.shared_time_mlp
+        shared_mlp = None if own else TimeMLP.init(embedding.TimeFeature, d, key=k_shared)
+        weights = {}
+        for k, (name, spec) in zip(keys, specs.items()):
+            std = config.initializer_range if spec.kind == "matrix" else 0.0
+            offset = 1.0 if spec.kind == "norm" else 0.0
+            weights[name] = TimeDependentWeight.init(
+                spec.axes, embedding.TimeFeature, d, std=std, own_mlp=own, offset=offset, key=k
+            )
+        generator = HyperGenerator(embedding, shared_mlp, weights)
+        return generator._normalise_init(specs)
+
+    def _normalise_init(self, specs) -> "HyperGenerator":
+        times = jnp.linspace(0.0, 1.0, 9)
+        weights = dict(self.weights)
+        for name, spec in specs.items():
+            if spec.kind != "matrix":
+                continue
+            w = weights[name]
+            e = jax.vmap(lambda t: hax.nn.silu(w.embed(*self._features(t))).array)(times)
+            rms = jnp.sqrt(jnp.mean(jnp.square(e)))
+            weights[name] = dataclasses.replace(w, proj=w.proj / rms)
+        return dataclasses.replace(self, weights=weights)
+
+    def _features(self, t) -> tuple[NamedArray, Optional[NamedArray]]:
+        s = self.time_embedding(t)
+        return s, (self.shared_mlp(s) if self.shared_mlp is not None else None)
+
+    def __call__(self, t) -> dict[str, NamedArray]:
+        s, shared = self._features(t)
+        return {name: w(s, shared) for name, w in self.weights.items()}
+
+
+class SharedGenerator(eqx.Module):
+    constants: dict[str, NamedArray]
+    time_bias: dict[str, NamedArray]  # one c per matrix, over the matrix's output axes
+
+    @staticmethod
+    def init(specs: dict[str, WeightSpec], config, *, key) -> "SharedGenerator":
+        keys = jrandom.split(key, len(specs))
+        constants, time_bias = {}, {}
+        for k, (name, spec) in zip(keys, specs.items()):
+            if spec.kind == "matrix":
+                constants[name] = hax.random.normal(k, spec.axes) * config.initializer_range
+                time_bias[name] = hax.zeros(spec.out_axes)
+            elif spec.kind == "norm":
+                constants[name] = hax.ones(spec.axes)
+            else:
+                constants[name] = hax.zeros(spec.axes)
+        return SharedGenerator(constants, time_bias)
+
+    def __call__(self, t) -> dict[str, NamedArray]:
+        t = t.array if isinstance(t, NamedArray) else jnp.asarray(t)
+        weights = dict(self.constants)
+        for name, c in self.time_bias.items():
+            bias = c * t.astype(c.dtype)
+            if f"{name}_bias" in weights:
+                bias = weights[f"{name}_bias"] + bias
+            weights[f"{name}_bias"] = bias
+        return weights

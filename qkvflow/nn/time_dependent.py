@@ -1,0 +1,76 @@
+"""A weight that is a function of time: W(t) = offset + Proj(silu(MLP(Sinusoidal(t)))).
+
+    MLP(s) = L2(silu(L1(s)))        L1: time_feature -> time_hidden, L2: time_hidden -> time_embed
+    Proj(e) = sum_d e_d P[d, ...]   P: time_embed x (target axes), no bias
+
+(DiffEqFormer, Tong et al., ICLR 2025, Sec. 3.) The silu before Proj keeps L2 and Proj from
+collapsing into one linear map. `offset` is 1 for norm scales (so W(0) is near the identity) and 0
+otherwise. The MLP may be owned by this weight (the paper's default) or shared by all weights
+(its ablation); then the caller passes the shared embedding in.
+"""
+
+from typing import Optional
+
+import equinox as eqx
+import haliax as hax
+import haliax.nn as hnn
+import jax.numpy as jnp
+import jax.random as jrandom
+from haliax import Axis, NamedArray
+
+TimeHidden = "time_hidden"
+TimeEmbed = "time_embed"
+
+
+class TimeMLP(eqx.Module):
+    """e(t) = L2(silu(L1(s(t)))), both layers of width d_emb."""
+
+    lin1: hnn.Linear
+    lin2: hnn.Linear
+
+    @staticmethod
+    def init(TimeFeature: Axis, time_embed_dim: int, *, key) -> "TimeMLP":
+        k1, k2 = jrandom.split(key)
+        Hidden, Embed = Axis(TimeHidden, time_embed_dim), Axis(TimeEmbed, time_embed_dim)
+        return TimeMLP(hnn.Linear.init(TimeFeature, Hidden, key=k1), hnn.Linear.init(Hidden, Embed, key=k2))
+
+    def __call__(self, features: NamedArray) -> NamedArray:
+        features = features.astype(self.lin1.weight.dtype)
+        return self.lin2(hnn.silu(self.lin1(features)))
+
+
+class TimeDependentWeight(eqx.Module):
+    """One generated tensor with the named axes `proj.axes[1:]`."""
+
+    mlp: Optional[TimeMLP]
+    proj: NamedArray  # [time_embed, *target axes]
+    offset: float = eqx.field(static=True, default=0.0)
+
+    @staticmethod
+    def init(
+        target: tuple[Axis, ...],
+        TimeFeature: Axis,
+        time_embed_dim: int,
+        *,
+        std: float,
+        own_mlp: bool,
+        offset: float = 0.0,
+        key,
+    ) -> "TimeDependentWeight":
+        """Proj starts as N(0, 1) * std / sqrt(d_emb); the generator rescales it so W(t) has std `std`."""
+        k_mlp, k_proj = jrandom.split(key)
+        mlp = TimeMLP.init(TimeFeature, time_embed_dim, key=k_mlp) if own_mlp else None
+        Embed = Axis(TimeEmbed, time_embed_dim)
+        if std == 0.0:
+            proj = hax.zeros((Embed, *target))
+        else:
+            proj = hax.random.normal(k_proj, (Embed, *target)) * (std / jnp.sqrt(time_embed_dim))
+        return TimeDependentWeight(mlp, proj, offset)
+
+    def embed(self, features: NamedArray, shared: Optional[NamedArray]) -> NamedArray:
+        return self.mlp(features) if self.mlp is not None else shared
+
+    def __call__(self, features: NamedArray, shared: Optional[NamedArray] = None) -> NamedArray:
+        e = hnn.silu(self.embed(features, shared))
+        w = hax.dot(e.astype(self.proj.dtype), self.proj, axis=TimeEmbed)
+        return w + self.offset if self.offset else w
