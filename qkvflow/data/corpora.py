@@ -66,8 +66,9 @@ def prepare_corpus(
 ) -> PreparedCorpus:
     """Build (or reuse) the corpus ``name`` under ``<root>/<name>`` and return its paths.
 
-    * ``pydoc``: CPython's ``pydoc_data.topics.topics``, one document per topic. Topics are sorted by
-      key and every 10th one (sorted index ``i % 10 == 0``) goes to validation. A byte-level BPE
+    * ``pydoc``: CPython's ``pydoc_data.topics.topics``, one document per distinct topic text (keys that
+      share a text, like "if"/"else", would otherwise leak across the split), ordered by first key;
+      every 10th document (index ``i % 10 == 0``) goes to validation. A byte-level BPE
       tokenizer (``vocab_size``, default 2048, counting ``<|endoftext|>``) is trained on train only.
     * ``tinyshakespeare``: ``<shared_dir>/data/tinyshakespeare/input.txt``. nanoGPT split: first 90% of
       characters train, the rest validation, each cut into ~10k-character documents at line ends so that
@@ -115,11 +116,9 @@ def prepare_corpus(
 def _pydoc_source() -> tuple[list[str], list[str], str]:
     from pydoc_data.topics import topics
 
-    keys = sorted(topics)
     digest = _sha256(json.dumps(topics, sort_keys=True).encode())
-    train = [topics[k] for i, k in enumerate(keys) if i % 10 != 0]
-    validation = [topics[k] for i, k in enumerate(keys) if i % 10 == 0]
-    return train, validation, digest
+    docs = list(dict.fromkeys(topics[k] for k in sorted(topics)))  # some keys share a text ("if", "else")
+    return [d for i, d in enumerate(docs) if i % 10], docs[::10], digest
 
 
 def _shakespeare_source(shared_dir: str | None) -> tuple[list[str], list[str], str, list[str]]:

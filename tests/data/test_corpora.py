@@ -1,0 +1,157 @@
+"""Tests for qkvflow.data.corpora: offline corpora, local tokenizers, and Levanter consuming them."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ[_var] = "1"
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+from pydoc_data.topics import topics  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from qkvflow.data.corpora import EOS, PreparedCorpus, default_shared_dir, prepare_corpus  # noqa: E402
+
+SHAKESPEARE = default_shared_dir() / "data" / "tinyshakespeare" / "input.txt"
+needs_shakespeare = pytest.mark.skipif(
+    not SHAKESPEARE.is_file(), reason=f"{SHAKESPEARE} absent (set QKVFLOW_SHARED_DIR to the folder holding data/)"
+)
+
+
+def _docs(path: str) -> list[str]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line)["text"] for line in f]
+
+
+@pytest.fixture(autouse=True)
+def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail any Python-level connection to a non-local host (e.g. a Hugging Face Hub lookup)."""
+    connect = socket.socket.connect
+
+    def guarded(self: socket.socket, address):  # type: ignore[no-untyped-def]
+        host = address[0] if isinstance(address, tuple) else address
+        if isinstance(host, str) and not (host.startswith("127.") or host in ("localhost", "::1") or "/" in host):
+            raise AssertionError(f"network access attempted: {address}")
+        return connect(self, address)
+
+    monkeypatch.setattr(socket.socket, "connect", guarded)
+
+
+@pytest.fixture(scope="module")
+def pydoc(tmp_path_factory: pytest.TempPathFactory) -> PreparedCorpus:
+    return prepare_corpus("pydoc", str(tmp_path_factory.mktemp("corpora")))
+
+
+def test_pydoc_split_is_disjoint_deterministic_and_complete(pydoc: PreparedCorpus) -> None:
+    train, validation = _docs(pydoc.train_urls[0]), _docs(pydoc.validation_urls[0])
+    distinct = []  # one document per distinct text, ordered by the first (sorted) key showing it
+    for key in sorted(topics):
+        if topics[key] not in distinct:
+            distinct.append(topics[key])
+    assert len(distinct) < len(topics)  # e.g. "if" and "else" share a page: must not straddle the split
+    assert validation == distinct[::10]  # documented rule: index i % 10 == 0 goes to validation
+    assert train == [d for i, d in enumerate(distinct) if i % 10]
+    assert set(train) | set(validation) == set(topics.values())
+    assert not set(train) & set(validation) and len(train) + len(validation) == len(distinct)
+    manifest = json.loads((Path(pydoc.tokenizer).parent / "manifest.json").read_text())
+    assert manifest["vocab_size"] == 2048
+    assert (manifest["train_docs"], manifest["validation_docs"]) == (len(train), len(validation))
+
+
+def test_pydoc_tokenizer_loads_offline_and_round_trips(pydoc: PreparedCorpus) -> None:
+    tok = AutoTokenizer.from_pretrained(pydoc.tokenizer)
+    assert len(tok) == 2048
+    assert tok.bos_token == tok.eos_token == EOS
+    assert tok.bos_token_id == tok.eos_token_id == tok.convert_tokens_to_ids(EOS)
+    unseen = _docs(pydoc.validation_urls[0])  # not used to train the tokenizer
+    for doc in unseen + ["naïve “quotes” — 1 + 1 == 2\n\n  indented\tTAB"]:
+        ids = tok(doc)["input_ids"]
+        assert ids[0] == ids[-1] == tok.eos_token_id and tok.eos_token_id not in ids[1:-1]
+        assert tok.decode(ids, skip_special_tokens=True) == doc
+        assert tok.decode(tok(doc, add_special_tokens=False)["input_ids"]) == doc
+    n_chars = sum(map(len, unseen))
+    n_tokens = sum(len(tok(d, add_special_tokens=False)["input_ids"]) for d in unseen)
+    assert n_tokens < n_chars / 2.5  # merges were learned, not a byte-level fallback
+
+
+def test_pydoc_second_call_is_a_cache_hit_and_rebuilds_on_change(tmp_path: Path) -> None:
+    first = prepare_corpus("pydoc", str(tmp_path), vocab_size=300)
+    out = tmp_path / "pydoc"
+    stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    assert prepare_corpus("pydoc", str(tmp_path), vocab_size=300) == first
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == stamps
+
+    prepare_corpus("pydoc", str(tmp_path), vocab_size=320)  # different key -> rebuilt
+    assert len(AutoTokenizer.from_pretrained(first.tokenizer)) == 320
+
+    (out / "manifest.json").unlink()  # as if a build had died before committing
+    prepare_corpus("pydoc", str(tmp_path), vocab_size=320)
+    assert json.loads((out / "manifest.json").read_text())["vocab_size"] == 320
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pydoc"]  # no temp/stale dirs left
+
+
+@needs_shakespeare
+def test_tinyshakespeare_char_level(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QKVFLOW_SHARED_DIR", str(SHAKESPEARE.parents[2]))
+    corpus = prepare_corpus("tinyshakespeare", str(tmp_path))
+    text = SHAKESPEARE.read_text(encoding="utf-8")
+    n = int(len(text) * 0.9)
+    train, validation = _docs(corpus.train_urls[0]), _docs(corpus.validation_urls[0])
+    assert "".join(train) == text[:n] and "".join(validation) == text[n:]
+    assert len(train) > 50 and all(len(d) >= 10_000 and d.endswith("\n") for d in train[:-1])
+
+    tok = AutoTokenizer.from_pretrained(corpus.tokenizer)
+    chars = sorted(set(text))
+    assert len(chars) == 65 and len(tok) == 66
+    assert tok.convert_ids_to_tokens(list(range(65))) == chars  # nanoGPT's stoi ordering
+    assert tok.eos_token_id == tok.bos_token_id == 65
+    ids = tok(text[n:], add_special_tokens=False)["input_ids"]
+    assert ids == [chars.index(c) for c in text[n:]]  # exactly one token per character
+    assert tok.decode(ids) == text[n:]
+    assert tok.decode(tok(" a  b\n\n")["input_ids"], skip_special_tokens=True) == " a  b\n\n"
+
+
+def test_missing_shakespeare_and_unknown_name_raise(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="QKVFLOW_SHARED_DIR") as err:
+        prepare_corpus("tinyshakespeare", str(tmp_path / "out"), shared_dir=str(tmp_path))
+    assert str(tmp_path / "data" / "tinyshakespeare" / "input.txt") in str(err.value)
+    with pytest.raises(ValueError, match="pydoc, tinyshakespeare"):
+        prepare_corpus("wikitext", str(tmp_path))
+    assert not (tmp_path / "out").exists() and not (tmp_path / "wikitext").exists()
+
+
+def test_levanter_reads_pydoc_offline(pydoc: PreparedCorpus, tmp_path: Path) -> None:
+    import haliax as hax
+    import jax
+    import ray
+    from levanter.data.text import UrlSingleDatasetLMConfig
+    from levanter.schedule import BatchSchedule
+
+    started_ray = not ray.is_initialized()
+    if started_ray:  # Levanter builds caches with Ray; start it lean instead of with the dashboard
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        config = pydoc.to_levanter_config(cache_dir=str(tmp_path / "cache"))
+        assert isinstance(config, UrlSingleDatasetLMConfig)
+        Pos = hax.Axis("position", 64)
+        # monitors=False: the default monitors need a global levanter tracker (only set inside a trainer)
+        train = config.train_set(Pos, BatchSchedule(8), monitors=False, key=jax.random.PRNGKey(0))
+        tokens = train.as_sync_dataset()[0].tokens.array.tolist()
+        assert (tmp_path / "cache" / "train" / "shard_ledger.json").is_file()
+        reloaded = config.train_set(Pos, BatchSchedule(8), monitors=False, key=jax.random.PRNGKey(0))
+        assert reloaded.as_sync_dataset()[0].tokens.array.tolist() == tokens  # served from the cache
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+    tok = config.the_tokenizer
+    first_doc = _docs(pydoc.train_urls[0])[0]
+    # the tokenizer frames docs with EOS itself, so Levanter adds nothing (no spliced-in spaces)
+    assert tokens == [tok.eos_token_id] + tok(first_doc, add_special_tokens=False)["input_ids"][:63]
+    assert first_doc.startswith(tok.decode(tokens, skip_special_tokens=True))

@@ -1,0 +1,48 @@
+import pytest
+
+from qkvflow.integrate.config import OdeConfig
+from qkvflow.models.config import DiffEqFormerGpt2Config
+
+BAD = [
+    (dict(num_steps=0), "ode.num_steps"),
+    (dict(solver="rk45"), "ode.solver"),
+    (dict(rtol=-1e-3, solver="dopri5"), "ode.rtol"),
+    (dict(atol=0.0), "ode.atol"),
+    (dict(adjoint="magic"), "ode.adjoint"),
+    (dict(solver="euler", adaptive=True), "ode.adaptive"),
+    (dict(checkpoints=0), "ode.checkpoints"),
+    (dict(weight_cache="disk"), "ode.weight_cache"),
+]
+
+
+@pytest.mark.parametrize("kwargs,field", BAD)
+def test_bad_ode_config_names_field(kwargs, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")) as err:
+        OdeConfig(**kwargs)
+    assert "expected" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs,field,allowed",
+    [
+        (dict(hidden_dim=30, num_heads=4), "num_heads", "divisor of hidden_dim=30"),
+        (dict(time_embed_dim=0), "time_embed_dim", ">= 1"),
+        (dict(seq_len=0), "seq_len", ">= 1"),
+        (dict(kinetic_weight=-1.0), "kinetic_weight", ">= 0"),
+    ],
+)
+def test_bad_model_config_names_field_and_allowed(kwargs, field, allowed):
+    with pytest.raises(ValueError) as err:
+        DiffEqFormerGpt2Config(**kwargs)
+    assert err.value.args[0].startswith(f"{field}=") and allowed in err.value.args[0]
+
+
+def test_unknown_solver_lists_allowed_values():
+    with pytest.raises(ValueError, match="dopri5.*tsit5"):
+        OdeConfig(solver="rk45")
+
+
+def test_adaptive_defaults():
+    assert OdeConfig(solver="dopri5").is_adaptive
+    assert not OdeConfig(solver="heun").is_adaptive
+    assert OdeConfig(solver="heun", adaptive=True).is_adaptive

@@ -1,0 +1,51 @@
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from qkvflow.integrate.config import OdeConfig
+from qkvflow.integrate.weight_source import WeightSource, evaluation_times, generate_batched
+from tests.helpers import tiny_config, tiny_model
+
+
+@pytest.mark.parametrize(
+    "solver,n,expected",
+    [
+        ("euler", 4, [0, 0.25, 0.5, 0.75]),
+        ("heun", 2, [0, 0.5, 1.0]),
+        ("rk4", 2, [0, 0.25, 0.5, 0.75, 1.0]),
+        ("ralston", 1, [0, 2 / 3]),
+    ],
+)
+def test_evaluation_times(solver, n, expected):
+    np.testing.assert_allclose(evaluation_times(OdeConfig(num_steps=n, solver=solver)), expected, rtol=1e-6)
+
+
+def test_adaptive_has_no_grid():
+    assert evaluation_times(OdeConfig(solver="tsit5")) is None
+
+
+def test_batched_generation_equals_per_step():
+    model = tiny_model(tiny_config("gpt2", ode=OdeConfig(num_steps=6)))
+    times = evaluation_times(model.config.ode)
+    table = generate_batched(model.generator, times)
+    for k, t in enumerate(times):
+        single = model.generator(t)
+        for name, w in single.items():
+            np.testing.assert_allclose(table[name]["ode_time", k].array, w.array, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def test_source_snaps_to_grid_and_modes_agree():
+    config = tiny_config("llama", ode=OdeConfig(num_steps=4, solver="rk4"))
+    model = tiny_model(config)
+    pre = WeightSource.build(model.generator, config.ode)
+    fly = WeightSource.build(model.generator, dataclasses.replace(config.ode, weight_cache="on_the_fly"))
+    assert pre.table is not None and fly.table is None
+    t_noisy = 0.375 + 3e-7  # what floating-point accumulation of dt gives diffrax
+    a, b = pre(t_noisy), fly(t_noisy)
+    exact = model.generator(0.375)
+    for name in exact:
+        np.testing.assert_allclose(a[name].array, exact[name].array, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(b[name].array, exact[name].array, rtol=1e-6, atol=1e-7)
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
