@@ -10,6 +10,7 @@ import math
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.random as jrandom
 from haliax import Axis
 from levanter.utils.flop_utils import lm_flops_per_token
@@ -24,17 +25,23 @@ def model_shapes(config, vocab_size: int):
     return jax.eval_shape(lambda: config.build(Axis("vocab", vocab_size), key=jrandom.PRNGKey(0)))
 
 
-def _count(tree) -> int:
-    leaves = jax.tree_util.tree_leaves(eqx.filter(tree, eqx.is_array_like))
+def _is_parameter(x) -> bool:
+    """Floating-point arrays (or their shapes); flags such as `inference` booleans are not parameters."""
+    is_array = isinstance(x, jax.ShapeDtypeStruct) or eqx.is_array(x)
+    return is_array and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def count(tree) -> int:
+    leaves = jax.tree_util.tree_leaves(eqx.filter(tree, _is_parameter))
     return sum(math.prod(leaf.shape) for leaf in leaves)
 
 
 def parameter_counts(config, vocab_size: int) -> dict[str, int]:
     model = model_shapes(config, vocab_size)
-    embedding = _count((model.token_embeddings, model.position_embeddings, model.lm_head))
-    generator = _count(model.generator)
+    embedding = count((model.token_embeddings, model.position_embeddings, model.lm_head))
+    generator = count(model.generator)
     return {
-        "total_params": _count(model),
+        "total_params": count(model),
         "hypernetwork_params": generator,
         "embedding_params": embedding,
     }
@@ -64,4 +71,4 @@ def hypernetwork_flops_per_forward(config, vocab_size: int) -> float:
     model = model_shapes(config, vocab_size)
     times = evaluation_times(config.ode)
     n_times = len(times) if times is not None else nominal_evaluations(config)
-    return 2.0 * _count(model.generator) * n_times
+    return 2.0 * count(model.generator) * n_times

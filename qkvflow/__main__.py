@@ -1,0 +1,5 @@
+import sys
+
+from qkvflow.cli import main
+
+sys.exit(main())
