@@ -37,6 +37,5 @@ class TrainConfig:
     z_loss_weight: float = 0.0
     data_seed: Optional[int] = None
     loss_curve: Optional[str] = "loss_curve.png"
-    """Written into the run's output folder at the end of training; null to skip."""
-    output_dir: str = "runs"
-    """Per-run outputs (loss curve, metrics log) go to output_dir/<run_id>/."""
+    """File name of the loss-curve PNG, written beside the jsonl tracker's metrics.jsonl
+    (runs/<run_id>/ by default) at the end of training; null to skip."""

@@ -19,11 +19,15 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
+
+if TYPE_CHECKING:
+    from levanter.data.text import UrlSingleDatasetLMConfig
 
 EOS = "<|endoftext|>"
 NAMES = ("pydoc", "tinyshakespeare")
@@ -40,7 +44,7 @@ class PreparedCorpus:
     validation_urls: list[str]
     tokenizer: str  # local directory loadable with AutoTokenizer.from_pretrained(path) offline
 
-    def to_levanter_config(self, cache_dir: str | None = None, **kwargs: Any) -> Any:
+    def to_levanter_config(self, cache_dir: str | None = None, **kwargs: Any) -> UrlSingleDatasetLMConfig:
         """A ``UrlSingleDatasetLMConfig`` over this corpus.
 
         Levanter reuses an existing cache by directory alone (a changed tokenizer only logs a warning), so
@@ -80,14 +84,14 @@ def prepare_corpus(
     """
     if name == "pydoc":
         train, validation, digest = _pydoc_source()
-        vocab = vocab_size or DEFAULT_PYDOC_VOCAB
-        build: Callable[[], Tokenizer] = lambda: _bpe_tokenizer(train, vocab)
+        vocab = DEFAULT_PYDOC_VOCAB if vocab_size is None else vocab_size
+        build: Callable[[], Tokenizer] = partial(_bpe_tokenizer, train, vocab)
     elif name == "tinyshakespeare":
         train, validation, digest, chars = _shakespeare_source(shared_dir)
         vocab = len(chars) + 1
         if vocab_size not in (None, vocab):
             raise ValueError(f"tinyshakespeare is character-level: vocab_size must be {vocab}, got {vocab_size}")
-        build = lambda: _char_tokenizer(chars)
+        build = partial(_char_tokenizer, chars)
     else:
         raise ValueError(f"unknown corpus {name!r}; expected one of {', '.join(NAMES)}")
 
@@ -106,24 +110,26 @@ def prepare_corpus(
             hf.save_pretrained(str(tmp / "tokenizer"))
             manifest = {**key, "train_docs": len(train), "validation_docs": len(validation)}
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")  # written last
-            _publish(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            try:
+                _publish(tmp, out)
+            except OSError:
+                if not _is_cached(out, key):  # else a concurrent identical build published first
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone already if it was published
     return PreparedCorpus([str(out / "train.jsonl")], [str(out / "validation.jsonl")], str(out / "tokenizer"))
 
 
 def _pydoc_source() -> tuple[list[str], list[str], str]:
     from pydoc_data.topics import topics
 
-    digest = _sha256(json.dumps(topics, sort_keys=True).encode())
+    digest = hashlib.sha256(json.dumps(topics, sort_keys=True).encode()).hexdigest()
     docs = list(dict.fromkeys(topics[k] for k in sorted(topics)))  # some keys share a text ("if", "else")
     return [d for i, d in enumerate(docs) if i % 10], docs[::10], digest
 
 
 def _shakespeare_source(shared_dir: str | None) -> tuple[list[str], list[str], str, list[str]]:
-    path = Path(shared_dir) if shared_dir else default_shared_dir()
-    path = path / "data" / "tinyshakespeare" / "input.txt"
+    path = Path(shared_dir or default_shared_dir()) / "data" / "tinyshakespeare" / "input.txt"
     if not path.is_file():
         raise FileNotFoundError(
             f"tinyshakespeare source not found at {path}; pass shared_dir= or set QKVFLOW_SHARED_DIR"
@@ -131,7 +137,7 @@ def _shakespeare_source(shared_dir: str | None) -> tuple[list[str], list[str], s
     raw = path.read_bytes()
     text = raw.decode("utf-8")
     n = int(len(text) * 0.9)
-    return _chunk(text[:n]), _chunk(text[n:]), _sha256(raw), sorted(set(text))
+    return _chunk(text[:n]), _chunk(text[n:]), hashlib.sha256(raw).hexdigest(), sorted(set(text))
 
 
 def _chunk(text: str, size: int = CHUNK_CHARS) -> list[str]:
@@ -207,7 +213,3 @@ def _publish(tmp: Path, out: Path) -> None:
         os.replace(out, stale / out.name)
         shutil.rmtree(stale, ignore_errors=True)
     os.replace(tmp, out)
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()

@@ -5,8 +5,9 @@
     logits = norm(x(1)) @ unembedding
 
 It implements Levanter's `LmHeadModel`, so Levanter's trainer, evaluator and loss use it as they
-use a GPT-2. With kinetic regularisation on, `activations` returns (x, penalty) and Levanter's
-`compute_next_token_loss` adds the penalty to the loss.
+use a GPT-2. `flow` also returns the kinetic energy and solver statistics; qkvflow's training loss
+(`qkvflow.loss`) adds the kinetic penalty and logs the evaluations, while evaluation sees the plain
+language-model loss.
 """
 
 import dataclasses
@@ -114,11 +115,8 @@ class DiffEqFormerLMHeadModel(LmHeadModel[DiffEqFormerConfig]):
         key=None,
         pos_ids: Optional[NamedArray] = None,
     ):
-        x, energy, _ = self.flow(input_ids, attn_mask, pos_ids=pos_ids)
-        x = self.final_norm(x)
-        if energy is None:
-            return x
-        return x, 0.5 * self._config.kinetic_weight * energy
+        x, _, _ = self.flow(input_ids, attn_mask, pos_ids=pos_ids)
+        return self.final_norm(x)
 
     def get_lm_head(self) -> NamedArray:
         return self.token_embeddings.weight if self.lm_head is None else self.lm_head

@@ -14,7 +14,7 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 from pydoc_data.topics import topics  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
+from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: E402
 
 from qkvflow.data.corpora import EOS, PreparedCorpus, default_shared_dir, prepare_corpus  # noqa: E402
 
@@ -80,12 +80,21 @@ def test_pydoc_tokenizer_loads_offline_and_round_trips(pydoc: PreparedCorpus) ->
     assert n_tokens < n_chars / 2.5  # merges were learned, not a byte-level fallback
 
 
-def test_pydoc_second_call_is_a_cache_hit_and_rebuilds_on_change(tmp_path: Path) -> None:
+def test_pydoc_second_call_is_a_cache_hit_and_rebuilds_on_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     first = prepare_corpus("pydoc", str(tmp_path), vocab_size=300)
     out = tmp_path / "pydoc"
     stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
     assert prepare_corpus("pydoc", str(tmp_path), vocab_size=300) == first
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == stamps
+
+    with monkeypatch.context() as m:  # a rebuild dying halfway leaves the old corpus untouched
+        m.setattr(PreTrainedTokenizerFast, "save_pretrained", lambda *a, **k: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            prepare_corpus("pydoc", str(tmp_path), vocab_size=320)
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == stamps
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pydoc"]
 
     prepare_corpus("pydoc", str(tmp_path), vocab_size=320)  # different key -> rebuilt
     assert len(AutoTokenizer.from_pretrained(first.tokenizer)) == 320
@@ -133,25 +142,32 @@ def test_levanter_reads_pydoc_offline(pydoc: PreparedCorpus, tmp_path: Path) -> 
     from levanter.data.text import UrlSingleDatasetLMConfig
     from levanter.schedule import BatchSchedule
 
+    config = pydoc.to_levanter_config(cache_dir=str(tmp_path / "cache"))
+    assert isinstance(config, UrlSingleDatasetLMConfig)
     started_ray = not ray.is_initialized()
     if started_ray:  # Levanter builds caches with Ray; start it lean instead of with the dashboard
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        config = pydoc.to_levanter_config(cache_dir=str(tmp_path / "cache"))
-        assert isinstance(config, UrlSingleDatasetLMConfig)
-        Pos = hax.Axis("position", 64)
-        # monitors=False: the default monitors need a global levanter tracker (only set inside a trainer)
-        train = config.train_set(Pos, BatchSchedule(8), monitors=False, key=jax.random.PRNGKey(0))
-        tokens = train.as_sync_dataset()[0].tokens.array.tolist()
-        assert (tmp_path / "cache" / "train" / "shard_ledger.json").is_file()
-        reloaded = config.train_set(Pos, BatchSchedule(8), monitors=False, key=jax.random.PRNGKey(0))
-        assert reloaded.as_sync_dataset()[0].tokens.array.tolist() == tokens  # served from the cache
+        # Build the cache first and wait on its "finished" promise: reading examples while Ray is still
+        # building can hang forever (seen once: a missed ledger update). monitors=False because the
+        # default monitors need a global levanter tracker, which only a trainer sets up.
+        config.build_caches("train", monitors=False)[""].await_finished(timeout=240)
     finally:
         if started_ray:
             ray.shutdown()
+    assert (tmp_path / "cache" / "train" / "shard_ledger.json").is_file()
 
+    # the finished cache is now loaded from disk without Ray
+    Pos = hax.Axis("position", 64)
+    train = config.train_set(Pos, BatchSchedule(8), monitors=False, key=jax.random.PRNGKey(0))
+    dataset = train.as_sync_dataset()
     tok = config.the_tokenizer
-    first_doc = _docs(pydoc.train_urls[0])[0]
-    # the tokenizer frames docs with EOS itself, so Levanter adds nothing (no spliced-in spaces)
-    assert tokens == [tok.eos_token_id] + tok(first_doc, add_special_tokens=False)["input_ids"][:63]
-    assert first_doc.startswith(tok.decode(tokens, skip_special_tokens=True))
+    docs = _docs(pydoc.train_urls[0])
+    # every document framed as EOS ... EOS by the tokenizer itself, so Levanter splices in nothing
+    stream = [i for doc in docs for i in tok(doc)["input_ids"]]
+    assert len(dataset) == len(stream) // 64
+    first = dataset[0].tokens.array.tolist()
+    assert first == stream[:64] and first[0] == tok.eos_token_id
+    assert docs[0].startswith(tok.decode(first, skip_special_tokens=True))
+    last = len(dataset) - 1  # no token inserted or dropped anywhere before the last example
+    assert dataset[last].tokens.array.tolist() == stream[64 * last : 64 * (last + 1)]

@@ -1,0 +1,76 @@
+"""A Levanter tracker that appends every logged metric to `<path>/<run_id>/metrics.jsonl`.
+
+Needs no account or server, survives a crash line by line, and is what `qkvflow` plots loss
+curves from. A resumed run appends to the same file; readers keep the last record of each step
+(`read_metrics`), so steps replayed after a resume replace the ones logged before the stop.
+
+YAML: `trainer: {tracker: {type: jsonl, path: runs}}` (a list of trackers combines it with wandb
+or tensorboard).
+"""
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from levanter.tracker import Tracker
+from levanter.tracker.json_logger import _to_jsonable
+from levanter.tracker.tracker import TrackerConfig
+
+
+class JsonlTracker(Tracker):
+    name: str = "jsonl"
+
+    def __init__(self, file: str):
+        self.file = file
+        os.makedirs(os.path.dirname(file), exist_ok=True)
+
+    def _write(self, record: dict):
+        with open(self.file, "a") as f:
+            f.write(json.dumps(_to_jsonable(record)) + "\n")
+
+    def log_hyperparameters(self, hparams: dict[str, Any]):
+        self._write({"event": "hparams", "hparams": hparams})
+
+    def log(self, metrics: Mapping[str, Any], *, step: Optional[int], commit: Optional[bool] = None):
+        self._write({"event": "log", "step": step, "metrics": dict(metrics)})
+
+    def log_summary(self, metrics: Mapping[str, Any]):
+        self._write({"event": "summary", "metrics": dict(metrics)})
+
+    def log_artifact(self, artifact_path, *, name: Optional[str] = None, type: Optional[str] = None):
+        self._write({"event": "artifact", "path": str(artifact_path), "name": name, "type": type})
+
+    def finish(self):
+        pass
+
+
+@TrackerConfig.register_subclass("jsonl")
+@dataclass
+class JsonlTrackerConfig(TrackerConfig):
+    path: str = "runs"
+
+    def init(self, run_id: Optional[str]) -> JsonlTracker:
+        return JsonlTracker(metrics_file(self.path, run_id or "run"))
+
+
+def metrics_file(root: str, run_id: str) -> str:
+    return os.path.join(root, run_id, "metrics.jsonl")
+
+
+def read_metrics(file: str) -> dict[int, dict[str, float]]:
+    """step -> {metric: value}, merging the records of a step; a later record wins."""
+    steps: dict[int, dict[str, float]] = {}
+    if not os.path.exists(file):
+        return steps
+    with open(file) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a kill
+                continue
+            if record.get("event") != "log" or record.get("step") is None:
+                continue
+            numeric = {k: v for k, v in record["metrics"].items() if isinstance(v, (int, float))}
+            steps.setdefault(int(record["step"]), {}).update(numeric)
+    return steps
