@@ -1,5 +1,11 @@
-"""`qkvflow VERB ...`: a thin dispatcher; each verb's work lives in its own module."""
+"""`qkvflow VERB ...`: a thin dispatcher; each verb's work lives in its own module.
 
+Bad input (unknown or mistyped config keys, unreadable YAML, missing files, invalid values) ends
+with one line naming the problem and exit status 2, not a traceback.
+"""
+
+import argparse
+import contextlib
 import importlib
 import sys
 
@@ -15,6 +21,44 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def _argparse_raises():
+    """Make argparse's errors (unknown override keys) exceptions instead of a page of usage."""
+    from qkvflow.errors import UserError
+
+    def error(self, message):
+        raise UserError(f"{message} (`qkvflow VERB --help` lists the keys)")
+
+    original = argparse.ArgumentParser.error
+    argparse.ArgumentParser.error = error
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.error = original
+
+
+def _config_path(argv: list[str]) -> str:
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config_path="):
+            return arg.split("=", 1)[1]
+        if arg == "--config_path" and i + 1 < len(argv):
+            return argv[i + 1]
+    return "the config"
+
+
+def _user_cause(error: BaseException):
+    """The first UserError among an exception's causes (draccus wraps what a constructor raised)."""
+    from qkvflow.errors import UserError
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, UserError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -24,5 +68,29 @@ def main(argv: list[str] | None = None) -> int:
     if verb not in VERBS:
         print(f"qkvflow: unknown verb {verb!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(VERBS[verb][0])
-    return module.main(rest) or 0
+
+    import draccus.utils
+
+    from qkvflow.errors import UserError
+
+    where = _config_path(rest)
+    try:
+        with _argparse_raises():
+            module = importlib.import_module(VERBS[verb][0])
+            return module.main(rest) or 0
+    except UserError as e:
+        message = str(e)
+    except (draccus.utils.DecodingError, draccus.utils.ParsingError) as e:
+        cause = _user_cause(e)
+        if cause is not None:
+            message = f"{where}: {cause}"
+        elif isinstance(e, draccus.utils.DecodingError):
+            message = f"{where}: {e}"
+        elif isinstance(e.__cause__, draccus.utils.DecodingError):
+            message = f"{where}: {e.__cause__}"
+        else:
+            message = f"{where} is not valid YAML: {e.__cause__ or e}".replace("\n", " ")
+    except FileNotFoundError as e:
+        message = str(e)
+    print(f"qkvflow {verb}: error: {message}", file=sys.stderr)
+    return 2

@@ -3,6 +3,8 @@
 from dataclasses import dataclass
 from typing import Optional
 
+from qkvflow.errors import check as _check
+
 from .solvers import ADAPTIVE_BY_DEFAULT, EMBEDDED_ERROR, SOLVERS
 
 ADJOINTS = ("recursive_checkpoint", "direct", "backsolve")
@@ -56,7 +58,3 @@ class OdeConfig:
     def is_adaptive(self) -> bool:
         return self.solver in ADAPTIVE_BY_DEFAULT if self.adaptive is None else self.adaptive
 
-
-def _check(ok: bool, field: str, value, expected: str):
-    if not ok:
-        raise ValueError(f"{field}={value!r} is invalid: expected {expected}")

@@ -20,7 +20,8 @@ from levanter.layers.rotary import DefaultRotaryEmbeddingsConfig, RotaryEmbeddin
 from levanter.models.lm_model import LmConfig
 from levanter.utils.activation import ActivationFunctionEnum
 
-from qkvflow.integrate.config import OdeConfig, _check
+from qkvflow.errors import check as _check
+from qkvflow.integrate.config import OdeConfig
 
 
 @dataclass(frozen=True)
