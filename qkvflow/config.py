@@ -8,12 +8,14 @@ qkvflow's ODE models (see qkvflow.models.config) or Levanter's discrete `gpt2` /
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from levanter.data.text import LMMixtureDatasetConfig, SingleDatasetLMConfig, UrlSingleDatasetLMConfig
+from levanter.data.text import HfSingleDatasetLMConfig, LMMixtureDatasetConfig, UrlSingleDatasetLMConfig
 from levanter.models.lm_model import LmConfig
 from levanter.optim import AdamConfig, OptimizerConfig
 from levanter.trainer import TrainerConfig
 
 import qkvflow.models.config  # noqa: F401  (registers the model types with Levanter)
+import qkvflow.tracking  # noqa: F401  (registers the jsonl tracker, so that any verb parses `type: jsonl`)
+from qkvflow.data.heldout import HeldOutHfSingleDatasetLMConfig
 from qkvflow.models.config import DiffEqFormerGpt2Config
 
 
@@ -29,11 +31,25 @@ class CorpusConfig:
 
 @dataclass
 class TrainConfig:
-    data: Union[SingleDatasetLMConfig, LMMixtureDatasetConfig] = field(default_factory=UrlSingleDatasetLMConfig)
+    # draccus decodes a Union with its first member that accepts the YAML: `id:` selects the held-out
+    # HF config (a superset of Levanter's HfSingleDatasetLMConfig, so it must come before it);
+    # `train_urls:` / `validation_urls:` fail on it (`id` is required) and select the URL config.
+    data: Union[
+        HeldOutHfSingleDatasetLMConfig, UrlSingleDatasetLMConfig, HfSingleDatasetLMConfig, LMMixtureDatasetConfig
+    ] = field(default_factory=UrlSingleDatasetLMConfig)
     corpus: Optional[CorpusConfig] = None
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     model: LmConfig = field(default_factory=DiffEqFormerGpt2Config)
     optimizer: OptimizerConfig = field(default_factory=AdamConfig)
+    epochs: int = 0
+    """Passes over the training data: 0 reads it once (the run ends early if it runs out);
+    N > 0 loops it N times (reshuffled by Levanter each pass)."""
+    stop_after: Optional[int] = None
+    """Stop this invocation once the run reaches this step and save a checkpoint; the schedule still
+    spans trainer.num_train_steps, so running again with the same trainer.id continues exactly.
+    For jobs in limited time slots."""
+    log_every: int = 10
+    """Print a progress line (step, loss, perplexity, tokens/s) every this many steps."""
     z_loss_weight: float = 0.0
     data_seed: Optional[int] = None
     loss_curve: Optional[str] = "loss_curve.png"

@@ -1,0 +1,105 @@
+"""Every shipped YAML parses into a TrainConfig, and the paper's configs pair up with their baselines.
+
+Parsing only: no data is read, no tokenizer loaded, nothing downloaded.
+"""
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import draccus
+import pytest
+from levanter.models.gpt2 import Gpt2Config
+from levanter.models.llama import LlamaConfig
+
+from qkvflow.config import TrainConfig
+from qkvflow.data.heldout import HeldOutHfSingleDatasetLMConfig
+from qkvflow.describe import DescribeConfig, describe, main as describe_main
+from qkvflow.models.config import DiffEqFormerGpt2Config, DiffEqFormerLlamaConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+ALL_YAML = sorted(p for d in ("configs", "tests/configs") for p in (ROOT / d).rglob("*.yaml"))
+PAPER = ROOT / "configs" / "paper"
+# (ODE config, baseline config, baseline model class, ODE model class)
+PAIRS = [
+    (f"{setting}_ode", f"{setting}_{base}", base_cls, ode_cls)
+    for setting, base, base_cls, ode_cls in [
+        ("wikitext103_small", "gpt2", Gpt2Config, DiffEqFormerGpt2Config),
+        ("wikitext103_medium", "gpt2", Gpt2Config, DiffEqFormerGpt2Config),
+        ("owt_small", "gpt2", Gpt2Config, DiffEqFormerGpt2Config),
+        ("owt_medium", "gpt2", Gpt2Config, DiffEqFormerGpt2Config),
+        ("owt_large", "gpt2", Gpt2Config, DiffEqFormerGpt2Config),
+        ("owt_llama_1b", "llama", LlamaConfig, DiffEqFormerLlamaConfig),
+    ]
+]
+
+
+def parse(path: Path, cls=TrainConfig, args=()):
+    return draccus.parse(cls, config_path=str(path), args=list(args))
+
+
+def paper(name: str) -> TrainConfig:
+    return parse(PAPER / f"{name}.yaml")
+
+
+@pytest.mark.parametrize("path", ALL_YAML, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_yaml_parses(path: Path) -> None:
+    config = parse(path)
+    assert isinstance(config, TrainConfig)
+
+
+def test_every_paper_config_is_in_a_pair() -> None:
+    listed = {name for ode, base, _, _ in PAIRS for name in (ode, base)}
+    assert {p.stem for p in PAPER.glob("*.yaml")} == listed
+
+
+@pytest.mark.parametrize("ode_name, base_name, base_cls, ode_cls", PAIRS, ids=[p[0] for p in PAIRS])
+def test_paper_pair_matches(ode_name: str, base_name: str, base_cls, ode_cls) -> None:
+    ode, base = paper(ode_name), paper(base_name)
+    assert type(ode.model) is ode_cls and type(base.model) is base_cls
+    assert ode.model.ode.num_steps == base.model.num_layers
+    assert ode.model.ode.solver == "euler" and ode.model.ode.checkpoints == 5
+    for key in ("seq_len", "hidden_dim", "num_heads"):
+        assert getattr(ode.model, key) == getattr(base.model, key), key
+    if base_cls is LlamaConfig:
+        assert ode.model.mlp_dim == base.model.intermediate_dim
+    else:
+        assert base.model.embed_pdrop == base.model.resid_pdrop == base.model.attn_pdrop == 0.1
+
+    assert ode.data == base.data
+    assert dataclasses.replace(ode.trainer, id=base.trainer.id) == base.trainer
+    assert ode.trainer.id == ode_name and base.trainer.id == base_name
+    assert ode.trainer.train_batch_size == 256
+    assert ode.optimizer.beta2 == 0.95
+    assert dataclasses.replace(ode.optimizer, beta2=base.optimizer.beta2) == base.optimizer
+
+    if ode_name.startswith("owt"):
+        assert isinstance(ode.data, HeldOutHfSingleDatasetLMConfig)
+        assert (ode.data.id, ode.data.validation_fraction) == ("Skylion007/openwebtext", 0.0005)
+        assert ode.trainer.num_train_steps == 40000
+    else:
+        assert ode.data.id == "dlwh/wikitext_103_detokenized" and ode.data.validation_fraction == 0
+        assert ode.trainer.num_train_steps == 10000
+
+
+@pytest.mark.parametrize("setting", ["wikitext103_small", "owt_small"])
+def test_small_ode_model_is_larger_than_its_baseline(setting: str) -> None:
+    ode = describe(parse(PAPER / f"{setting}_ode.yaml", DescribeConfig))
+    base = describe(parse(PAPER / f"{setting}_gpt2.yaml", DescribeConfig))
+    assert ode["hypernetwork_params"] > 0 and base["hypernetwork_params"] == 0
+    assert ode["total_params"] > base["total_params"]
+
+
+def test_command_line_overrides_apply() -> None:
+    config = parse(PAPER / "owt_small_ode.yaml", args=["--trainer.id", "run7", "--data.validation_fraction", "0.001"])
+    assert config.trainer.id == "run7" and config.data.validation_fraction == 0.001
+    assert os.path.basename(config.data.cache_dir) == "owt"
+
+
+def test_describe_command_reads_a_paper_config(capsys: pytest.CaptureFixture[str]) -> None:
+    """`qkvflow describe` on a config with the jsonl + wandb trackers and the held-out data split."""
+    path = str(PAPER / "owt_llama_1b_ode.yaml")
+    assert describe_main(["--config_path", path, "--vocab_size", "32000"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model_type"] == "DiffEqFormerLlamaConfig" and out["hypernetwork_params"] > 0
