@@ -8,9 +8,11 @@ from its step.
 
 import dataclasses
 import functools
+import itertools
 import logging
 import math
 import os
+import time
 
 import jax.random as jrandom
 import levanter
@@ -76,15 +78,29 @@ def _eval_hook(trainer, config, eval_sets, tokenizer, summary):
         log["eval/perplexity"] = math.exp(log["eval/loss"])
         levanter.tracker.log(log, step=info.step)
         summary.update(eval_loss=log["eval/loss"], eval_perplexity=log["eval/perplexity"])
+        print(f"eval at step {int(info.step) + 1}: loss {log['eval/loss']:.4f}  ppl {log['eval/perplexity']:.2f}", flush=True)
 
     return evaluate
 
 
-def _train_stats_hook(summary):
+def _train_stats_hook(summary, total_steps: int, log_every: int, tokens_per_step: int):
+    last = {"time": time.perf_counter(), "step": None}
+
     def record(info):
         loss = float(info.loss)
-        levanter.tracker.log({"train/perplexity": math.exp(min(loss, 80.0))}, step=info.step)
-        summary.update(train_loss=loss, train_perplexity=math.exp(min(loss, 80.0)))
+        perplexity = math.exp(min(loss, 80.0))
+        levanter.tracker.log({"train/perplexity": perplexity}, step=info.step)
+        summary.update(train_loss=loss, train_perplexity=perplexity)
+        step = int(info.step) + 1
+        if step % log_every == 0 or step == total_steps:
+            now = time.perf_counter()
+            rate = ""
+            if last["step"] is not None:
+                rate = f"  {tokens_per_step * (step - last['step']) / (now - last['time']):,.0f} tokens/s"
+            if step == last["step"]:
+                return  # Levanter reruns hooks once more after the last step
+            print(f"step {step}/{total_steps}  loss {loss:.4f}  ppl {perplexity:.2f}{rate}", flush=True)
+            last.update(time=now, step=step)
 
     return record
 
@@ -133,7 +149,8 @@ def train(config: TrainConfig) -> dict:
         Vocab = round_axis_for_partitioning(Axis("vocab", vocab_size), trainer.parameter_axis_mapping)
 
         _build_caches(config.data)
-        train_set = config.data.train_set(Pos, config.trainer.batch_schedule, key=data_key)
+        epochs = config.epochs if config.epochs > 0 else None
+        train_set = config.data.train_set(Pos, config.trainer.batch_schedule, key=data_key, epochs=epochs)
         eval_sets = config.data.tagged_eval_sets(Pos)
         state = trainer.initial_state(training_key, model_init=lambda: config.model.build(Vocab, key=model_key))
         if int(state.step) > 0:
@@ -145,13 +162,19 @@ def train(config: TrainConfig) -> dict:
         flops = config.model.flops_per_token(vocab_size)
         flops_per_example = 3 * flops * Pos.size if flops is not None else None
         trainer.add_hook(callbacks.log_performance_stats(Pos.size, trainer.config.batch_schedule, flops_per_example), every=1)
-        trainer.add_hook(_train_stats_hook(summary), every=1)
+        tokens_per_step = config.trainer.train_batch_size * Pos.size
+        stats_hook = _train_stats_hook(summary, config.trainer.num_train_steps, config.log_every, tokens_per_step)
+        trainer.add_hook(stats_hook, every=1)
 
         loader = trainer.data_loader(train_set).iter_from_step(int(state.step))
+        if config.stop_after is not None:
+            loader = itertools.islice(loader, max(0, config.stop_after - int(state.step)))
         info = trainer.train(state, loader)
         _save_final_checkpoint(trainer, info)
         summary["run_id"] = trainer.run_id
         summary["steps"] = int(info.step) + 1
+        if summary["steps"] < min(config.trainer.num_train_steps, config.stop_after or math.inf):
+            logger.warning(f"The training data ran out after {summary['steps']} steps; set `epochs` to loop it.")
         summary["checkpoints"] = config.trainer.checkpointer.expanded_path(trainer.run_id)
 
     jsonl = _jsonl_tracker(config.trainer)

@@ -1,0 +1,88 @@
+"""`qkvflow train` end to end: trains, evaluates, checkpoints, resumes exactly, shards, refuses bad input."""
+
+import math
+import os
+
+import pytest
+
+from qkvflow.data.corpora import prepare_corpus
+from qkvflow.tracking import metrics_file, read_metrics
+from tests.train_utils import losses, train
+
+
+@pytest.fixture(scope="module")
+def corpus_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpora")
+    prepare_corpus("pydoc", str(root))
+    return root
+
+
+def _ok(proc):
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus_root):
+    """One uninterrupted 8-step run on one device, shared by the tests that compare against it."""
+    workdir = tmp_path_factory.mktemp("reference")
+    proc = _ok(train(workdir, corpus_root, "--trainer.steps_per_eval", "4"))
+    return workdir, proc
+
+
+def test_trains_evaluates_checkpoints_and_plots(reference):
+    tmp_path, proc = reference
+    assert "step 8/8" in proc.stdout and "eval at step 8" in proc.stdout
+    curve = losses(tmp_path)
+    assert len(curve) == 8 and curve[-1] < curve[0] - 0.5, curve
+    steps = read_metrics(metrics_file(str(tmp_path / "runs"), "tiny"))
+    last = steps[max(steps)]
+    assert last["eval/perplexity"] == pytest.approx(math.exp(last["eval/loss"]), rel=1e-6)
+    assert last["train/ode_nfe"] == 2.0  # Euler, 2 steps
+    assert "throughput/tokens_per_second" in last
+    assert os.path.isdir(tmp_path / "checkpoints" / "tiny" / "step-7")
+    assert (tmp_path / "runs" / "tiny" / "loss_curve.png").stat().st_size > 10_000
+
+
+def test_stop_and_resume_reproduces_uninterrupted_losses(tmp_path, corpus_root, reference):
+    whole, split = reference[0], tmp_path
+    first = _ok(train(split, corpus_root, "--stop_after", "4"))
+    assert "step 4/8" in first.stdout and "step 5/8" not in first.stdout
+    assert os.path.isdir(split / "checkpoints" / "tiny" / "step-3")
+    second = _ok(train(split, corpus_root))
+    assert "step 5/8" in second.stdout and "step 4/8" not in second.stdout
+    assert losses(split) == losses(whole)  # exact: same data order, same state, same arithmetic
+    assert len(losses(whole)) == 8
+
+
+@pytest.mark.parametrize("mode", ["data_parallel", "fsdp"])
+def test_four_devices_match_one(tmp_path, corpus_root, reference, mode):
+    one, four = reference[0], tmp_path
+    extra = ["--trainer.fsdp_axis", "null"] if mode == "data_parallel" else []
+    _ok(train(four, corpus_root, *extra, devices=4))
+    assert losses(four) == pytest.approx(losses(one), rel=2e-5, abs=2e-5)
+
+
+BAD = [
+    (["--corpus", "null", "--data.train_urls", "[missing.jsonl]"], "data.train_urls[0]: file 'missing.jsonl' does not exist"),
+    (["--trainer.num_train_stepz", "3"], "unrecognized arguments: --trainer.num_train_stepz"),
+    (["--model.num_heads", "3"], "num_heads=3 is invalid: expected a divisor of hidden_dim=32"),
+    (["--trainer.train_batch_size", "6"], "trainer.train_batch_size=6 is not divisible by the data-parallel size 4"),
+    (["--trainer.load_checkpoint_path", "{ckpt}/garbage"], "is not a readable checkpoint"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=["missing-data", "unknown-key", "bad-heads", "batch", "checkpoint"])
+def test_bad_input_fails_cleanly_without_touching_checkpoints(tmp_path, corpus_root, args, message):
+    existing = tmp_path / "checkpoints" / "tiny" / "step-5"
+    existing.mkdir(parents=True)
+    (existing / "metadata.json").write_text('{"step": 5}')
+    (tmp_path / "checkpoints" / "garbage").mkdir()
+    (tmp_path / "checkpoints" / "garbage" / "junk.bin").write_bytes(b"\0" * 10)
+    before = sorted(p.name for p in (tmp_path / "checkpoints").rglob("*"))
+    args = [a.format(ckpt=tmp_path / "checkpoints") for a in args]
+    proc = train(tmp_path, corpus_root, *args, devices=4)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in (tmp_path / "checkpoints").rglob("*")) == before

@@ -1,0 +1,31 @@
+"""Run `qkvflow train` in a subprocess (a fresh JAX, so tests can simulate several devices)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from qkvflow.tracking import metrics_file, read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "tests" / "configs" / "tiny_train.yaml")
+
+
+def train(workdir: Path, corpus_root: Path, *overrides: str, run_id: str = "tiny", devices: int = 1, timeout=600):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    args = [
+        sys.executable, "-m", "qkvflow", "train", "--config_path", TINY,
+        "--corpus.root", str(corpus_root),
+        "--trainer.id", run_id,
+        "--trainer.checkpointer.base_path", str(workdir / "checkpoints"),
+        "--trainer.tracker", f"{{type: jsonl, path: {workdir / 'runs'}}}",
+        "--trainer.log_dir", str(workdir / "logs"),
+        *overrides,
+    ]
+    return subprocess.run(args, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def losses(workdir: Path, run_id: str = "tiny") -> list[float]:
+    steps = read_metrics(metrics_file(str(workdir / "runs"), run_id))
+    return [steps[s]["train/loss"] for s in sorted(steps) if "train/loss" in steps[s]]
