@@ -86,3 +86,26 @@ def test_bad_input_fails_cleanly_without_touching_checkpoints(tmp_path, corpus_r
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
     assert sorted(p.name for p in (tmp_path / "checkpoints").rglob("*")) == before
+
+
+def test_load_model_reads_the_trained_weights(reference, corpus_root):
+    import draccus
+    import jax.numpy as jnp
+    import jax.random as jrandom
+    from haliax import Axis
+
+    from qkvflow.checkpoints import load_model
+    from qkvflow.config import TrainConfig
+    from qkvflow.errors import UserError
+    from tests.train_utils import TINY
+
+    workdir, _ = reference
+    args = ["--corpus.root", str(corpus_root)]
+    config = draccus.parse(TrainConfig, config_path=TINY, args=args)
+    model, tokenizer = load_model(config, str(workdir / "checkpoints" / "tiny"))
+    fresh = config.model.build(Axis("vocab", len(tokenizer)), key=jrandom.PRNGKey(0))
+    trained, initial = model.generator.weights["w1"].proj.array, fresh.generator.weights["w1"].proj.array
+    assert trained.shape == initial.shape and not jnp.allclose(trained, initial)
+    wrong = draccus.parse(TrainConfig, config_path=TINY, args=args + ["--model.hidden_dim", "64"])
+    with pytest.raises(UserError, match="does not hold a DiffEqFormerGpt2Config"):
+        load_model(wrong, str(workdir / "checkpoints" / "tiny"))
