@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
 
     where = _config_path(rest)
     try:
+        from qkvflow.preflight import check_config_file
+
+        check_config_file(None if where == "the config" else where)
         with _argparse_raises():
             module = importlib.import_module(VERBS[verb][0])
             return module.main(rest) or 0
@@ -93,5 +96,6 @@ def main(argv: list[str] | None = None) -> int:
             message = f"{where} is not valid YAML: {e.__cause__ or e}".replace("\n", " ")
     except FileNotFoundError as e:
         message = str(e)
+    message = " ".join(line.strip() for line in message.splitlines() if line.strip())  # one line
     print(f"qkvflow {verb}: error: {message}", file=sys.stderr)
     return 2

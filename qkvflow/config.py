@@ -51,6 +51,10 @@ class TrainConfig:
     log_every: int = 10
     """Print a progress line (step, loss, perplexity, tokens/s) every this many steps."""
     z_loss_weight: float = 0.0
+    nonfinite: str = "stop"
+    """A step whose loss or gradients are not finite: `stop` ends the run (exit status 3, naming the
+    step and where the values first appeared; nothing is saved for that step), `skip` leaves the model
+    and optimizer state unchanged and goes on."""
     data_seed: Optional[int] = None
     loss_curve: Optional[str] = "loss_curve.png"
     """File name of the loss-curve PNG, written beside the jsonl tracker's metrics.jsonl

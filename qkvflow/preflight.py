@@ -2,15 +2,59 @@
 
 Each raises `UserError` naming the config key or file and what was expected; none writes anything,
 so a failed start never touches an existing checkpoint.
+
+* `check` runs first and needs no accelerator: values, files, the checkpoint path. Nothing here may
+  start JAX's backend, which must stay untouched until `jax.distributed.initialize` (multi-process).
+* `check_devices` runs after Levanter's initialisation: sizes that depend on the device count.
+* `check_resume` runs before the trainer loads a checkpoint: every array the config's model has must be
+  in the checkpoint with the same shape (a different tokenizer vocabulary or model type fails here,
+  with its name, instead of deep inside the restore).
 """
 
+import codecs
+import json
 import os
 import urllib.parse
 
-import jax
 import levanter.checkpoint
 
 from qkvflow.errors import UserError
+
+HEAD_BYTES = 1 << 16
+"""How much of each local data file is checked for UTF-8 and (jsonl) a first valid record."""
+
+_COMPRESSED = (".gz", ".zst", ".zstd", ".bz2", ".xz", ".lz4", ".parquet", ".arrow")
+
+
+def check_config_file(path) -> None:
+    """The --config_path file: it exists, is UTF-8 YAML, and holds a mapping of sections.
+    (Syntax errors are left to the parser, whose message gives the line.)"""
+    import yaml
+
+    if path is None or "://" in path:
+        return  # remote configs are read by Levanter (fsspec)
+    path = next((p for p in (path, f"{path}.yaml", f"{path}.yml") if os.path.isfile(p)), path)  # as Levanter looks
+    if not os.path.isfile(path):
+        what = "is a folder" if os.path.isdir(path) else "does not exist"
+        raise UserError(f"config file {path!r} {what} (expected a YAML file, e.g. configs/quickstart.yaml)")
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise UserError(f"config file {path!r} is not UTF-8 text (line {line}, byte {e.start})") from None
+    try:
+        content = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return
+    if content is None:
+        raise UserError(f"config file {path!r} is empty (expected sections such as model:, trainer:, data:)")
+    if not isinstance(content, dict):
+        raise UserError(
+            f"config file {path!r} holds a {type(content).__name__} (expected a mapping of sections such as "
+            "model:, trainer:, data:)"
+        )
 
 
 def _local_path(url: str):
@@ -20,22 +64,132 @@ def _local_path(url: str):
     return None  # remote (gs://, hf://, https://): checked by Levanter when read
 
 
+def _text_key(data) -> str:
+    fmt = getattr(data, "format", None)
+    return getattr(fmt, "text_key", None) or "text"
+
+
+def _check_file_head(key: str, path: str, text_key: str) -> None:
+    """The first HEAD_BYTES of a local data file: UTF-8, and for jsonl one JSON object with the text field."""
+    if path.endswith(_COMPRESSED):
+        return
+    with open(path, "rb") as f:
+        head = f.read(HEAD_BYTES)
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        text = decoder.decode(head, final=len(head) < HEAD_BYTES)
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"{key}: file {path!r} is not UTF-8 text (byte {e.start}: {head[e.start:e.start + 1]!r}); "
+            "expected UTF-8 jsonl or txt"
+        ) from None
+    if not text.strip():
+        raise UserError(f"{key}: file {path!r} holds only whitespace (expected at least one document)")
+    if path.endswith((".jsonl", ".json")):
+        if len(head) == HEAD_BYTES and "\n" not in text:
+            return  # the first record is longer than what was read
+        first = next((line for line in text.splitlines() if line.strip()), "")
+        try:
+            record = json.loads(first)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{key}: file {path!r} line 1 is not JSON ({e.msg}); expected one JSON object per line") from None
+        if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
+            raise UserError(
+                f"{key}: file {path!r} line 1 has no string field {text_key!r} "
+                f"(expected objects like {{\"{text_key}\": \"...\"}}; data.format.text_key names the field)"
+            )
+
+
 def check_data(data) -> None:
+    urls_seen = False
     for key in ("train_urls", "validation_urls"):
         for i, url in enumerate(getattr(data, key, ()) or ()):
+            urls_seen = True
             path = _local_path(url)
             if path is None or any(c in path for c in "*{["):
                 continue
+            where = f"data.{key}[{i}]"
             if not os.path.exists(path):
-                raise UserError(f"data.{key}[{i}]: file {path!r} does not exist (expected a jsonl or txt file)")
+                raise UserError(f"{where}: file {path!r} does not exist (expected a jsonl or txt file)")
+            if os.path.isdir(path):
+                raise UserError(f"{where}: {path!r} is a folder (expected a jsonl or txt file, or a glob like {path}/*.jsonl)")
             if os.path.getsize(path) == 0:
-                raise UserError(f"data.{key}[{i}]: file {path!r} is empty (expected at least one document)")
+                raise UserError(f"{where}: file {path!r} is empty (expected at least one document)")
+            _check_file_head(where, path, _text_key(data))
+    if hasattr(data, "train_urls") and not getattr(data, "train_urls", None) and not urls_seen:
+        cache = getattr(data, "cache_dir", None)
+        prebuilt = cache and _local_path(cache) and os.path.isdir(os.path.join(_local_path(cache), "train"))
+        if not getattr(data, "id", None) and not getattr(data, "configs", None) and not prebuilt:
+            raise UserError(
+                "data.train_urls is empty: expected training files (data.train_urls), a Hugging Face dataset "
+                "(data.id) or an offline corpus (corpus.name)"
+            )
     tokenizer = getattr(data, "tokenizer", None)
-    if tokenizer and (tokenizer.startswith((".", "/")) or os.sep in tokenizer) and not os.path.exists(tokenizer):
+    if not tokenizer:
+        raise UserError("data.tokenizer is not set (expected a Hugging Face tokenizer name or folder)")
+    if (tokenizer.startswith((".", "/")) or os.sep in tokenizer) and not os.path.exists(tokenizer):
         raise UserError(f"data.tokenizer: {tokenizer!r} does not exist (expected a Hugging Face tokenizer folder)")
 
 
+def load_tokenizer(data):
+    """`data.the_tokenizer`, with a one-line error if it cannot be loaded."""
+    try:
+        return data.the_tokenizer
+    except Exception as e:  # noqa: BLE001 (HF raises OSError, ValueError, EnvironmentError, ...)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise UserError(
+            f"data.tokenizer={data.tokenizer!r} could not be loaded ({first}); "
+            "expected a Hugging Face tokenizer name or folder"
+        ) from None
+
+
+def _positive(key: str, value, *, allow_none=False, minimum=1) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        expected = f"an integer >= {minimum}" + (" or null" if allow_none else "")
+        raise UserError(f"{key}={value!r} is invalid: expected {expected}")
+
+
+def check_values(config) -> None:
+    from qkvflow.faults import NONFINITE_MODES
+
+    t = config.trainer
+    if t.id is not None and (not t.id or any(c in t.id for c in "/\\") or t.id != t.id.strip() or " " in t.id):
+        raise UserError(f"trainer.id={t.id!r} is invalid: expected a name without '/', '\\' or spaces (it names folders)")
+    _positive("trainer.num_train_steps", t.num_train_steps)
+    if isinstance(t.train_batch_size, int):
+        _positive("trainer.train_batch_size", t.train_batch_size)
+    _positive("trainer.steps_per_eval", t.steps_per_eval)
+    _positive("trainer.max_eval_batches", t.max_eval_batches, allow_none=True, minimum=0)
+    _positive("trainer.model_axis_size", t.model_axis_size)
+    for key in ("per_device_parallelism", "per_device_eval_parallelism"):
+        value = getattr(t, key)
+        if value != -1:
+            _positive(f"trainer.{key}", value)
+    for i, policy in enumerate(t.checkpointer.keep):
+        if not isinstance(policy, dict) or "every" not in policy or set(policy) - {"every", "until"}:
+            raise UserError(f"trainer.checkpointer.keep[{i}]={policy!r} is invalid: expected {{every: N}} or {{every: N, until: M}}")
+        _positive(f"trainer.checkpointer.keep[{i}].every", policy["every"])
+        _positive(f"trainer.checkpointer.keep[{i}].until", policy.get("until"), allow_none=True)
+    _positive("log_every", config.log_every)
+    _positive("epochs", config.epochs, minimum=0)
+    _positive("stop_after", config.stop_after, allow_none=True)
+    nonfinite = getattr(config, "nonfinite", "stop")
+    if nonfinite not in NONFINITE_MODES:
+        raise UserError(f"nonfinite={nonfinite!r} is invalid: expected one of {', '.join(NONFINITE_MODES)}")
+    if config.z_loss_weight < 0:
+        raise UserError(f"z_loss_weight={config.z_loss_weight!r} is invalid: expected a float >= 0")
+    optimizer = config.optimizer
+    for key in ("learning_rate", "weight_decay"):
+        value = getattr(optimizer, key, None)
+        if isinstance(value, (int, float)) and value < 0:
+            raise UserError(f"optimizer.{key}={value!r} is invalid: expected a float >= 0")
+
+
 def check_batch(trainer_config) -> None:
+    import jax
+
     devices = jax.device_count()
     model = trainer_config.model_axis_size
     if devices % model:
@@ -61,7 +215,79 @@ def check_checkpoint(trainer_config) -> None:
         )
 
 
+def _stored_shape(fs, path: str):
+    for name in (".zarray", "zarr.json"):  # zarr v2 (what Levanter writes), zarr v3
+        try:
+            with fs.open(os.path.join(path, name)) as f:
+                return tuple(json.load(f)["shape"])
+        except (FileNotFoundError, KeyError, json.JSONDecodeError, OSError):
+            continue
+    return None
+
+
+def check_resume(config, Vocab) -> None:
+    """If this run resumes (or initialises) from a checkpoint, the checkpoint's model arrays must be
+    the ones the config builds. Reads one small metadata file per array."""
+    import equinox as eqx
+    import fsspec
+    import jax.random as jrandom
+    from haliax import NamedArray
+    from levanter.utils.jax_utils import leaf_key_paths
+
+    t = config.trainer
+    if t.load_checkpoint is False:
+        return
+    path = t.load_checkpoint_path or t.checkpointer.expanded_path(t.id)
+    if not levanter.checkpoint.is_checkpoint_path(path):
+        if not t.initialize_from:
+            return  # a new run
+        path = t.initialize_from
+    latest = levanter.checkpoint.discover_latest_checkpoint(path)
+    if latest is None:
+        return
+    is_named = lambda x: isinstance(x, NamedArray)  # noqa: E731
+    shapes = eqx.filter_eval_shape(lambda: config.model.build(Vocab, key=jrandom.PRNGKey(0)))
+    names = leaf_key_paths(shapes, prefix="model", is_leaf=is_named)
+    import jax
+
+    leaves = jax.tree_util.tree_leaves(shapes, is_leaf=is_named)
+    keys = jax.tree_util.tree_leaves(names, is_leaf=lambda x: isinstance(x, str))
+    fs, root = fsspec.core.url_to_fs(str(latest))
+    model_type = type(config.model).__name__
+    how = f"use a new trainer.id to start a new run, or the config the run was started with (resuming {t.id!r})"
+    for key, leaf in zip(keys, leaves):
+        array = leaf.array if is_named(leaf) else leaf
+        if not hasattr(array, "shape"):
+            continue
+        stored = _stored_shape(fs, os.path.join(root, *key.split(".")))
+        if stored is None:
+            if t.allow_partial_checkpoint:  # missing arrays are initialised instead
+                continue
+            raise UserError(
+                f"checkpoint {latest!r} has no array {key}: it was written for a different model than this "
+                f"config's {model_type} (model.type or its shape keys differ); {how}"
+            )
+        if tuple(stored) != tuple(array.shape):
+            axes = ", ".join(f"{a.name}={a.size}" for a in leaf.axes) if is_named(leaf) else str(tuple(array.shape))
+            hint = ""
+            if is_named(leaf) and any(a.name == "vocab" for a in leaf.axes):
+                hint = (
+                    f"; the tokenizer's vocabulary ({Vocab.size} tokens with padding, from data.tokenizer or "
+                    "corpus.vocab_size) differs from the one the checkpoint was trained with"
+                )
+            raise UserError(
+                f"checkpoint {latest!r}: {key} has shape {tuple(stored)} but this config's {model_type} "
+                f"needs ({axes}){hint}; {how}"
+            )
+
+
 def check(config) -> None:
+    """Everything that needs neither devices nor the model (run before Levanter's initialisation)."""
+    check_values(config)
     check_data(config.data)
-    check_batch(config.trainer)
     check_checkpoint(config.trainer)
+
+
+def check_devices(trainer_config) -> None:
+    """What depends on the device count (run after `jax.distributed.initialize`)."""
+    check_batch(trainer_config)

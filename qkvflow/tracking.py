@@ -26,8 +26,14 @@ class JsonlTracker(Tracker):
         os.makedirs(os.path.dirname(file), exist_ok=True)
 
     def _write(self, record: dict):
-        with open(self.file, "a") as f:
-            f.write(json.dumps(_to_jsonable(record)) + "\n")
+        line = (json.dumps(_to_jsonable(record)) + "\n").encode()
+        with open(self.file, "ab+") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size:
+                f.seek(size - 1)
+                if f.read(1) != b"\n":  # a line cut short by a kill must not swallow this record
+                    line = b"\n" + line
+            f.write(line)
 
     def log_hyperparameters(self, hparams: dict[str, Any]):
         self._write({"event": "hparams", "hparams": hparams})
@@ -50,7 +56,13 @@ class JsonlTracker(Tracker):
 class JsonlTrackerConfig(TrackerConfig):
     path: str = "runs"
 
-    def init(self, run_id: Optional[str]) -> JsonlTracker:
+    def init(self, run_id: Optional[str]):
+        import jax
+
+        if jax.process_index() != 0:  # one file per run: only process 0 writes (like Levanter's trackers)
+            from levanter.tracker import NoopTracker
+
+            return NoopTracker()
         return JsonlTracker(metrics_file(self.path, run_id or "run"))
 
 

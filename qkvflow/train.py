@@ -2,8 +2,16 @@
 
 Levanter owns the loop, sharding, data, checkpoints and logging; this module picks the loss,
 adds evaluation with perplexity, and writes a loss curve. Resuming: run the same command with the
-same `--trainer.id`; the newest checkpoint of that run is loaded and the data loader continues
-from its step.
+same `--trainer.id`; the newest complete checkpoint of that run is loaded and the data loader
+continues from its step.
+
+Faults (see qkvflow.faults): SIGTERM saves a checkpoint after the current step and exits 0;
+interrupted checkpoint writes are removed before resuming; a non-finite loss or gradient stops the
+run with exit status 3 (`nonfinite: stop`) or skips the step (`nonfinite: skip`).
+
+Several processes (multi-host, or several processes on one machine) run the same command; Levanter's
+`trainer.distributed` section (or SLURM / TPU auto-detection) connects them. Only process 0 writes
+metrics, the loss curve and checkpoint metadata; every process writes its shards of the arrays.
 """
 
 import dataclasses
@@ -12,8 +20,11 @@ import itertools
 import logging
 import math
 import os
+import sys
 import time
 
+import haliax.partitioning
+import jax
 import jax.random as jrandom
 import levanter
 import levanter.config
@@ -22,11 +33,11 @@ from haliax import Axis
 from haliax.partitioning import round_axis_for_partitioning
 from levanter import callbacks
 from levanter.checkpoint import Checkpointer
-from levanter.trainer import Trainer
 from levanter.utils.jax_utils import parameter_count
 
-from qkvflow import preflight
+from qkvflow import faults, preflight
 from qkvflow.config import TrainConfig
+from qkvflow.errors import UserError
 from qkvflow.loss import lm_loss
 from qkvflow.plotting import plot_loss_curve
 from qkvflow.tracking import JsonlTrackerConfig, metrics_file
@@ -38,9 +49,17 @@ def with_corpus(config: TrainConfig) -> TrainConfig:
     """Build the configured offline corpus (if any) and point `data` at its files and tokenizer."""
     if config.corpus is None:
         return config
-    from qkvflow.data.corpora import prepare_corpus
+    from qkvflow.data.corpora import NAMES, prepare_corpus
 
-    corpus = prepare_corpus(config.corpus.name, config.corpus.root, vocab_size=config.corpus.vocab_size)
+    c = config.corpus
+    if c.name not in NAMES:
+        raise UserError(f"corpus.name={c.name!r} is invalid: expected one of {', '.join(NAMES)}")
+    if c.vocab_size is not None and (isinstance(c.vocab_size, bool) or c.vocab_size < 1):
+        raise UserError(f"corpus.vocab_size={c.vocab_size!r} is invalid: expected null or an integer >= 1")
+    try:
+        corpus = prepare_corpus(c.name, c.root, vocab_size=c.vocab_size)
+    except (ValueError, RuntimeError) as e:  # e.g. a vocabulary size the corpus cannot have
+        raise UserError(f"corpus: {e}") from None
     data = dataclasses.replace(
         config.data,
         train_urls=list(corpus.train_urls),
@@ -59,7 +78,7 @@ def _jsonl_tracker(trainer_config):
     return next((t for t in trackers if isinstance(t, JsonlTrackerConfig)), None)
 
 
-def _eval_hook(trainer, config, eval_sets, tokenizer, summary):
+def _eval_hook(trainer, config, eval_sets, tokenizer, summary, preemption):
     max_examples = config.trainer.max_eval_batches
     if max_examples is not None:
         max_examples *= config.trainer.eval_batch_size
@@ -74,6 +93,8 @@ def _eval_hook(trainer, config, eval_sets, tokenizer, summary):
     )
 
     def evaluate(info):
+        if preemption.requested:
+            return  # stopping for a preemption: save first, evaluate after the resume
         log = levanter.eval.eval_model(evaluator, info.model, prefix="eval")
         log["eval/perplexity"] = math.exp(log["eval/loss"])
         levanter.tracker.log(log, step=info.step)
@@ -107,14 +128,30 @@ def _train_stats_hook(summary, total_steps: int, log_every: int, tokens_per_step
 
 def _build_caches(data, timeout: float = 1800.0) -> None:
     """Tokenize into Levanter's caches and wait for them before reading: reading a cache that is
-    still being built can stall Levanter's loader indefinitely."""
-    for split in ("train", "validation"):
-        try:
-            caches = data.build_caches(split, monitors=False)
-        except (AttributeError, TypeError):  # configs without this hook build lazily
-            return
-        for cache in caches.values():
-            cache.await_finished(timeout=timeout)
+    still being built can stall Levanter's loader indefinitely. With several processes, process 0
+    builds first and the others then load what it wrote (or build their own on a non-shared disk)."""
+
+    def build():
+        for split in ("train", "validation"):
+            try:
+                caches = data.build_caches(split, monitors=False)
+            except (AttributeError, TypeError):  # configs without this hook build lazily
+                return
+            for cache in caches.values():
+                cache.await_finished(timeout=timeout)
+
+    if jax.process_index() == 0:
+        build()
+    faults.barrier("qkvflow_build_caches")
+    if jax.process_index() != 0:
+        build()
+
+
+def _checkpointers(trainer):
+    for hook in trainer.hooks.hooks:
+        checkpointer = getattr(getattr(hook.fn, "fn", None), "__self__", None)
+        if isinstance(checkpointer, Checkpointer):
+            yield checkpointer
 
 
 def _save_final_checkpoint(trainer, info) -> None:
@@ -123,62 +160,132 @@ def _save_final_checkpoint(trainer, info) -> None:
     Levanter's trainer runs its hooks with force=True after the last step, but its callback wrapper
     drops the flag, so the checkpointer saves only on its own schedule; and writes are asynchronous.
     """
-    for hook in trainer.hooks.hooks:
-        checkpointer = getattr(getattr(hook.fn, "fn", None), "__self__", None)
-        if isinstance(checkpointer, Checkpointer):
-            checkpointer.on_step(info, force=True)
-            checkpointer.wait_until_finished()
+    for checkpointer in _checkpointers(trainer):
+        checkpointer.on_step(info, force=True)
+        checkpointer.wait_until_finished()
+
+
+def _wait_for_checkpoints(trainer) -> None:
+    """Let checkpoint writes already started finish (they hold finite states) before leaving."""
+    for checkpointer in _checkpointers(trainer):
+        checkpointer.wait_until_finished()
+
+
+def _initialize(config: TrainConfig) -> None:
+    """Levanter's initialisation, with the device-dependent checks between `jax.distributed` and
+    Levanter's own validation (which would fail with a traceback on the same problems)."""
+    t = config.trainer
+    for key, value in t.jax_config.items():  # e.g. jax_cpu_collectives_implementation before distributed
+        jax.config.update(key, value)
+    t.distributed.initialize()  # jax.distributed when configured, or detected (SLURM, TPU pods)
+    t.distributed = dataclasses.replace(t.distributed, initialize_jax_distributed=False)
+    if jax.process_count() > 1:
+        print(
+            f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} local devices, "
+            f"{jax.device_count()} in all",
+            flush=True,
+        )
+    preflight.check_devices(t)
+    levanter.initialize(config)
 
 
 def train(config: TrainConfig) -> dict:
     """Train; return a summary of the final step (losses, perplexities, where outputs went)."""
+    preemption = faults.Preemption().install()  # from here on, SIGTERM means "stop cleanly"
+    try:
+        return _train(config, preemption)
+    finally:
+        preemption.restore()
+
+
+def _train(config: TrainConfig, preemption: faults.Preemption) -> dict:
     config = with_corpus(config)
     preflight.check(config)
-    tokenizer = config.data.the_tokenizer
-    levanter.initialize(config)
-    optimizer = config.optimizer.build(config.trainer.num_train_steps)
+    tokenizer = preflight.load_tokenizer(config.data)
+    try:
+        inject = faults.Injection.from_env()
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    _initialize(config)
+    t = config.trainer
+    with haliax.partitioning.set_mesh(t.device_mesh):
+        Vocab = round_axis_for_partitioning(Axis("vocab", len(tokenizer)), t.parameter_axis_mapping)
+    if t.load_checkpoint_path is None:  # this run's own folder: drop writes a kill interrupted
+        checkpointer = t.checkpointer
+        faults.remove_incomplete_checkpoints(checkpointer.expanded_path(t.id), checkpointer.delete_old_temp_checkpoints)
+    preflight.check_resume(config, Vocab)
+    optimizer = config.optimizer.build(t.num_train_steps)
     loss_fn = functools.partial(lm_loss, z_loss_weight=config.z_loss_weight)
     summary: dict = {}
+    target = min(t.num_train_steps, config.stop_after or math.inf)
 
-    with Trainer(config.trainer, optimizer, loss_fn) as trainer:
-        data_key, _, model_key, training_key = jrandom.split(jrandom.PRNGKey(config.trainer.seed), 4)
+    with faults.GuardedTrainer(t, optimizer, loss_fn, nonfinite=config.nonfinite, inject=inject) as trainer:
+        data_key, _, model_key, training_key = jrandom.split(jrandom.PRNGKey(t.seed), 4)
         if config.data_seed is not None:
             data_key = jrandom.PRNGKey(config.data_seed)
         Pos = config.model.Pos
-        vocab_size = len(tokenizer)
-        Vocab = round_axis_for_partitioning(Axis("vocab", vocab_size), trainer.parameter_axis_mapping)
 
         _build_caches(config.data)
         epochs = config.epochs if config.epochs > 0 else None
-        train_set = config.data.train_set(Pos, config.trainer.batch_schedule, key=data_key, epochs=epochs)
+        train_set = config.data.train_set(Pos, t.batch_schedule, key=data_key, epochs=epochs)
         eval_sets = config.data.tagged_eval_sets(Pos)
         state = trainer.initial_state(training_key, model_init=lambda: config.model.build(Vocab, key=model_key))
-        if int(state.step) > 0:
-            logger.info(f"Resuming run {trainer.run_id} from step {int(state.step)}")
+        start = int(state.step)
+        if start > 0:
+            logger.info(f"Resuming run {trainer.run_id} from step {start}")
+            print(f"resuming run {trainer.run_id} after step {start}", flush=True)
         levanter.tracker.log_summary({"parameter_count": parameter_count(state.model)})
+        summary.update(run_id=trainer.run_id, checkpoints=t.checkpointer.expanded_path(trainer.run_id))
+        if start >= target:
+            print(f"run {trainer.run_id} is already at step {start} (target {target}): nothing to train", flush=True)
+            summary["steps"] = start
+            levanter.tracker.current_tracker().finish()
+            return summary
 
-        if eval_sets:
-            trainer.add_hook(_eval_hook(trainer, config, eval_sets, tokenizer, summary), every=config.trainer.steps_per_eval)
-        flops = config.model.flops_per_token(vocab_size)
+        if eval_sets and (t.max_eval_batches is None or t.max_eval_batches > 0):  # as Levanter's add_eval_hook
+            trainer.add_hook(
+                _eval_hook(trainer, config, eval_sets, tokenizer, summary, preemption), every=t.steps_per_eval
+            )
+        flops = config.model.flops_per_token(len(tokenizer))
         flops_per_example = 3 * flops * Pos.size if flops is not None else None
         trainer.add_hook(callbacks.log_performance_stats(Pos.size, trainer.config.batch_schedule, flops_per_example), every=1)
         tokens_per_step = config.trainer.train_batch_size * Pos.size
         stats_hook = _train_stats_hook(summary, config.trainer.num_train_steps, config.log_every, tokens_per_step)
         trainer.add_hook(stats_hook, every=1)
 
-        loader = trainer.data_loader(train_set).iter_from_step(int(state.step))
+        loader = trainer.data_loader(train_set).iter_from_step(start)
         if config.stop_after is not None:
-            loader = itertools.islice(loader, max(0, config.stop_after - int(state.step)))
-        info = trainer.train(state, loader)
+            loader = itertools.islice(loader, max(0, config.stop_after - start))
+        loader = preemption.wrap(loader, start)
+        try:
+            info = trainer.train(state, loader)
+        except faults.NonFiniteError:
+            _wait_for_checkpoints(trainer)
+            raise
+        except RuntimeError as e:
+            if not preemption.requested or "No training steps" not in str(e):
+                raise
+            print(f"qkvflow train: stopped by {preemption.signal_name} before the first step; nothing to save", file=sys.stderr)
+            summary.update(steps=start, preempted=True)
+            levanter.tracker.current_tracker().finish()
+            return summary
         _save_final_checkpoint(trainer, info)
-        summary["run_id"] = trainer.run_id
         summary["steps"] = int(info.step) + 1
-        if summary["steps"] < min(config.trainer.num_train_steps, config.stop_after or math.inf):
+        if trainer.skipped_steps:
+            summary["skipped_steps"] = list(trainer.skipped_steps)
+        if preemption.requested:
+            summary["preempted"] = True
+            print(
+                f"qkvflow train: stopped by {preemption.signal_name} after step {summary['steps']}/{t.num_train_steps}; "
+                f"checkpoint saved in {summary['checkpoints']}; run the same command to resume",
+                file=sys.stderr,
+                flush=True,
+            )
+        elif summary["steps"] < target:
             logger.warning(f"The training data ran out after {summary['steps']} steps; set `epochs` to loop it.")
-        summary["checkpoints"] = config.trainer.checkpointer.expanded_path(trainer.run_id)
 
     jsonl = _jsonl_tracker(config.trainer)
-    if jsonl is not None:
+    if jsonl is not None and jax.process_index() == 0:
         summary["metrics"] = metrics_file(jsonl.path, summary["run_id"])
         if config.loss_curve:
             out = os.path.join(os.path.dirname(summary["metrics"]), config.loss_curve)
@@ -188,8 +295,8 @@ def train(config: TrainConfig) -> dict:
 
 
 def print_summary(summary: dict) -> None:
-    print("\n== qkvflow train: done ==")
-    for key in ("run_id", "steps", "train_loss", "train_perplexity", "eval_loss", "eval_perplexity"):
+    print("\n== qkvflow train: " + ("preempted ==" if summary.get("preempted") else "done =="))
+    for key in ("run_id", "steps", "skipped_steps", "train_loss", "train_perplexity", "eval_loss", "eval_perplexity"):
         if key in summary:
             value = summary[key]
             print(f"{key:>17}: {value:.4f}" if isinstance(value, float) else f"{key:>17}: {value}")
@@ -202,6 +309,18 @@ def _run(config: TrainConfig) -> None:
     print_summary(train(config))
 
 
+NONFINITE_EXIT = 3
+"""Exit status of a run stopped by a non-finite loss or gradient (bad input is 2)."""
+
+
 def main(argv: list[str]) -> int:
-    levanter.config.main(_run, args=argv)()
+    try:
+        levanter.config.main(_run, args=argv)()
+    except faults.NonFiniteError as e:
+        print(
+            f"qkvflow train: error: {e}. Nothing was saved for this step; the newest checkpoint is from before it. "
+            "Lower the learning rate, or set `nonfinite: skip` to skip such steps.",
+            file=sys.stderr,
+        )
+        return NONFINITE_EXIT
     return 0

@@ -5,16 +5,8 @@ import os
 
 import pytest
 
-from qkvflow.data.corpora import prepare_corpus
 from qkvflow.tracking import metrics_file, read_metrics
 from tests.train_utils import losses, train
-
-
-@pytest.fixture(scope="module")
-def corpus_root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpora")
-    prepare_corpus("pydoc", str(root))
-    return root
 
 
 def _ok(proc):
@@ -55,10 +47,18 @@ def test_stop_and_resume_reproduces_uninterrupted_losses(tmp_path, corpus_root, 
     assert len(losses(whole)) == 8
 
 
-@pytest.mark.parametrize("mode", ["data_parallel", "fsdp"])
+MESHES = {
+    "data_parallel": ["--trainer.fsdp_axis", "null"],
+    "fsdp": [],
+    # 2-way FSDP x 2-way tensor parallelism over the hypernetwork's mlp and heads axes
+    "fsdp_x_tensor_parallel": ["--trainer.model_axis_size", "2", "--trainer.tensor_parallel_axes", "[mlp, heads]"],
+}
+
+
+@pytest.mark.parametrize("mode", list(MESHES))
 def test_four_devices_match_one(tmp_path, corpus_root, reference, mode):
     one, four = reference[0], tmp_path
-    extra = ["--trainer.fsdp_axis", "null"] if mode == "data_parallel" else []
+    extra = MESHES[mode]
     _ok(train(four, corpus_root, *extra, devices=4))
     assert losses(four) == pytest.approx(losses(one), rel=2e-5, abs=2e-5)
 
@@ -69,10 +69,13 @@ BAD = [
     (["--model.num_heads", "3"], "num_heads=3 is invalid: expected a divisor of hidden_dim=32"),
     (["--trainer.train_batch_size", "6"], "trainer.train_batch_size=6 is not divisible by the data-parallel size 4"),
     (["--trainer.load_checkpoint_path", "{ckpt}/garbage"], "is not a readable checkpoint"),
+    (["--trainer.model_axis_size", "3"], "trainer.model_axis_size=3 does not divide the 4 available devices"),
 ]
 
 
-@pytest.mark.parametrize("args,message", BAD, ids=["missing-data", "unknown-key", "bad-heads", "batch", "checkpoint"])
+@pytest.mark.parametrize(
+    "args,message", BAD, ids=["missing-data", "unknown-key", "bad-heads", "batch", "checkpoint", "model-axis"]
+)
 def test_bad_input_fails_cleanly_without_touching_checkpoints(tmp_path, corpus_root, args, message):
     existing = tmp_path / "checkpoints" / "tiny" / "step-5"
     existing.mkdir(parents=True)

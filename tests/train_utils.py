@@ -11,10 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "tests" / "configs" / "tiny_train.yaml")
 
 
-def train(workdir: Path, corpus_root: Path, *overrides: str, run_id: str = "tiny", devices: int = 1, timeout=600):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    args = [
+def train_args(workdir: Path, corpus_root: Path, *overrides: str, run_id: str = "tiny") -> list[str]:
+    """The command line of `qkvflow train` on the tiny config, with every output inside `workdir`."""
+    return [
         sys.executable, "-m", "qkvflow", "train", "--config_path", TINY,
         "--corpus.root", str(corpus_root),
         "--trainer.id", run_id,
@@ -23,6 +22,17 @@ def train(workdir: Path, corpus_root: Path, *overrides: str, run_id: str = "tiny
         "--trainer.log_dir", str(workdir / "logs"),
         *overrides,
     ]
+
+
+def train_env(devices: int = 1, **extra: str) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **extra)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return env
+
+
+def train(workdir: Path, corpus_root: Path, *overrides: str, run_id: str = "tiny", devices: int = 1, timeout=600):
+    args = train_args(workdir, corpus_root, *overrides, run_id=run_id)
+    env = train_env(devices)
     return subprocess.run(args, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -35,15 +35,6 @@ def tiny_gpt2():
     return config, filled(config)
 
 
-@pytest.fixture(scope="session")
-def corpus_root(tmp_path_factory):
-    from qkvflow.data.corpora import prepare_corpus
-
-    root = tmp_path_factory.mktemp("corpora")
-    prepare_corpus("pydoc", str(root))
-    return root
-
-
 def _write_config(path, corpus_root, model_yaml: str) -> str:
     path.write_text(f"corpus:\n  name: pydoc\n  root: {corpus_root}\n{model_yaml}")
     return str(path)

@@ -1,0 +1,393 @@
+"""Preemption, interrupted checkpoint writes and non-finite steps: what `qkvflow train` does about them.
+
+* **Preemption** (`Preemption`): the first SIGTERM asks the run to stop after the step in progress;
+  `qkvflow train` then saves a checkpoint, waits for the write and exits 0. A second SIGTERM kills the
+  process at once. With several processes (`jax.distributed`), JAX's preemption notifier receives
+  the SIGTERM instead, and all processes stop after the same step (a notice to any one of them
+  stops all of them).
+* **Interrupted checkpoint writes** (`remove_incomplete_checkpoints`): Levanter writes a checkpoint's
+  arrays first and its `metadata.json` last (after every process has committed its shards), and only
+  folders with a readable `metadata.json` count as checkpoints. A process killed during a write leaves a
+  `step-N` folder without one (or with a truncated one); such folders are removed before training
+  starts, so resuming always loads the newest complete checkpoint and a later save into the same
+  folder starts from scratch.
+* **Non-finite steps** (`GuardedTrainer`): every step computes one fused "is everything finite"
+  reduction over the loss and the gradients, inside the compiled step. A non-finite step never changes
+  the model or the optimizer state. With `nonfinite: stop` (the default) the run ends with
+  `NonFiniteError` before any hook (checkpointer included) sees the step, naming the step and where the
+  non-finite values first appeared: in a parameter, in the loss (the forward pass), or in the
+  gradient of a named parameter. With `nonfinite: skip` the step is counted, reported and skipped.
+
+Testing only (not a user feature): the environment variable ``QKVFLOW_TEST_INJECT_NONFINITE``
+poisons one step inside the compiled train step, so that the tests can exercise the guard:
+``"K:loss"`` makes the forward pass of step K (1-based, as in the progress lines) produce NaN, and
+``"K:grad:NAME"`` makes the gradient of every parameter whose dotted path contains NAME NaN at step K.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import signal
+import sys
+from typing import Iterable, Iterator, Optional
+
+import equinox as eqx
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import levanter.tracker
+import numpy as np
+from levanter.callbacks import StepInfo
+from levanter.metrics import unwrap_metrics
+from levanter.tracker import capture_time
+from levanter.trainer import Trainer, TrainStepResult
+from levanter.trainer_state import InsideJitInfo
+from levanter.utils.tree_utils import inference_mode
+
+logger = logging.getLogger("qkvflow.faults")
+
+INJECT_ENV = "QKVFLOW_TEST_INJECT_NONFINITE"
+_FINITE = "qkvflow/finite"
+_GRADS_FINITE = "qkvflow/grads_finite"
+NONFINITE_MODES = ("stop", "skip")
+
+
+class NonFiniteError(RuntimeError):
+    """A training step produced a non-finite loss or gradient and `nonfinite` is `stop`."""
+
+
+# --- preemption -----------------------------------------------------------------------------------
+
+
+class Preemption:
+    """SIGTERM handling: the first signal requests a stop after the current step; a second one kills."""
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)):
+        self.signals = signals
+        self.requested = False
+        self.signal_name: Optional[str] = None
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> "Preemption":
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def __enter__(self):
+        return self.install()
+
+    def __exit__(self, *exc):
+        self.restore()
+
+    def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.requested:  # second signal: stop waiting for the step and the checkpoint
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.requested, self.signal_name = True, name
+        print(
+            f"qkvflow train: {name} received: finishing the current step, saving a checkpoint, then exiting "
+            f"(send {name} again to exit at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def should_stop(self, step: int) -> bool:
+        """Whether to stop before training step `step` (0-based), on every process alike.
+
+        One process: whether SIGTERM arrived. With `jax.distributed` (several processes, or a cluster
+        JAX recognises), JAX's own preemption notifier owns SIGTERM: any process's notice makes all of
+        them agree, in the background, on the same step to stop at (`reached_preemption_sync_point`),
+        without a collective per step. Must then be called at every step by every process."""
+        if _distributed_client() is not None:
+            from jax.experimental import multihost_utils
+
+            if multihost_utils.reached_preemption_sync_point(step):
+                if not self.requested:
+                    self.requested, self.signal_name = True, "SIGTERM (a preemption notice to one of the processes)"
+                return True
+            return self.requested and jax.process_count() == 1
+        return self.requested
+
+    def wrap(self, loader: Iterable, start: int = 0) -> Iterator:
+        """The batches of `loader` (the first one for step `start`) until a stop is requested."""
+        iterator = iter(loader)
+        step = start
+        while not self.should_stop(step):
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            yield batch
+            step += 1
+
+
+def _distributed_client():
+    from jax._src import distributed  # what jax.experimental.multihost_utils itself consults
+
+    return distributed.global_state.client
+
+
+# --- interrupted checkpoint writes ----------------------------------------------------------------
+
+_STEP_DIR = re.compile(r"^step-\d+$")
+
+
+def _read_metadata(fs, path: str) -> Optional[dict]:
+    try:
+        with fs.open(os.path.join(path, "metadata.json")) as f:
+            metadata = json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError, OSError):
+        return None
+    if not isinstance(metadata, dict) or "step" not in metadata or "timestamp" not in metadata:
+        return None
+    return metadata
+
+
+def incomplete_checkpoints(run_path: str, superseded_temporary: bool = True) -> list[str]:
+    """`step-N` folders of a run that are not complete checkpoints: no readable `metadata.json`
+    (a write that was interrupted), and with `superseded_temporary` temporary checkpoints older than
+    a complete one (Levanter deletes those after the next save; a deletion can itself be interrupted)."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(str(run_path))
+    if not fs.isdir(root):
+        return []
+    complete, incomplete = [], []
+    for entry in fs.ls(root, detail=False):
+        if not _STEP_DIR.match(os.path.basename(entry.rstrip("/"))) or not fs.isdir(entry):
+            continue
+        metadata = _read_metadata(fs, entry)
+        (incomplete if metadata is None else complete).append((entry, metadata))
+    incomplete = [path for path, _ in incomplete]
+    if complete and superseded_temporary:
+        newest = max(complete, key=lambda c: (c[1]["timestamp"], c[1]["step"]))
+        incomplete += [p for p, m in complete if m.get("is_temporary") and p != newest[0]]
+    protocol = str(run_path).split("://", 1)[0] + "://" if "://" in str(run_path) else ""
+    return sorted(p if p.startswith(protocol) else protocol + p for p in incomplete)
+
+
+def remove_incomplete_checkpoints(run_path: str, superseded_temporary: bool = True) -> list[str]:
+    """Remove what `incomplete_checkpoints` finds (process 0 only; all processes wait for it)."""
+    removed: list[str] = []
+    if jax.process_index() == 0:
+        import fsspec
+
+        for path in incomplete_checkpoints(run_path, superseded_temporary):
+            fs, plain = fsspec.core.url_to_fs(path)
+            logger.warning(f"Removing incomplete checkpoint {path} (its write was interrupted)")
+            print(f"qkvflow train: removing incomplete checkpoint {path} (its write was interrupted)", file=sys.stderr)
+            fs.rm(plain, recursive=True)
+            removed.append(path)
+    barrier("qkvflow_remove_incomplete_checkpoints")
+    return removed
+
+
+def barrier(name: str) -> None:
+    """Wait until every process gets here (no-op with one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+# --- non-finite steps -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Injection:
+    """Testing only: poison step `step` (1-based) in the forward pass (`target="loss"`) or in the
+    gradients of the parameters whose path contains `target`."""
+
+    step: int
+    target: str
+
+    @staticmethod
+    def from_env() -> Optional["Injection"]:
+        spec = os.environ.get(INJECT_ENV)
+        if not spec:
+            return None
+        step, _, target = spec.partition(":")
+        if target.startswith("grad:"):
+            target = target[len("grad:"):]
+        elif target != "loss":
+            raise ValueError(f"{INJECT_ENV}={spec!r}: expected 'K:loss' or 'K:grad:NAME'")
+        return Injection(int(step), target)
+
+
+def _key_name(key) -> str:
+    for attr in ("name", "key", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def leaf_paths(tree) -> list[str]:
+    """Dotted paths of the array leaves of `tree` (as in checkpoints), in `jax.tree.leaves` order."""
+    with_path, _ = jax.tree_util.tree_flatten_with_path(tree)
+    flat = jax.tree_util.FlattenedIndexKey  # a NamedArray's array inside it
+    return [".".join(_key_name(k) for k in path if not isinstance(k, flat)) for path, _ in with_path]
+
+
+def _gradient_paths(model) -> list[str]:
+    """Paths of the leaves that `eqx.filter_value_and_grad` differentiates (the floating arrays)."""
+    return leaf_paths(eqx.filter(model, eqx.is_inexact_array))
+
+
+def _poison(tree, names: list[str], match, when):
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    out = [jnp.where(when, jnp.nan, 1.0).astype(x.dtype) * x if match(n) else x for n, x in zip(names, leaves)]
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _format(value: float) -> str:
+    return f"{value:.4f}" if np.isfinite(value) else str(value)
+
+
+def describe_nonfinite(model, loss: float, grads_finite, step: int, total: int) -> str:
+    """One line: which step, and where the non-finite values first appeared (parameters, then the
+    loss, then the gradients). Run only when a step fired: it reads every parameter once."""
+    where = f"step {step}/{total}"
+    params = [
+        name
+        for name, leaf in zip(leaf_paths(model), jax.tree_util.tree_leaves(model))
+        if eqx.is_inexact_array(leaf) and not bool(jnp.all(jnp.isfinite(leaf)))
+    ]
+    names = _gradient_paths(model)
+    grads_finite = np.asarray(grads_finite).reshape(-1)
+    if len(names) != grads_finite.size:  # cannot happen with Levanter's grads; be safe anyway
+        names = [f"#{i}" for i in range(grads_finite.size)]
+    bad = [n for n, ok in zip(names, grads_finite) if not ok]
+
+    def listing(items):
+        shown = ", ".join(items[:3])
+        return shown + (f" and {len(items) - 3} more" if len(items) > 3 else "")
+
+    if params:
+        first = f"first in the parameters: {listing(params)} ({len(params)} of {len(names)} arrays non-finite before the step)"
+    elif not np.isfinite(loss):
+        first = f"first in the loss (the forward pass gave {loss}); {len(bad)} of {len(names)} gradient arrays are non-finite"
+    else:
+        first = (
+            f"first in the gradients (the loss {_format(loss)} is finite): {listing(bad)} "
+            f"({len(bad)} of {len(names)} gradient arrays)"
+        )
+    return f"non-finite values at {where}: {first}"
+
+
+class GuardedTrainer(Trainer):
+    """Levanter's Trainer with a non-finite guard around each step.
+
+    `_train_step` and `train_step` follow Levanter 1.2.dev1644's (pinned in pyproject.toml) with
+    three additions: the fused finiteness check and per-array gradient flags inside the step, the
+    non-finite step keeping the previous model and optimizer state, and the check of the flags
+    before any hook runs.
+    """
+
+    def __init__(self, config, optimizer, loss_fn, *, nonfinite: str = "stop", inject: Optional[Injection] = None, **kwargs):
+        if nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"nonfinite={nonfinite!r}: expected one of {NONFINITE_MODES}")
+        self.nonfinite = nonfinite
+        self.inject = inject
+        self.skipped_steps: list[int] = []
+        super().__init__(config, optimizer, loss_fn, **kwargs)
+
+    def _train_step(self, state, batch, batch_kwargs, _no_hooks=False):
+        key, new_key = jax.random.split(state.training_key)
+        model = inference_mode(state.model, False)
+        inject = self.inject
+        when = None
+        if inject is not None:
+            when = state.step == inject.step - 1
+            if inject.target == "loss":  # NaN in the first floating parameter, for this step's forward pass only
+                names = _gradient_paths(model)
+                first = names[0]
+                model = eqx.combine(_poison(eqx.filter(model, eqx.is_inexact_array), names, lambda n: n == first, when), model)
+
+        loss, grads, wrapped_metrics = self._compute_gradients_microbatched(
+            self.loss_fn, model, *batch, **batch_kwargs, key=key
+        )
+        grad_leaves = jax.tree_util.tree_leaves(grads)
+        if inject is not None and inject.target != "loss":
+            names = _gradient_paths(model)
+            grads = _poison(grads, names, lambda n: inject.target in n, when)
+            grad_leaves = jax.tree_util.tree_leaves(grads)
+
+        # one fused reduction: a flag per gradient array (for the report) and their conjunction
+        grads_finite = jnp.stack([jnp.all(jnp.isfinite(g)) for g in grad_leaves])
+        finite = jnp.logical_and(jnp.isfinite(loss), jnp.all(grads_finite))
+
+        def obj_fun(trainable_model):
+            model = eqx.combine(trainable_model, state.model)
+            with hax.axis_mapping(self.compute_axis_mapping):
+                model = self.mp.cast_to_compute(model)
+                loss_for_opt, _metrics = self._raw_loss_function(model, *batch, **batch_kwargs, key=key)
+                return loss_for_opt.scalar()
+
+        new_state, updates = state.take_step(grads, obj_fun=obj_fun, loss=loss, key=new_key)
+        # a non-finite step advances the step counter and the key, and changes nothing else
+        kept = dataclasses.replace(
+            new_state, model=state.model, opt_state=state.opt_state, model_averaging=state.model_averaging
+        )
+        new_state = jax.tree_util.tree_map(
+            lambda a, b: jnp.where(finite, a, b) if eqx.is_array(a) else a, new_state, kept
+        )
+        new_state = hax.shard(new_state, self.parameter_axis_mapping)
+
+        hook_infos = None
+        if not _no_hooks:
+            with hax.axis_mapping(self.parameter_axis_mapping):
+                jit_info = InsideJitInfo(grads=grads, updates=updates)
+                hook_infos = self.hooks.run_jit_hooks(state, jit_info, force=False)
+
+        plain_metrics = unwrap_metrics(wrapped_metrics)
+        train_metrics = {f"train/{k}": v for k, v in plain_metrics.items()}
+        train_metrics[_FINITE] = finite
+        train_metrics[_GRADS_FINITE] = grads_finite
+        result = TrainStepResult(loss=loss, new_state=new_state, loss_metrics=train_metrics, hook_infos=hook_infos)
+        return hax.shard_with_axis_mapping(result, self.parameter_axis_mapping)
+
+    def train_step(self, state, *batch, **batch_kwargs):
+        hooks_this_time = any(state.step % h.every == 0 for h in self.hooks.jit_hooks)
+
+        with capture_time() as step_time:
+            if hooks_this_time:
+                result = self._maybe_save_jaxpr("train_step", self._jit_train_step_fn, state, batch, batch_kwargs)
+            else:
+                result = self._maybe_save_jaxpr(
+                    "train_step_hooks", self._jit_train_step_fn_no_hook, state, batch, batch_kwargs
+                )
+            loss = result.loss.item()
+            metrics = dict(result.loss_metrics)
+            finite = bool(metrics.pop(_FINITE))
+            grads_finite = metrics.pop(_GRADS_FINITE)
+            step = int(result.new_state.step)  # 1-based: the update just made
+            if not finite:
+                report = describe_nonfinite(result.new_state.model, loss, grads_finite, step, self.num_train_steps)
+                if self.nonfinite == "stop":
+                    raise NonFiniteError(report)
+                self.skipped_steps.append(step)
+                print(f"qkvflow train: skipped step {step}: {report}", file=sys.stderr, flush=True)
+                logger.warning(f"Skipped step {step}: {report}")
+                metrics["train/skipped_steps"] = len(self.skipped_steps)
+
+            info = StepInfo(result.new_state, loss, step_time())
+
+            with capture_time() as hook_time:
+                self.run_hooks(info)
+                if hooks_this_time:
+                    self.hooks.run_jit_hooks_outside_step(info, result.hook_infos)
+
+            levanter.tracker.log({**metrics, "throughput/hook_time": hook_time()}, step=info.step)
+
+        return info

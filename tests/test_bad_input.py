@@ -1,0 +1,244 @@
+"""Bad input to `qkvflow train`, table-driven: each case ends with exit status 2 and one line
+(`qkvflow train: error: ...`) naming the file or key and what was expected, no traceback, and no
+checkpoint written or changed.
+
+The cases run the real CLI entry point (`qkvflow.cli.main`) in this process, with the step that
+would start JAX's distributed runtime replaced by a tripwire, so each case fails where a real run
+would (config parsing, `qkvflow.preflight`) without paying for a JAX start-up. The checkpoint cases
+let the run go on to the resume check, with the trainer itself replaced by a tripwire. One case at
+the end runs the whole command in a subprocess to show the same outcome end to end.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.train_utils import TINY
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Tripwire(Exception):
+    """Raised where a bad input should already have been refused."""
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, corpus_root):
+    """A working folder with a valid config, bad data files, and a checkpoint of run `tiny`."""
+    import jax.random as jrandom
+    import levanter.checkpoint
+    from haliax import Axis
+
+    from qkvflow.integrate.config import OdeConfig
+    from qkvflow.models.config import DiffEqFormerGpt2Config
+
+    w = tmp_path_factory.mktemp("bad_input")
+    base = Path(TINY).read_text()
+    (w / "base.yaml").write_text(base)
+    (w / "malformed.yaml").write_text("model: {type: [\n")
+    (w / "latin1.yaml").write_bytes(base.encode() + b"\n# caf\xe9\n")
+    (w / "list.yaml").write_text("- model\n- trainer\n")
+    (w / "empty.yaml").write_text("")
+    (w / "typo.yaml").write_text(base.replace("  hidden_dim: 32", "  hiden_dim: 32"))
+    (w / "wrong_type.yaml").write_text(base.replace("num_train_steps: 8", "num_train_steps: many"))
+    data = w / "data"
+    data.mkdir()
+    (data / "empty.jsonl").write_text("")
+    (data / "blank.txt").write_text("\n  \n\n")
+    (data / "latin1.jsonl").write_bytes(b'{"text": "caf\xe9 au lait"}\n')
+    (data / "not_json.jsonl").write_text("just some words\n")
+    (data / "no_text.jsonl").write_text('{"content": "the field is called text"}\n')
+    (data / "folder").mkdir()
+    (w / "broken_tokenizer").mkdir()
+    (w / "broken_tokenizer" / "tokenizer.json").write_text("{")
+
+    # a checkpoint of run `tiny`, written by Levanter's checkpointer for the config in base.yaml
+    config = DiffEqFormerGpt2Config(
+        seq_len=32, hidden_dim=32, num_heads=2, time_embed_dim=8, num_frequencies=16, ode=OdeConfig(num_steps=2)
+    )
+    model = config.build(Axis("vocab", 2048), key=jrandom.PRNGKey(0))
+    levanter.checkpoint.save_checkpoint({"model": model}, step=5, checkpoint_path=str(w / "checkpoints" / "tiny" / "step-5"))
+    (w / "checkpoints" / "junk").mkdir()
+    (w / "checkpoints" / "junk" / "file.bin").write_bytes(b"\0" * 10)
+    return w
+
+
+def _snapshot(folder: Path) -> dict:
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*"))}
+
+
+def _fill(text: str, world: Path, corpus_root: Path) -> str:
+    return text.replace("{w}", str(world)).replace("{corpus}", str(corpus_root))
+
+
+def _run_cli(world: Path, corpus_root: Path, args: list[str], capsys) -> tuple[int, str]:
+    from qkvflow import cli
+
+    argv = [
+        "train",
+        "--corpus.root", str(corpus_root),
+        "--trainer.checkpointer.base_path", str(world / "checkpoints"),
+        "--trainer.tracker", f"{{type: jsonl, path: {world / 'runs'}}}",
+        "--trainer.log_dir", str(world / "logs"),
+        *[_fill(a, world, corpus_root) for a in args],
+    ]
+    if "--config_path" not in args:
+        argv[1:1] = ["--config_path", str(world / "base.yaml")]
+    capsys.readouterr()
+    rc = cli.main(argv)
+    return rc, capsys.readouterr().err
+
+
+DATA = ["--corpus", "null", "--data.validation_urls", "[]", "--data.tokenizer", "{corpus}/pydoc/tokenizer"]
+
+# (id, arguments, what the one-line error must contain)
+CASES = [
+    # the config file
+    ("malformed-yaml", ["--config_path", "{w}/malformed.yaml"], "malformed.yaml is not valid YAML"),
+    ("non-utf8-yaml", ["--config_path", "{w}/latin1.yaml"], "latin1.yaml' is not UTF-8 text (line 40"),
+    ("missing-config", ["--config_path", "{w}/nothere.yaml"], "config file '{w}/nothere.yaml' does not exist (expected a YAML file"),
+    ("yaml-list", ["--config_path", "{w}/list.yaml"], "list.yaml' holds a list (expected a mapping of sections"),
+    ("empty-yaml", ["--config_path", "{w}/empty.yaml"], "empty.yaml' is empty (expected sections"),
+    # keys and types
+    ("unknown-key-in-file", ["--config_path", "{w}/typo.yaml"], "`model`: The fields `hiden_dim` are not valid for DiffEqFormerGpt2Config"),
+    ("unknown-override", ["--trainer.num_train_stepz", "3"], "unrecognized arguments: --trainer.num_train_stepz"),
+    ("wrong-type-in-file", ["--config_path", "{w}/wrong_type.yaml"], "`trainer.num_train_steps`: Couldn't parse 'many' into an int"),
+    ("wrong-type-override", ["--model.hidden_dim", "abc"], "`model.hidden_dim`: Couldn't parse 'abc' into an int"),
+    ("unknown-model-type", ["--model.type", "transformer9000"], "invalid choice: 'transformer9000'"),
+    ("bad-list-value", ["--trainer.checkpointer.keep", "every 2"], "`trainer.checkpointer.keep`"),
+    # impossible values
+    ("heads-not-dividing-hidden", ["--model.num_heads", "3"], "num_heads=3 is invalid: expected a divisor of hidden_dim=32"),
+    ("negative-steps", ["--trainer.num_train_steps", "-5"], "trainer.num_train_steps=-5 is invalid: expected an integer >= 1"),
+    ("zero-batch", ["--trainer.train_batch_size", "0"], "trainer.train_batch_size=0 is invalid: expected an integer >= 1"),
+    ("zero-ode-steps", ["--model.ode.num_steps", "0"], "ode.num_steps=0 is invalid: expected an integer >= 1"),
+    ("unknown-solver", ["--model.ode.solver", "euler2"], "ode.solver='euler2' is invalid: expected one of"),
+    ("zero-time-embed", ["--model.time_embed_dim", "0"], "time_embed_dim=0 is invalid: expected an integer >= 1"),
+    ("checkpoint-every-0", ["--trainer.checkpointer.keep", "[{every: 0}]"], "trainer.checkpointer.keep[0].every=0 is invalid"),
+    ("checkpoint-policy-typo", ["--trainer.checkpointer.keep", "[{every:2}]"], "trainer.checkpointer.keep[0]={'every:2': None} is invalid"),
+    ("log-every-0", ["--log_every", "0"], "log_every=0 is invalid: expected an integer >= 1"),
+    ("stop-after-0", ["--stop_after", "0"], "stop_after=0 is invalid"),
+    ("nonfinite-mode", ["--nonfinite", "ignore"], "nonfinite='ignore' is invalid: expected one of stop, skip"),
+    ("negative-lr", ["--optimizer.learning_rate", "-0.1"], "optimizer.learning_rate=-0.1 is invalid"),
+    ("run-id-with-slash", ["--trainer.id", "a/b"], "trainer.id='a/b' is invalid"),
+    ("unknown-corpus", ["--corpus.name", "wikipedia"], "corpus.name='wikipedia' is invalid: expected one of pydoc, tinyshakespeare"),
+    ("corpus-vocab-0", ["--corpus.vocab_size", "0"], "corpus.vocab_size=0 is invalid"),
+    # data files and the tokenizer
+    ("missing-data", [*DATA, "--data.train_urls", "[{w}/data/missing.jsonl]"], "data.train_urls[0]: file '{w}/data/missing.jsonl' does not exist"),
+    ("empty-data", [*DATA, "--data.train_urls", "[{w}/data/empty.jsonl]"], "data.train_urls[0]: file '{w}/data/empty.jsonl' is empty"),
+    ("blank-data", [*DATA, "--data.train_urls", "[{w}/data/blank.txt]"], "blank.txt' holds only whitespace"),
+    ("non-utf8-data", [*DATA, "--data.train_urls", "[{w}/data/latin1.jsonl]"], "latin1.jsonl' is not UTF-8 text (byte 13"),
+    ("jsonl-not-json", [*DATA, "--data.train_urls", "[{w}/data/not_json.jsonl]"], "not_json.jsonl' line 1 is not JSON"),
+    ("jsonl-no-text-field", [*DATA, "--data.train_urls", "[{w}/data/no_text.jsonl]"], "no_text.jsonl' line 1 has no string field 'text'"),
+    ("data-is-a-folder", [*DATA, "--data.train_urls", "[{w}/data/folder]"], "folder' is a folder (expected a jsonl or txt file"),
+    ("no-training-data", ["--corpus", "null", "--data.train_urls", "[]"], "data.train_urls is empty"),
+    ("missing-validation-data", ["--corpus", "null", "--data.train_urls", "[{corpus}/pydoc/train.jsonl]", "--data.validation_urls", "[{w}/v.jsonl]", "--data.tokenizer", "{corpus}/pydoc/tokenizer"], "data.validation_urls[0]: file '{w}/v.jsonl' does not exist"),
+    ("missing-tokenizer", [*DATA, "--data.train_urls", "[{corpus}/pydoc/train.jsonl]", "--data.tokenizer", "{w}/no_tokenizer"], "data.tokenizer: '{w}/no_tokenizer' does not exist"),
+    ("broken-tokenizer", [*DATA, "--data.train_urls", "[{corpus}/pydoc/train.jsonl]", "--data.tokenizer", "{w}/broken_tokenizer"], "data.tokenizer='{w}/broken_tokenizer' could not be loaded"),
+    ("not-a-checkpoint", ["--trainer.load_checkpoint_path", "{w}/checkpoints/junk"], "is not a readable checkpoint"),
+]
+
+
+@pytest.mark.parametrize("args,message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_refused_before_anything_starts(world, corpus_root, capsys, monkeypatch, args, message):
+    import qkvflow.train
+
+    def tripwire(config):
+        raise Tripwire("bad input reached JAX's initialisation")
+
+    monkeypatch.setattr(qkvflow.train, "_initialize", tripwire)
+    monkeypatch.chdir(world)
+    before = _snapshot(world / "checkpoints")
+    rc, err = _run_cli(world, corpus_root, args, capsys)
+    _assert_refused(rc, err, _fill(message, world, corpus_root))
+    assert _snapshot(world / "checkpoints") == before
+
+
+def _assert_refused(rc, err, message):
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2, err
+    assert len(lines) == 1 and lines[0].startswith("qkvflow train: error: "), err
+    assert message in lines[0], lines[0]
+    assert "Traceback" not in err
+
+
+# The checkpoint of run `tiny` was written for base.yaml's model (GPT-2 flavour, hidden 32, vocabulary
+# 2048). Resuming it with a model or tokenizer that does not fit must fail at the resume check.
+RESUME = [
+    ("tokenizer-vocab-differs", ["--corpus.root", "{w}/corpus_512", "--corpus.vocab_size", "512"],
+     "model.token_embeddings.weight has shape (2048, 32) but this config's DiffEqFormerGpt2Config needs (vocab=512, embed=32); the tokenizer's vocabulary"),
+    ("other-model-type", ["--model.type", "diffeqformer_llama", "--model.seq_len", "32", "--model.hidden_dim", "32", "--model.num_heads", "2", "--model.time_embed_dim", "8", "--model.num_frequencies", "16"],
+     "has no array model."),
+    ("other-width", ["--model.hidden_dim", "64"], "but this config's DiffEqFormerGpt2Config needs"),
+]
+
+
+@pytest.mark.parametrize("args,message", [c[1:] for c in RESUME], ids=[c[0] for c in RESUME])
+def test_checkpoint_that_does_not_fit_the_config_is_refused(world, corpus_root, capsys, monkeypatch, args, message):
+    import qkvflow.faults
+    import qkvflow.train
+    from qkvflow import preflight
+
+    def trainer_tripwire(*args, **kwargs):
+        raise Tripwire("a checkpoint that does not fit reached the trainer")
+
+    monkeypatch.setattr(qkvflow.train, "_initialize", lambda config: preflight.check_devices(config.trainer))
+    monkeypatch.setattr(qkvflow.faults, "GuardedTrainer", trainer_tripwire)
+    monkeypatch.chdir(world)
+    before = _snapshot(world / "checkpoints")
+    rc, err = _run_cli(world, corpus_root, args, capsys)
+    _assert_refused(rc, err, message)
+    assert f"checkpoint '{world / 'checkpoints' / 'tiny' / 'step-5'}'" in err
+    assert _snapshot(world / "checkpoints") == before
+
+
+def test_the_checkpoint_fits_its_own_config(world, corpus_root, capsys, monkeypatch):
+    """The control for the table above: the same checkpoint with base.yaml passes the resume check."""
+    import qkvflow.faults
+    import qkvflow.train
+    from qkvflow import preflight
+
+    def trainer_tripwire(*args, **kwargs):
+        raise Tripwire("reached the trainer")
+
+    monkeypatch.setattr(qkvflow.train, "_initialize", lambda config: preflight.check_devices(config.trainer))
+    monkeypatch.setattr(qkvflow.faults, "GuardedTrainer", trainer_tripwire)
+    with pytest.raises(Tripwire):
+        _run_cli(world, corpus_root, [], capsys)
+
+
+def test_end_to_end_in_a_subprocess(world, corpus_root, tmp_path):
+    """The whole command, JAX start-up included: a tokenizer that does not fit the run's checkpoint."""
+    before = _snapshot(world / "checkpoints")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "qkvflow", "train", "--config_path", str(world / "base.yaml"),
+            "--corpus.root", str(world / "corpus_512"), "--corpus.vocab_size", "512",
+            "--trainer.checkpointer.base_path", str(world / "checkpoints"),
+            "--trainer.tracker", f"{{type: jsonl, path: {tmp_path / 'runs'}}}",
+            "--trainer.log_dir", str(tmp_path / "logs"),
+        ],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("qkvflow train: error:")]
+    assert len(errors) == 1 and "the tokenizer's vocabulary" in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert _snapshot(world / "checkpoints") == before
+
+
+@pytest.mark.parametrize(
+    "path", sorted(str(p.relative_to(ROOT)) for d in ("configs", "tests/configs") for p in (ROOT / d).rglob("*.yaml"))
+)
+def test_shipped_configs_pass_the_value_checks(path):
+    """No false alarms: every shipped config passes the checks that need no data or devices."""
+    import draccus
+
+    from qkvflow import preflight
+    from qkvflow.config import TrainConfig
+
+    preflight.check_config_file(str(ROOT / path))
+    preflight.check_values(draccus.parse(TrainConfig, config_path=str(ROOT / path), args=[]))

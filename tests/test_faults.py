@@ -1,0 +1,314 @@
+"""Faults during `qkvflow train`: SIGKILL at random moments and during a checkpoint write, SIGTERM
+(preemption), and non-finite steps. See qkvflow/faults.py for what the trainer does about each.
+
+Speed: every process here shares one JAX compilation cache (possible because EQX_ON_ERROR=nan turns
+Equinox's runtime checks, host callbacks that would make the step uncacheable, into NaNs; the
+tiny model never trips them), and skips evaluation, Levanter's jaxpr/HLO logging and its parameter
+watching (which costs a second compilation). None of this changes the arithmetic of a step.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from qkvflow.faults import incomplete_checkpoints
+from tests.train_utils import losses, train_args, train_env
+
+INTERVAL = 2  # trainer.checkpointer.keep: [{every: 2}]
+FAST = [
+    "--trainer.log_jaxprs", "false",
+    "--trainer.log_xla_hlo", "false",
+    "--trainer.watch.interval", "0",
+    "--loss_curve", "null",
+    "--trainer.max_eval_batches", "0",  # no evaluation: not what these tests are about
+    "--trainer.checkpointer.keep", f"[{{every: {INTERVAL}}}]",
+]
+
+
+@pytest.fixture(scope="module")
+def jax_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("jax_cache")
+
+
+class Run:
+    """`qkvflow train` in a subprocess that a test can signal while it runs."""
+
+    count = 0
+
+    def __init__(self, workdir: Path, corpus_root: Path, jax_cache: Path, *overrides: str, env=None, run_id="tiny"):
+        Run.count += 1
+        self.workdir = workdir
+        self.stdout_path = workdir / f"run{Run.count}.out"
+        self.stderr_path = workdir / f"run{Run.count}.err"
+        environ = train_env(1, EQX_ON_ERROR="nan")
+        environ.update(env or {})
+        args = train_args(
+            workdir, corpus_root, "--trainer.jax_compilation_cache_dir", str(jax_cache), *FAST, *overrides, run_id=run_id
+        )
+        with open(self.stdout_path, "w") as out, open(self.stderr_path, "w") as err:
+            self.proc = subprocess.Popen(args, cwd=workdir, env=environ, stdout=out, stderr=err)
+
+    @property
+    def stdout(self) -> str:
+        return self.stdout_path.read_text()
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_path.read_text()
+
+    def steps_done(self) -> int:
+        """The last step printed as `step N/M` (each is printed once it is done)."""
+        done = [int(line.split()[1].split("/")[0]) for line in self.stdout.splitlines() if line.startswith("step ")]
+        return max(done, default=0)
+
+    def wait_for(self, condition, timeout=600.0, poll=0.005) -> bool:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if condition():
+                return True
+            if self.proc.poll() is not None:
+                return condition()
+            time.sleep(poll)
+        raise AssertionError(f"timed out; stdout:\n{self.stdout[-2000:]}\nstderr:\n{self.stderr[-2000:]}")
+
+    def finish(self, timeout=600.0) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+
+    def describe(self) -> str:
+        return f"rc={self.proc.returncode}\nstdout:\n{self.stdout[-3000:]}\nstderr:\n{self.stderr[-3000:]}"
+
+
+def _step_dirs(workdir: Path, run_id="tiny") -> dict[str, bool]:
+    """step-N folder -> whether it has a readable metadata.json."""
+    root = workdir / "checkpoints" / run_id
+    out = {}
+    for d in sorted(root.glob("step-*")) if root.is_dir() else []:
+        try:
+            json.loads((d / "metadata.json").read_text())
+            out[d.name] = True
+        except (FileNotFoundError, json.JSONDecodeError):
+            out[d.name] = False
+    return out
+
+
+def _resumed_from(run: Run) -> int:
+    for line in run.stdout.splitlines():
+        if line.startswith("resuming run"):
+            return int(line.split()[-1])
+    return 0
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus_root, jax_cache):
+    """An uninterrupted 8-step run with the same settings."""
+    workdir = tmp_path_factory.mktemp("reference")
+    run = Run(workdir, corpus_root, jax_cache)
+    assert run.finish() == 0, run.describe()
+    curve = losses(workdir)
+    assert len(curve) == 8
+    return curve
+
+
+def _kill_at_random(workdir, corpus_root, jax_cache, rng, latest=3) -> tuple[Run, int]:
+    """SIGKILL once a random number of steps (1 to `latest`) is done, plus a random delay of up to a
+    second (about one step); returns the run and the last step it finished."""
+    run = Run(workdir, corpus_root, jax_cache)
+    after = rng.randint(1, latest)
+    delay = rng.uniform(0.0, 1.0)
+    run.wait_for(lambda: run.steps_done() >= after)
+    time.sleep(delay)
+    run.proc.send_signal(signal.SIGKILL)
+    run.finish()
+    return run, run.steps_done()
+
+
+def _kill_during_checkpoint_write(workdir, corpus_root, jax_cache) -> tuple[Run, str]:
+    """SIGKILL as soon as a new step-N folder appears, before its metadata.json (written last)."""
+    before = set(_step_dirs(workdir))
+    run = Run(workdir, corpus_root, jax_cache)
+    new = lambda: [d for d, complete in _step_dirs(workdir).items() if d not in before and not complete]  # noqa: E731
+    run.wait_for(lambda: bool(new()), poll=0.002)
+    run.proc.send_signal(signal.SIGKILL)
+    run.finish()
+    partial = new()
+    assert partial, f"the kill came after the checkpoint write finished: {_step_dirs(workdir)}\n{run.describe()}"
+    return run, partial[0]
+
+
+def test_kills_and_preemption_resume_to_the_uninterrupted_losses(tmp_path, corpus_root, jax_cache, reference):
+    """SIGKILL at a random step, SIGKILL during a checkpoint write, SIGTERM, then a run to the end:
+    the per-step losses equal an uninterrupted run's exactly, each resume loses at most one
+    checkpoint interval, and no half-written checkpoint folder is left."""
+    rng = random.Random(1234)
+
+    killed, done = _kill_at_random(tmp_path, corpus_root, jax_cache, rng)
+    assert killed.proc.returncode == -signal.SIGKILL
+
+    mid_write, partial = _kill_during_checkpoint_write(tmp_path, corpus_root, jax_cache)
+    resumed = _resumed_from(mid_write)
+    assert done - resumed <= INTERVAL + 1, (done, resumed)
+    done = mid_write.steps_done()
+
+    # SIGTERM: finish the step, save, exit 0, within a bounded time
+    preempted = Run(tmp_path, corpus_root, jax_cache)
+    preempted.wait_for(lambda: preempted.steps_done() > 0)
+    sent = time.monotonic()
+    preempted.proc.send_signal(signal.SIGTERM)
+    assert preempted.finish(timeout=120) == 0, preempted.describe()
+    elapsed = time.monotonic() - sent
+    assert elapsed < 60, elapsed
+    assert f"removing incomplete checkpoint {tmp_path / 'checkpoints' / 'tiny' / partial}" in preempted.stderr
+    assert "stopped by SIGTERM after step" in preempted.stderr, preempted.describe()
+    assert done - _resumed_from(preempted) <= INTERVAL + 1
+    stopped_at = preempted.steps_done()
+    assert stopped_at < 8, "SIGTERM came too late to test anything"
+    assert _step_dirs(tmp_path).get(f"step-{stopped_at - 1}") is True, _step_dirs(tmp_path)
+
+    final = Run(tmp_path, corpus_root, jax_cache)
+    assert final.finish() == 0, final.describe()
+    assert _resumed_from(final) == stopped_at  # SIGTERM lost nothing
+    assert f"step {stopped_at}/8" not in final.stdout and f"step {stopped_at + 1}/8" in final.stdout
+
+    assert losses(tmp_path) == reference
+    assert incomplete_checkpoints(str(tmp_path / "checkpoints" / "tiny")) == []
+    assert all(_step_dirs(tmp_path).values()), _step_dirs(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_many_random_kills(tmp_path, corpus_root, jax_cache, reference, seed):
+    """Like the test above with four random SIGKILLs in a row (several minutes)."""
+    rng = random.Random(seed)
+    for _ in range(4):
+        run, done = _kill_at_random(tmp_path, corpus_root, jax_cache, rng, latest=6)
+        if run.proc.returncode == 0:
+            break
+        assert done - _resumed_from(run) <= INTERVAL + 1
+    final = Run(tmp_path, corpus_root, jax_cache)
+    assert final.finish() == 0, final.describe()
+    assert losses(tmp_path) == reference
+    assert incomplete_checkpoints(str(tmp_path / "checkpoints" / "tiny")) == []
+
+
+# Both non-finite runs poison the same step the same way, so they share one compiled train step.
+POISON = {"QKVFLOW_TEST_INJECT_NONFINITE": "3:grad:weights.w1.proj"}
+
+
+def test_nonfinite_gradient_stops_naming_step_and_parameter(tmp_path, corpus_root, jax_cache):
+    run = Run(tmp_path, corpus_root, jax_cache, env=POISON)
+    assert run.finish() == 3, run.describe()
+    error = [line for line in run.stderr.splitlines() if line.startswith("qkvflow train: error:")]
+    assert len(error) == 1, run.describe()
+    assert "non-finite values at step 3/8: first in the gradients" in error[0]
+    assert "generator.weights.w1.proj (1 of" in error[0]
+    assert "Traceback" not in run.stderr
+    assert "step 2/8" in run.stdout and "step 3/8" not in run.stdout
+    # no checkpoint of the poisoned step or later (folder step-2 would hold the state after step 3)
+    assert _step_dirs(tmp_path) == {}
+    assert len(losses(tmp_path)) == 2
+
+
+def test_nonfinite_step_is_skipped_in_skip_mode(tmp_path, corpus_root, jax_cache):
+    run = Run(tmp_path, corpus_root, jax_cache, "--nonfinite", "skip", "--stop_after", "5", env=POISON)
+    assert run.finish() == 0, run.describe()
+    assert "skipped step 3: non-finite values at step 3/8: first in the gradients" in run.stderr
+    assert "skipped_steps: [3]" in run.stdout
+    curve = losses(tmp_path)
+    assert len(curve) == 5 and all(c == c for c in curve)  # the loss of step 3 is finite: only w1's gradient was poisoned
+    assert _step_dirs(tmp_path) == {"step-2": True, "step-4": True}
+
+
+# --- in-process pieces ----------------------------------------------------------------------------
+
+
+def test_report_names_where_nonfinite_values_first_appear():
+    import jax.numpy as jnp
+    import numpy as np
+
+    from qkvflow.faults import _gradient_paths, describe_nonfinite
+    from tests.helpers import tiny_config, tiny_model
+
+    model = tiny_model(tiny_config())
+    names = _gradient_paths(model)
+    ok = np.ones(len(names), bool)
+    one_bad = ok.copy()
+    one_bad[names.index("generator.weights.w2.proj")] = False
+    report = describe_nonfinite(model, 3.25, one_bad, 7, 10)
+    assert report.startswith("non-finite values at step 7/10: first in the gradients (the loss 3.2500 is finite)")
+    assert "generator.weights.w2.proj (1 of" in report
+    assert "first in the loss" in describe_nonfinite(model, float("nan"), ~ok, 2, 10)
+    import equinox as eqx
+
+    poisoned = eqx.tree_at(lambda m: m.generator.weights["q"].proj.array, model, model.generator.weights["q"].proj.array * jnp.inf)
+    report = describe_nonfinite(poisoned, float("nan"), ~ok, 2, 10)
+    assert "first in the parameters: generator.weights.q.proj" in report
+
+
+def test_injection_spec(monkeypatch):
+    from qkvflow.faults import INJECT_ENV, Injection
+
+    monkeypatch.delenv(INJECT_ENV, raising=False)
+    assert Injection.from_env() is None
+    monkeypatch.setenv(INJECT_ENV, "5:grad:w1")
+    assert Injection.from_env() == Injection(5, "w1")
+    monkeypatch.setenv(INJECT_ENV, "2:loss")
+    assert Injection.from_env() == Injection(2, "loss")
+    monkeypatch.setenv(INJECT_ENV, "2:params")
+    with pytest.raises(ValueError):
+        Injection.from_env()
+
+
+def test_incomplete_checkpoints_are_found_and_removed(tmp_path):
+    import levanter.checkpoint
+
+    from qkvflow.faults import remove_incomplete_checkpoints
+
+    run = tmp_path / "run"
+
+    def folder(name, metadata=None):
+        (run / name / "model").mkdir(parents=True)
+        (run / name / "model" / ".zarray").write_text("{}")
+        if metadata is not None:
+            (run / name / "metadata.json").write_text(metadata)
+
+    def meta(step, ts, temporary=False):
+        return json.dumps({"step": step, "timestamp": ts, "is_temporary": temporary})
+
+    folder("step-2", meta(2, "2025-01-01T00:00:02"))
+    folder("step-3", meta(3, "2025-01-01T00:00:03", temporary=True))  # superseded temporary checkpoint
+    folder("step-4", meta(4, "2025-01-01T00:00:04"))
+    folder("step-6")  # killed before metadata.json
+    folder("step-8", "")  # killed while writing metadata.json
+    folder("notes")  # not Levanter's: left alone
+    expected = [str(run / n) for n in ("step-3", "step-6", "step-8")]
+    assert incomplete_checkpoints(str(run)) == expected
+    assert incomplete_checkpoints(str(run), superseded_temporary=False) == expected[1:]  # delete_old_temp_checkpoints: false
+    # Levanter alone skips step-6 (no metadata.json) but cannot resume past the truncated one
+    with pytest.raises(json.JSONDecodeError):
+        levanter.checkpoint.discover_latest_checkpoint(str(run))
+    assert remove_incomplete_checkpoints(str(run)) == expected
+    assert sorted(p.name for p in run.iterdir()) == ["notes", "step-2", "step-4"]
+    assert levanter.checkpoint.discover_latest_checkpoint(str(run)) == str(run / "step-4")
+    assert incomplete_checkpoints(str(tmp_path / "missing")) == []
+
+
+def test_sigterm_requests_a_stop_after_the_current_batch():
+    from qkvflow.faults import Preemption
+
+    with Preemption() as preemption:
+        batches = preemption.wrap(iter(range(10)))
+        assert next(batches) == 0
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert preemption.requested and preemption.signal_name == "SIGTERM"
+        assert list(batches) == []
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
