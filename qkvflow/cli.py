@@ -13,6 +13,7 @@ VERBS = {
     "train": ("qkvflow.train", "train a model with Levanter (--config_path CFG [--key value ...])"),
     "describe": ("qkvflow.describe", "parameter counts and FLOPs of a config, as JSON"),
     "analyze": ("qkvflow.analyze", "spectra | lyapunov | clusters: the paper's analyses, figures and JSON"),
+    "export": ("qkvflow.export", "a DiffEqFormer checkpoint as a Hugging Face model (--steps M layers) [+ --ode]"),
 }
 
 

@@ -1,0 +1,92 @@
+"""`qkvflow export`: a trained DiffEqFormer as a Hugging Face model (and optionally as an ODE export).
+
+    qkvflow export --checkpoint DIR --config_path CFG [--steps M] --output OUT [--overwrite] [--solver euler] [--ode]
+
+Discretises the ODE model into M parallel blocks (`qkvflow.discretise`; M defaults to the config's
+ode.num_steps, where the export computes exactly the model's Euler solve) and writes OUT as a
+transformers folder (`qkvflow.hf_folder`) with the run's tokenizer. `--ode` also writes the full
+ODE model to OUT/ode (`qkvflow.ode_export`). Further `--dotted.key value` arguments override the
+config as in `qkvflow train` (e.g. `--corpus.root`). Prints a JSON summary. See docs/export.md.
+"""
+
+import argparse
+import json
+import os
+import shutil
+
+from qkvflow.errors import UserError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qkvflow export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", required=True, help="checkpoints/<run_id> or one of its step-N folders")
+    parser.add_argument("--config_path", required=True, help="the run's training config (YAML)")
+    parser.add_argument("--output", required=True, help="folder to write (must be empty or absent)")
+    parser.add_argument("--steps", type=int, default=None, help="M, the number of layers (default: ode.num_steps)")
+    parser.add_argument("--solver", default="euler", help="discretisation: euler (the only one that maps to blocks)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output folder")
+    parser.add_argument("--ode", action="store_true", help="also write the full ODE model to OUTPUT/ode")
+    return parser
+
+
+def check_output(path: str, overwrite: bool) -> None:
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"export: --output {path} is a file: expected a folder (absent or empty)")
+    if os.path.isdir(path) and os.listdir(path) and not overwrite:
+        raise UserError(f"export: --output {path} exists and is not empty: expected an empty folder, or --overwrite")
+
+
+def _train_config(path: str, overrides: list[str]):
+    import draccus
+
+    import qkvflow.models.discrete  # noqa: F401  (registers parallel_*, so such configs parse and are refused)
+    from qkvflow.config import TrainConfig
+    from qkvflow.models.config import DiffEqFormerConfig
+
+    config = draccus.parse(TrainConfig, config_path=path, args=overrides)
+    if not isinstance(config.model, DiffEqFormerConfig):
+        from levanter.models.lm_model import LmConfig
+
+        kind = LmConfig.get_choice_name(type(config.model))
+        raise UserError(f"{path}: export needs a DiffEqFormer checkpoint; got model.type={kind}")
+    return config
+
+
+def export(args, overrides: list[str]) -> dict:
+    from qkvflow.discretise import SOLVERS, discretise
+
+    if args.steps is not None and args.steps < 1:
+        raise UserError(f"export: --steps {args.steps} is invalid: expected an integer >= 1 (the number of layers)")
+    if args.solver not in SOLVERS:
+        raise UserError(f"export: --solver {args.solver} is invalid: expected one of {list(SOLVERS)}")
+    check_output(args.output, args.overwrite)
+    config = _train_config(args.config_path, overrides)
+
+    from qkvflow.checkpoints import load_model
+    from qkvflow.hf_folder import save_hf_folder
+    from qkvflow.ode_export import save_ode_export
+
+    model, tokenizer = load_model(config, args.checkpoint)
+    steps = args.steps or config.model.ode.num_steps
+    discrete = discretise(model, steps, args.solver)
+    if os.path.isdir(args.output):
+        shutil.rmtree(args.output)
+    os.makedirs(args.output)
+    files = save_hf_folder(discrete, args.output, tokenizer=tokenizer, ode_steps=config.model.ode.num_steps)
+    if args.ode:
+        files += save_ode_export(model, os.path.join(args.output, "ode"))
+    exact = steps == config.model.ode.num_steps and config.model.ode.solver == "euler"
+    return {
+        "output": args.output,
+        "model_type": f"qkvflow_parallel_{discrete.config.flavour}",
+        "layers": steps,
+        "ode_steps": config.model.ode.num_steps,
+        "equals_ode_solve": exact,
+        "files": files,
+    }
+
+
+def main(argv: list[str]) -> int:
+    args, overrides = _parser().parse_known_args(argv)
+    print(json.dumps(export(args, overrides), indent=2))
+    return 0

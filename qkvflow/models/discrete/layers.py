@@ -1,0 +1,129 @@
+"""The parallel block: attention and feed-forward read the same x, each through its own pre-norm,
+
+    x <- x + o_proj(Attn(attn_norm(x))) + mlp(mlp_norm(x)),
+
+which is one Euler step x + dt F(W(t_k), x) of a DiffEqFormer field once dt is folded into o_proj
+and the feed-forward's output projection. Every projection is an `haliax.nn.Linear`, so Levanter's
+`loraize` can wrap it; field names are the Hugging Face module names of `qkvflow.hf`.
+
+Attention is computed as in `qkvflow.models.fields.common.self_attention` (Levanter's
+`dot_product_attention`, scale 1/sqrt(head_size), Levanter's half-split rotary for Llama).
+"""
+
+from typing import Callable, Optional
+
+import equinox as eqx
+import haliax as hax
+import haliax.nn as hnn
+import jax.numpy as jnp
+import jax.random as jrandom
+from haliax import NamedArray
+from levanter.layers.attention import AttentionMask, dot_product_attention
+
+from .config import ParallelConfig
+
+
+def make_norm(config: ParallelConfig, weight=None, bias=None) -> hnn.LayerNorm | hnn.RmsNorm:
+    """The flavour's pre-norm: LayerNorm (GPT-2) or float32 RMSNorm (Llama), as the ODE fields use."""
+    Embed, eps = config.Embed, config.layer_norm_epsilon
+    if config.flavour == "gpt2":
+        weight = hax.ones(Embed) if weight is None else weight
+        bias = hax.zeros(Embed) if bias is None else bias
+        return hnn.LayerNorm(Embed, weight, bias, eps=eps)
+    weight = hax.ones(Embed) if weight is None else weight
+    return hnn.RmsNorm(Embed, weight, None, eps=eps, dtype=jnp.float32)
+
+
+class ParallelAttention(eqx.Module):
+    config: ParallelConfig = eqx.field(static=True)
+    q_proj: hnn.Linear  # embed -> (heads, head_size)
+    k_proj: hnn.Linear
+    v_proj: hnn.Linear
+    o_proj: hnn.Linear  # (heads, head_size) -> embed
+
+    @staticmethod
+    def init(config: ParallelConfig, *, key) -> "ParallelAttention":
+        Embed, Qkv, bias = config.Embed, (config.Heads, config.HeadSize), config.has_attention_bias
+        kq, kk, kv, ko = jrandom.split(key, 4)
+        q = hnn.Linear.init(Embed, Qkv, key=kq, use_bias=bias)
+        k = hnn.Linear.init(Embed, Qkv, key=kk, use_bias=bias)
+        v = hnn.Linear.init(Embed, Qkv, key=kv, use_bias=bias)
+        o = hnn.Linear.init(Qkv, Embed, key=ko, use_bias=bias)
+        return ParallelAttention(config, q, k, v, o)
+
+    def __call__(self, h: NamedArray, mask, pos_ids: NamedArray) -> NamedArray:
+        config = self.config
+        q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        if config.flavour == "llama":
+            rotary = config.rope.build(config.HeadSize)
+            q, k = rotary(q, pos_ids), rotary(k, pos_ids)
+        k = k.rename({config.Pos.name: config.KeyPos.name})
+        v = v.rename({config.Pos.name: config.KeyPos.name})
+        out = dot_product_attention(
+            config.Pos.name,
+            config.KeyPos.name,
+            config.HeadSize.name,
+            q,
+            k,
+            v,
+            mask=mask,
+            attn_backend=config.attn_backend,
+            flash_block_size=config.flash_attention_block_size,
+        )
+        return self.o_proj(out.astype(h.dtype))
+
+
+class Gpt2Mlp(eqx.Module):
+    """down_proj(act(up_proj(m)))."""
+
+    up_proj: hnn.Linear
+    down_proj: hnn.Linear
+    act: Callable = eqx.field(static=True)
+
+    @staticmethod
+    def init(config: ParallelConfig, *, key) -> "Gpt2Mlp":
+        k_up, k_down = jrandom.split(key)
+        bias = config.has_mlp_bias
+        up = hnn.Linear.init(config.Embed, config.Mlp, key=k_up, use_bias=bias)
+        down = hnn.Linear.init(config.Mlp, config.Embed, key=k_down, use_bias=bias)
+        return Gpt2Mlp(up, down, config.activation_function.to_fn())
+
+    def __call__(self, m: NamedArray) -> NamedArray:
+        return self.down_proj(self.act(self.up_proj(m)))
+
+
+class SwiGluMlp(eqx.Module):
+    """down_proj(silu(gate_proj(m)) * up_proj(m))."""
+
+    gate_proj: hnn.Linear
+    up_proj: hnn.Linear
+    down_proj: hnn.Linear
+
+    @staticmethod
+    def init(config: ParallelConfig, *, key) -> "SwiGluMlp":
+        kg, ku, kd = jrandom.split(key, 3)
+        bias = config.has_mlp_bias
+        gate = hnn.Linear.init(config.Embed, config.Mlp, key=kg, use_bias=bias)
+        up = hnn.Linear.init(config.Embed, config.Mlp, key=ku, use_bias=bias)
+        down = hnn.Linear.init(config.Mlp, config.Embed, key=kd, use_bias=bias)
+        return SwiGluMlp(gate, up, down)
+
+    def __call__(self, m: NamedArray) -> NamedArray:
+        return self.down_proj(hnn.silu(self.gate_proj(m)) * self.up_proj(m))
+
+
+class ParallelBlock(eqx.Module):
+    attn_norm: hnn.LayerNorm | hnn.RmsNorm
+    self_attn: ParallelAttention
+    mlp_norm: hnn.LayerNorm | hnn.RmsNorm
+    mlp: Gpt2Mlp | SwiGluMlp
+
+    @staticmethod
+    def init(config: ParallelConfig, *, key) -> "ParallelBlock":
+        k_attn, k_mlp = jrandom.split(key)
+        mlp_cls = Gpt2Mlp if config.flavour == "gpt2" else SwiGluMlp
+        attn = ParallelAttention.init(config, key=k_attn)
+        return ParallelBlock(make_norm(config), attn, make_norm(config), mlp_cls.init(config, key=k_mlp))
+
+    def __call__(self, x: NamedArray, mask: Optional[AttentionMask | NamedArray], pos_ids: NamedArray) -> NamedArray:
+        return x + self.self_attn(self.attn_norm(x), mask, pos_ids) + self.mlp(self.mlp_norm(x))

@@ -1,0 +1,234 @@
+"""`qkvflow export`: checkpoints of tiny ODE models exported and read back by `transformers` in torch.
+
+Checkpoints are saved as training saves them ({"model": ...} under step-N), with seeded random
+weights (no initialiser runs). Logits are compared on the same tokens: torch export vs the JAX
+discrete model, and, at M = N Euler steps, vs the ODE model itself.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qkvflow.data.corpora import prepare_corpus
+
+ROOT = Path(__file__).resolve().parents[2]
+N = 4  # ode.num_steps of the tiny models
+MODEL_YAML = """
+model:
+  type: {type}
+  seq_len: 12
+  hidden_dim: 32
+  num_heads: 4
+  time_embed_dim: 8
+  num_frequencies: 16
+  ode:
+    num_steps: 4
+"""
+GPT2_YAML = "model:\n  type: gpt2\n  seq_len: 12\n  hidden_dim: 32\n  num_heads: 4\n  num_layers: 2\n"
+TOKENS = np.array([[5, 17, 300, 42, 9, 1000, 7, 7, 123, 64, 2, 88], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]])
+
+
+def _relative_error(a, b) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@pytest.fixture(scope="module")
+def corpus_root(tmp_path_factory):
+    root = tmp_path_factory.getbasetemp() / "shared_corpora"
+    prepare_corpus("pydoc", str(root))
+    return root
+
+
+def _save_run(workdir: Path, corpus_root: Path, model_yaml: str, *, seed=0):
+    """(config path, checkpoint dir, model) of a random model of `model_yaml`, saved as training does."""
+    import draccus
+    import levanter.checkpoint
+    from haliax import Axis
+
+    import qkvflow.models.discrete  # noqa: F401
+    from qkvflow.config import TrainConfig
+    from qkvflow.train import with_corpus
+    from tests.analysis.builders import filled
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    config_path = workdir / "config.yaml"
+    config_path.write_text(f"corpus:\n  name: pydoc\n  root: {corpus_root}\n{model_yaml}")
+    config = draccus.parse(TrainConfig, config_path=str(config_path), args=[])
+    vocab = Axis("vocab", len(with_corpus(config).data.the_tokenizer))
+    model = filled(config.model, vocab, seed=seed, std=0.1)
+    step = workdir / "checkpoints" / "step-0"
+    levanter.checkpoint.save_checkpoint({"model": model}, step=0, checkpoint_path=str(step), is_temporary=False)
+    return str(config_path), str(workdir / "checkpoints"), model
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, corpus_root):
+    base = tmp_path_factory.mktemp("export_runs")
+    return {
+        kind: _save_run(base / kind, corpus_root, MODEL_YAML.format(type=kind))
+        for kind in ("diffeqformer_gpt2", "diffeqformer_llama", "shared_ode_gpt2")
+    }
+
+
+def _export(capsys, config_path, checkpoint, output, *extra) -> dict:
+    from qkvflow.cli import main
+
+    rc = main(["export", "--config_path", config_path, "--checkpoint", checkpoint, "--output", str(output), *extra])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return json.loads(out)
+
+
+def _torch_logits(folder, **kwargs) -> np.ndarray:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs).eval()
+    with torch.no_grad():
+        return model(torch.tensor(TOKENS)).logits.numpy()
+
+
+def _jax_logits(model) -> np.ndarray:
+    import haliax as hax
+    from haliax import Axis
+
+    ids = hax.named(TOKENS.astype(np.int32), (Axis("batch", 2), model.Pos))
+    return np.asarray(model(ids).array)
+
+
+@pytest.fixture(scope="module")
+def exported(runs, tmp_path_factory):
+    """kind -> (folder, summary) of `qkvflow export ... --ode` at the default M = N."""
+    import contextlib
+    import io
+
+    from qkvflow.cli import main
+
+    out = {}
+    for kind, (config_path, checkpoint, _) in runs.items():
+        folder = tmp_path_factory.mktemp("export") / kind
+        stdout = io.StringIO()
+        with contextlib.redirect_stdout(stdout):
+            args = ["--config_path", config_path, "--checkpoint", checkpoint, "--output", str(folder), "--ode"]
+            rc = main(["export", *args])
+        assert rc == 0
+        out[kind] = folder, json.loads(stdout.getvalue())
+    return out
+
+
+@pytest.mark.parametrize("kind", ["diffeqformer_gpt2", "diffeqformer_llama", "shared_ode_gpt2"])
+def test_export_at_n_steps_gives_the_ode_models_logits_in_torch(runs, exported, kind):
+    from qkvflow.discretise import discretise
+
+    model = runs[kind][2]
+    folder, summary = exported[kind]
+    assert summary["layers"] == N and summary["equals_ode_solve"]
+    torch_logits = _torch_logits(folder, trust_remote_code=True)
+    assert _relative_error(torch_logits, _jax_logits(discretise(model, N))) < 1e-4
+    assert _relative_error(torch_logits, _jax_logits(model)) < 1e-4
+    config = json.loads((folder / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"].startswith("modeling_qkvflow.")
+    assert config["num_hidden_layers"] == N and config["ode_steps"] == N
+
+
+def test_other_depths_match_the_discrete_model_generate_and_overwrite(runs, tmp_path, capsys):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from qkvflow.discretise import discretise
+
+    config_path, checkpoint, model = runs["diffeqformer_llama"]
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    summary = _export(capsys, config_path, checkpoint, out, "--steps", "6", "--overwrite")
+    assert not (out / "old.txt").exists() and summary["layers"] == 6 and not summary["equals_ode_solve"]
+    torch_logits = _torch_logits(out, trust_remote_code=True)
+    assert _relative_error(torch_logits, _jax_logits(discretise(model, 6))) < 1e-4
+    hf = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True).eval()
+    prompt = torch.tensor(TOKENS[:, :4])
+    generated = hf.generate(prompt, max_new_tokens=5, do_sample=False)
+    assert generated.shape == (2, 9) and torch.equal(generated[:, :4], prompt)
+    with torch.no_grad():  # greedy decoding without a cache = argmax of the full forward pass
+        assert int(generated[0, 4]) == int(hf(prompt).logits[0, -1].argmax())
+
+
+def test_register_loads_without_remote_code_and_the_tokenizer_is_there(runs, exported):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import qkvflow.hf
+
+    folder, _ = exported["diffeqformer_gpt2"]
+    qkvflow.hf.register()
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=False)
+    assert type(hf).__module__ == "qkvflow.hf.modeling_qkvflow"
+    assert len(AutoTokenizer.from_pretrained(str(folder))) == runs["diffeqformer_gpt2"][2].Vocab.size
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch and transformers: ~15 s
+def test_exported_folder_loads_with_qkvflow_unimportable(exported, tmp_path):
+    folder, _ = exported["diffeqformer_llama"]
+    code = (
+        "import sys; sys.modules['qkvflow'] = None\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True)\n"
+        "print(type(m).__name__)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "QkvflowParallelLlamaForCausalLM" in proc.stdout
+
+
+def test_ode_export_round_trip(runs, exported):
+    import jax
+
+    from qkvflow.ode_export import load_ode_export
+
+    for kind in ("diffeqformer_llama", "shared_ode_gpt2"):
+        model = runs[kind][2]
+        loaded = load_ode_export(str(exported[kind][0] / "ode"))
+        assert type(loaded.config) is type(model.config) and loaded.config == model.config
+        for a, b in zip(jax.tree_util.tree_leaves(loaded), jax.tree_util.tree_leaves(model), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(_jax_logits(loaded), _jax_logits(model))  # shared_ode_gpt2
+
+
+def _refused(capsys, args) -> str:
+    from qkvflow.cli import main
+
+    rc = main(["export", *args])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.count("\n") == 1 and err.startswith("qkvflow export: error: ") and "Traceback" not in err
+    return err
+
+
+def test_bad_input_is_refused_with_one_line(runs, tmp_path, capsys, corpus_root):
+    config_path, checkpoint, _ = runs["diffeqformer_gpt2"]
+    args = ["--config_path", config_path, "--checkpoint", checkpoint]
+    err = _refused(capsys, [*args, "--steps", "0", "--output", str(tmp_path / "a")])
+    assert "--steps 0 is invalid: expected an integer >= 1" in err
+    assert "--solver rk4 is invalid: expected one of ['euler']" in _refused(
+        capsys, [*args, "--solver", "rk4", "--output", str(tmp_path / "a")]
+    )
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep.txt").write_text("mine")
+    assert "exists and is not empty" in _refused(capsys, [*args, "--output", str(full)])
+    assert (full / "keep.txt").read_text() == "mine"
+
+    gpt2_config, gpt2_checkpoint, _ = _save_run(tmp_path / "gpt2", corpus_root, GPT2_YAML)
+    gpt2_args = ["--config_path", gpt2_config, "--checkpoint", gpt2_checkpoint]
+    err = _refused(capsys, [*gpt2_args, "--output", str(tmp_path / "b")])
+    assert "export needs a DiffEqFormer checkpoint; got model.type=gpt2" in err
+    parallel = tmp_path / "parallel.yaml"
+    parallel.write_text(f"corpus:\n  name: pydoc\n  root: {corpus_root}\nmodel:\n  type: parallel_gpt2\n")
+    err = _refused(capsys, ["--config_path", str(parallel), "--checkpoint", checkpoint, "--output", str(tmp_path / "d")])
+    assert "got model.type=parallel_gpt2" in err
+    err = _refused(capsys, [*args[:2], "--checkpoint", gpt2_checkpoint, "--output", str(tmp_path / "c")])
+    assert "does not hold a DiffEqFormerGpt2Config model" in err
+    assert not any((tmp_path / name).exists() for name in "abcd")

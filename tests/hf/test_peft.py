@@ -1,0 +1,42 @@
+"""The LoRA hand-off: a Levanter LoRA on the discrete model, saved with `save_peft_pretrained`, loads
+with PEFT onto the exported torch base model and gives the JAX LoRA model's logits."""
+
+import numpy as np
+import pytest
+
+from tests.helpers import random_tokens, tiny_config
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.mark.parametrize("flavour", ["gpt2", "llama"])
+def test_levanter_lora_loads_in_peft_on_the_export(tmp_path, flavour):
+    import jax.random as jrandom
+    import torch
+    from levanter.lora import LoraConfig, loraize, save_peft_pretrained
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from qkvflow.discretise import discretise
+    from qkvflow.hf_folder import save_hf_folder
+    from tests.analysis.builders import filled
+
+    config = tiny_config(flavour)
+    discrete = discretise(filled(config, std=0.1), 3)
+    base_dir, adapter_dir = tmp_path / "base", tmp_path / "adapter"
+    base_dir.mkdir()
+    save_hf_folder(discrete, str(base_dir))
+
+    lora_config = LoraConfig(target_modules=TARGETS, r=2, alpha=4.0)
+    lora_model = loraize(discrete, lora_config, key=jrandom.PRNGKey(3))
+    save_peft_pretrained(lora_model, lora_config, str(base_dir), str(adapter_dir), prefix="base_model.model")
+
+    tokens = random_tokens(config)
+    expected = np.asarray(lora_model(tokens).array)
+    assert np.abs(expected - np.asarray(discrete(tokens).array)).max() > 1e-3  # the adapter does something
+
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), trust_remote_code=True)
+    peft_model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+    with torch.no_grad():
+        logits = peft_model(torch.tensor(np.asarray(tokens.array))).logits.numpy()
+    assert np.abs(logits - expected).max() / np.abs(expected).max() < 1e-4
