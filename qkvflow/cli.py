@@ -14,6 +14,7 @@ VERBS = {
     "describe": ("qkvflow.describe", "parameter counts and FLOPs of a config, as JSON"),
     "analyze": ("qkvflow.analyze", "spectra | lyapunov | clusters: the paper's analyses, figures and JSON"),
     "export": ("qkvflow.export", "a DiffEqFormer checkpoint as a Hugging Face model (--steps M layers) [+ --ode]"),
+    "bench": ("qkvflow.bench", "speed | scaling | quality: throughput, memory scaling and Tiny Shakespeare benchmarks"),
 }
 
 

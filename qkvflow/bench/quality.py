@@ -1,0 +1,132 @@
+"""`qkvflow bench quality`: validation loss at a fixed training budget on Tiny Shakespeare.
+
+Each model trains in its own `qkvflow train` subprocess from benchmarks/configs/quality_<name>.yaml
+(nanoGPT's CPU "baby GPT" budget: 4 layers/steps, 4 heads, width 128, context 64, batch 12, 2000
+iterations, lr 1e-3 cosine to 1e-4, beta2 0.99, dropout 0; nanoGPT reports val loss 1.88 for its GPT).
+The runs write into a fresh work folder (so nothing resumes), and the final `eval/loss` over the
+validation split (the last 10% of the text) is collected into JSON and a markdown table.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from qkvflow.errors import UserError
+from qkvflow.tracking import metrics_file, read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = ("ode", "gpt2", "shared")
+LABELS = {
+    "ode": "DiffEqFormer (diffeqformer_gpt2, N=4 Euler steps, d_emb=64)",
+    "gpt2": "GPT-2 baseline (Levanter gpt2, 4 layers)",
+    "shared": "weight-shared ODE (shared_ode_gpt2, N=4)",
+}
+NANOGPT_VAL_LOSS = 1.88
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qkvflow bench quality", description=__doc__)
+    p.add_argument("--iters", type=int, default=2000, help="training steps per model (schedule spans them)")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
+    p.add_argument("--configs_dir", default=str(ROOT / "benchmarks" / "configs"))
+    p.add_argument("--corpus_root", default=str(ROOT / "cache" / "corpora"))
+    p.add_argument("--max_eval_batches", type=int, default=None, help="evaluate on a slice (default: all)")
+    p.add_argument("--out_dir", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--name", default="quality", help="output files OUT_DIR/NAME.json and NAME.md")
+    p.add_argument("--workdir", default=None, help="where runs write (default: a fresh temporary folder)")
+    p.add_argument("--timeout", type=float, default=7200.0, help="seconds per model")
+    return p
+
+
+def train_one(name: str, args, workdir: Path) -> dict:
+    config = Path(args.configs_dir) / f"quality_{name}.yaml"
+    if not config.is_file():
+        raise UserError(f"bench quality: config {config} not found")
+    run_id = f"quality_{name}"
+    cmd = [
+        sys.executable, "-m", "qkvflow", "train", "--config_path", str(config),
+        "--corpus.root", args.corpus_root,
+        "--trainer.id", run_id,
+        "--trainer.num_train_steps", str(args.iters),
+        "--trainer.steps_per_eval", str(args.iters),
+        "--trainer.checkpointer.base_path", str(workdir / "checkpoints"),
+        "--trainer.tracker", f"{{type: jsonl, path: {workdir / 'runs'}}}",
+        "--trainer.log_dir", str(workdir / "logs"),
+        "--log_every", str(max(1, min(100, args.iters // 10))),
+    ]
+    if args.max_eval_batches is not None:
+        cmd += ["--trainer.max_eval_batches", str(args.max_eval_batches)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    start = time.perf_counter()
+    with open(workdir / f"{name}.log", "w") as log:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        tail = (workdir / f"{name}.log").read_text().strip().splitlines()[-1:]
+        raise UserError(f"bench quality: training {name} failed (exit {proc.returncode}): {' '.join(tail)}")
+    steps = read_metrics(metrics_file(str(workdir / "runs"), run_id))
+    evals = [s for s in sorted(steps) if "eval/loss" in steps[s]]
+    trains = [s for s in sorted(steps) if "train/loss" in steps[s]]
+    params = None
+    with open(metrics_file(str(workdir / "runs"), run_id)) as f:
+        for line in f:
+            record = json.loads(line)
+            if record.get("event") == "summary" and "parameter_count" in record.get("metrics", {}):
+                params = int(record["metrics"]["parameter_count"])
+    shutil.rmtree(workdir / "checkpoints" / run_id, ignore_errors=True)
+    return {
+        "label": LABELS[name],
+        "config": os.path.relpath(config, ROOT),
+        "val_loss": steps[evals[-1]]["eval/loss"] if evals else None,
+        "train_loss": steps[trains[-1]]["train/loss"] if trains else None,
+        "steps": (trains[-1] + 1) if trains else 0,
+        "parameter_count": params,
+        "wall_s": round(wall, 1),
+    }
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        f"Tiny Shakespeare (char level), {result['iters']} iterations x batch 12 x context 64"
+        + (f", eval on {result['max_eval_batches']} batches" if result["max_eval_batches"] else ", full validation split"),
+        "",
+        "| model | params | val loss | train loss | wall (s) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in result["models"].values():
+        val = f"{r['val_loss']:.4f}" if r["val_loss"] is not None else "-"
+        train = f"{r['train_loss']:.4f}" if r["train_loss"] is not None else "-"
+        lines.append(f"| {r['label']} | {r['parameter_count'] or '-'} | {val} | {train} | {r['wall_s']} |")
+    lines.append(f"| nanoGPT baby GPT (reference, 2000 iters) | 0.80M | {NANOGPT_VAL_LOSS} | - | - |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    if args.iters < 1:
+        raise UserError(f"--iters={args.iters} is invalid: expected an integer >= 1")
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    bad = [n for n in names if n not in MODELS]
+    if bad or not names:
+        raise UserError(f"--models={args.models!r} is invalid: expected a comma-separated subset of {','.join(MODELS)}")
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="qkvflow-quality-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    result = {"iters": args.iters, "max_eval_batches": args.max_eval_batches, "workdir": str(workdir),
+              "reference_nanogpt_val_loss": NANOGPT_VAL_LOSS, "models": {}}
+    for name in names:
+        print(f"bench quality: training {name} for {args.iters} steps (log: {workdir / (name + '.log')})", flush=True)
+        result["models"][name] = train_one(name, args, workdir)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    table = markdown(result)
+    (out / f"{args.name}.md").write_text(table)
+    print(json.dumps(result))
+    print(table)
+    return 0

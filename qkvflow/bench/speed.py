@@ -1,0 +1,266 @@
+"""`qkvflow bench speed --config_path CFG`: training throughput of a DiffEqFormer against its baseline.
+
+In one process: the DiffEqFormer of CFG's `model` section and Levanter's GPT-2 (or Llama) of the same
+shape (hidden, heads, MLP, sequence, vocabulary; layers = the ODE's vector-field evaluations). Each
+full training step (loss + gradient + optax update, jitted with donated state, as Levanter's trainer
+does it) is compiled first, warmed up, then timed `--repeats` times, alternating the two models so
+that background load hits both alike. Prints one JSON object.
+
+FLOPs are model FLOPs (3 x forward, Levanter's convention; the ODE's includes its hypernetwork, none
+include rematerialisation), so `fraction_of_matmul_peak` is an MFU against a matmul measured in the
+same run.
+"""
+
+import argparse
+import dataclasses
+import json
+import platform
+import time
+from pathlib import Path
+
+import equinox as eqx
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+import yaml
+
+from qkvflow.bench.memory import process_peak, xla_memory
+from qkvflow.bench.peak import matmul_peak
+from qkvflow.errors import UserError
+
+CORPUS_VOCAB = {"tinyshakespeare": 66, "pydoc": 2048}
+DTYPES = {"f32": "p=f32,c=f32", "bf16": "p=f32,c=bfloat16"}
+
+
+def parser(prog="qkvflow bench speed") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config_path", required=True, help="a train or bench config with a DiffEqFormer `model` section")
+    p.add_argument("--batch", type=int, default=None, help="default: bench.batch, trainer.train_batch_size, or 8")
+    p.add_argument("--seq_len", type=int, default=None, help="default: the model's seq_len")
+    p.add_argument("--vocab_size", type=int, default=None, help="default: bench.vocab_size, the corpus's, or 50257")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="f32", help="compute dtype (parameters stay f32)")
+    p.add_argument("--json_out", default=None)
+    p.add_argument("--only", choices=("both", "ode", "baseline"), default="both")
+    p.add_argument("--no_peak", action="store_true", help="skip the matmul-peak measurement")
+    p.add_argument("--baseline_remat", choices=("true", "false"), default="true",
+                   help="Levanter's gradient_checkpointing for the baseline (its default: true)")
+    # ODE overrides (used by `bench scaling`)
+    p.add_argument("--num_steps", type=int, default=None)
+    p.add_argument("--solver", default=None)
+    p.add_argument("--adjoint", default=None)
+    p.add_argument("--checkpoints", type=int, default=None)
+    p.add_argument("--weight_cache", default=None)
+    p.add_argument("--time_embed_dim", type=int, default=None)
+    return p
+
+
+def load_config(path: str) -> tuple:
+    """(DiffEqFormer config, defaults from the file: batch, vocab_size)."""
+    import draccus
+    from levanter.models.lm_model import LmConfig
+
+    import qkvflow.config  # noqa: F401  (registers model types)
+    from qkvflow.models.config import DiffEqFormerConfig
+
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"{path}: no such config file")
+    try:
+        raw = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise UserError(f"{path} is not valid YAML: {e}") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("model"), dict):
+        raise UserError(f"{path}: needs a `model:` section (a diffeqformer_* or shared_ode_* model)")
+    model = draccus.decode(LmConfig, raw["model"])
+    if not isinstance(model, DiffEqFormerConfig):
+        raise UserError(f"{path}: model.type must be an ODE model (diffeqformer_*/shared_ode_*), got {raw['model'].get('type')!r}")
+    bench = raw.get("bench") or {}
+    corpus = raw.get("corpus") or {}
+    batch = bench.get("batch") or (raw.get("trainer") or {}).get("train_batch_size") or 8
+    vocab = bench.get("vocab_size") or corpus.get("vocab_size") or CORPUS_VOCAB.get(corpus.get("name"), 50257)
+    return model, {"batch": int(batch), "vocab_size": int(vocab)}
+
+
+def apply_overrides(model, args):
+    ode = model.ode
+    changes = {k: getattr(args, k) for k in ("num_steps", "solver", "adjoint", "checkpoints", "weight_cache")}
+    changes = {k: v for k, v in changes.items() if v is not None}
+    if changes:
+        ode = dataclasses.replace(ode, **changes)
+    top = {"ode": ode}
+    if args.seq_len is not None:
+        top["seq_len"] = args.seq_len
+    if args.time_embed_dim is not None:
+        top["time_embed_dim"] = args.time_embed_dim
+    return dataclasses.replace(model, **top)
+
+
+def baseline_config(model, *, remat: bool = True):
+    """Levanter's discrete model of the same shape, with one layer per vector-field evaluation."""
+    from qkvflow.models.accounting import nominal_evaluations
+
+    layers = nominal_evaluations(model)
+    if model.flavour == "gpt2":
+        from levanter.models.gpt2 import Gpt2Config
+
+        if model.mlp_dim % model.hidden_dim:
+            raise UserError(f"intermediate_dim={model.mlp_dim} must be a multiple of hidden_dim for the GPT-2 baseline")
+        return Gpt2Config(
+            seq_len=model.seq_len, hidden_dim=model.hidden_dim, num_layers=layers, num_heads=model.num_heads,
+            mlp_scale=model.mlp_dim // model.hidden_dim, initializer_range=model.initializer_range,
+            layer_norm_epsilon=model.layer_norm_epsilon, activation_function=model.activation_function,
+            use_bias=model.bias, gradient_checkpointing=remat,
+        )
+    from levanter.models.llama import LlamaConfig
+
+    return LlamaConfig(
+        seq_len=model.seq_len, hidden_dim=model.hidden_dim, intermediate_dim=model.mlp_dim, num_layers=layers,
+        num_heads=model.num_heads, num_kv_heads=model.num_heads, activation_function=model.activation_function,
+        initializer_range=model.initializer_range, layer_norm_epsilon=model.layer_norm_epsilon,
+        tie_word_embeddings=model.tied_embeddings, rope=model.rope, gradient_checkpointing=remat,
+    )
+
+
+def train_flops_per_token(config, vocab: int, tokens_per_batch: int) -> dict:
+    """Model FLOPs of one training step per token: 3 x forward, plus the hypernetwork's share."""
+    from qkvflow.models import accounting
+    from qkvflow.models.config import DiffEqFormerConfig
+
+    forward = float(config.flops_per_token(vocab))
+    hyper = 0.0
+    if isinstance(config, DiffEqFormerConfig):
+        hyper = accounting.hypernetwork_flops_per_forward(config, vocab) / tokens_per_batch
+    return {"forward_per_token": forward, "hypernetwork_forward_per_token": hyper, "train_per_token": 3.0 * (forward + hyper)}
+
+
+class Step:
+    """A compiled training step of `config`, the way Levanter's trainer runs one."""
+
+    def __init__(self, config, Vocab, Batch, dtype: str, *, seed: int = 0):
+        from levanter.models.lm_model import LmExample
+        from levanter.optim import AdamConfig
+
+        from qkvflow.loss import lm_loss
+
+        key_model, key_tokens = jax.random.split(jax.random.PRNGKey(seed))
+        model = config.build(Vocab, key=key_model)
+        policy = jmp.get_policy(DTYPES[dtype])
+        optimizer = AdamConfig(learning_rate=1e-4, warmup=0.0).build(1_000_000)
+        params, static = eqx.partition(model, eqx.is_inexact_array)
+        opt_state = optimizer.init(params)
+        tokens = hax.random.randint(key_tokens, (Batch, config.Pos), 0, Vocab.size)
+        example = hax.vmap(LmExample.causal, Batch)(tokens)
+
+        def loss_fn(params, example):
+            model = policy.cast_to_compute(eqx.combine(params, static))
+            out = lm_loss(model, example)
+            loss = out[0] if isinstance(out, tuple) else out
+            return loss.scalar() if isinstance(loss, hax.NamedArray) else loss
+
+        def step(params, opt_state, example):
+            loss, grads = eqx.filter_value_and_grad(loss_fn)(params, example)
+            updates, opt_state = optimizer.update(grads, opt_state, params=params)
+            return eqx.apply_updates(params, updates), opt_state, loss
+
+        start = time.perf_counter()
+        lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, example)
+        self.compiled = lowered.compile()
+        self.compile_s = time.perf_counter() - start
+        self.state = (params, opt_state)
+        self.example = example
+        self.parameter_count = int(sum(x.size for x in jax.tree_util.tree_leaves(params)))
+        self.times: list[float] = []
+        self.loss = None
+
+    def run(self) -> float:
+        start = time.perf_counter()
+        params, opt_state, loss = self.compiled(*self.state, self.example)
+        loss.block_until_ready()
+        elapsed = time.perf_counter() - start
+        self.state, self.loss = (params, opt_state), float(loss)
+        return elapsed
+
+
+def summarise(step: Step, tokens: int, flops: dict, peak: dict | None) -> dict:
+    t = np.asarray(step.times)
+    median = float(np.median(t))
+    q1, q3 = (float(x) for x in np.percentile(t, [25, 75]))
+    out = {
+        "parameter_count": step.parameter_count,
+        "compile_s": step.compile_s,
+        "step_time_s": {"median": median, "iqr": [q1, q3], "min": float(t.min()), "max": float(t.max()), "n": len(t)},
+        "tokens_per_s": tokens / median,
+        "tokens_per_s_iqr": [tokens / q3, tokens / q1],
+        "flops": flops,
+        "achieved_flops_per_s": flops["train_per_token"] * tokens / median,
+        "final_loss": step.loss,
+        "xla_memory": xla_memory(step.compiled),
+    }
+    out["fraction_of_matmul_peak"] = out["achieved_flops_per_s"] / peak["flops_per_s"] if peak else None
+    return out
+
+
+def run(args) -> dict:
+    config, defaults = load_config(args.config_path)
+    config = apply_overrides(config, args)
+    batch = defaults["batch"] if args.batch is None else args.batch
+    vocab = defaults["vocab_size"] if args.vocab_size is None else args.vocab_size
+    for name, value in (("batch", batch), ("vocab_size", vocab), ("repeats", args.repeats)):
+        if value < 1:
+            raise UserError(f"--{name}={value} is invalid: expected an integer >= 1")
+    if args.warmup < 0:
+        raise UserError(f"--warmup={args.warmup} is invalid: expected an integer >= 0")
+    Vocab, Batch = hax.Axis("vocab", vocab), hax.Axis("batch", batch)
+    tokens = batch * config.seq_len
+    models = {}
+    if args.only in ("both", "ode"):
+        models["ode"] = config
+    if args.only in ("both", "baseline"):
+        models["baseline"] = baseline_config(config, remat=args.baseline_remat == "true")
+
+    steps = {name: Step(c, Vocab, Batch, args.dtype) for name, c in models.items()}
+    for step in steps.values():
+        for _ in range(args.warmup):
+            step.run()
+    for _ in range(args.repeats):  # alternate, so that load changes hit both models alike
+        for step in steps.values():
+            step.times.append(step.run())
+    peak = None if args.no_peak else matmul_peak(jnp.bfloat16 if args.dtype == "bf16" else jnp.float32)
+
+    device = jax.devices()[0]
+    result = {
+        "device": {"platform": device.platform, "kind": device.device_kind, "count": jax.device_count(),
+                   "host": platform.node(), "jax": jax.__version__},
+        "config": {"path": args.config_path, "model_type": type(config).__name__, "batch": batch,
+                   "seq_len": config.seq_len, "tokens_per_step": tokens, "vocab_size": vocab,
+                   "hidden_dim": config.hidden_dim, "num_heads": config.num_heads, "mlp_dim": config.mlp_dim,
+                   "time_embed_dim": config.time_embed_dim, "ode": dataclasses.asdict(config.ode),
+                   "dtype": args.dtype, "repeats": args.repeats, "warmup": args.warmup},
+        "matmul_peak": peak,
+    }
+    for name, step in steps.items():
+        flops = train_flops_per_token(models[name], vocab, tokens)
+        result[name] = summarise(step, tokens, flops, peak)
+    if "baseline" in steps:
+        result["baseline"]["model_type"] = type(models["baseline"]).__name__
+        result["baseline"]["num_layers"] = models["baseline"].num_layers
+        result["baseline"]["gradient_checkpointing"] = models["baseline"].gradient_checkpointing
+    if len(steps) == 2:
+        result["ratio_ode_over_baseline"] = result["ode"]["tokens_per_s"] / result["baseline"]["tokens_per_s"]
+    result["process_peak_memory"] = process_peak()
+    return result
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    result = run(args)
+    text = json.dumps(result)
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
+    print(text)
+    return 0

@@ -1,0 +1,134 @@
+"""`qkvflow bench`: the speed harness's JSON, the scaling CSV, the quality table, and bad input."""
+
+import csv
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from qkvflow import cli
+from qkvflow.bench import quality, speed
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = """\
+model:
+  type: diffeqformer_gpt2
+  seq_len: 16
+  hidden_dim: 32
+  num_heads: 4
+  time_embed_dim: 8
+  num_frequencies: 16
+  ode:
+    num_steps: 2
+bench:
+  batch: 2
+  vocab_size: 61
+"""
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    path = tmp_path / "tiny_bench.yaml"
+    path.write_text(TINY)
+    return str(path)
+
+
+def test_speed_json_has_consistent_positive_numbers(tiny_config, tmp_path):
+    out = tmp_path / "speed.json"
+    assert speed.main(["--config_path", tiny_config, "--repeats", "3", "--warmup", "1", "--json_out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    tokens = result["config"]["tokens_per_step"]
+    assert tokens == 2 * 16
+    assert result["matmul_peak"]["flops_per_s"] > 0
+    for name in ("ode", "baseline"):
+        r = result[name]
+        t = r["step_time_s"]
+        assert r["step_time_s"]["n"] == 3
+        assert 0 < t["min"] <= t["iqr"][0] <= t["median"] <= t["iqr"][1] <= t["max"]
+        assert math.isclose(r["tokens_per_s"], tokens / t["median"], rel_tol=1e-9)
+        assert math.isclose(r["achieved_flops_per_s"], r["flops"]["train_per_token"] * r["tokens_per_s"], rel_tol=1e-9)
+        assert r["compile_s"] > 0 and r["parameter_count"] > 0 and math.isfinite(r["final_loss"])
+        assert 0 < r["fraction_of_matmul_peak"]
+        assert r["xla_memory"] is None or r["xla_memory"]["temp_bytes"] >= 0
+    assert result["ode"]["flops"]["hypernetwork_forward_per_token"] > 0
+    assert result["baseline"]["flops"]["hypernetwork_forward_per_token"] == 0
+    assert result["baseline"]["num_layers"] == 2  # one layer per Euler step
+    assert math.isclose(
+        result["ratio_ode_over_baseline"], result["ode"]["tokens_per_s"] / result["baseline"]["tokens_per_s"]
+    )
+    assert result["process_peak_memory"]["bytes"] > 0 and result["process_peak_memory"]["kind"]
+
+
+def _scaling(tiny_config, tmp_path, values, variants):
+    code = cli.main(["bench", "scaling", "--what", "steps", "--config_path", tiny_config, "--values", values,
+                     "--variants", variants, "--checkpoints", "1", "--repeats", "1", "--warmup", "0",
+                     "--out_dir", str(tmp_path)])
+    assert code == 0
+    with open(tmp_path / "scaling_steps.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_scaling_writes_a_csv_row_per_point(tiny_config, tmp_path):
+    rows = _scaling(tiny_config, tmp_path, "2", "rc_fixed_otf")  # one point: each is a fresh process
+    assert [(r["value"], r["variant"]) for r in rows] == [("2", "rc_fixed_otf")]
+    assert float(rows[0]["step_time_median_s"]) > 0 and int(rows[0]["process_peak_bytes"]) > 0
+    assert (tmp_path / "scaling_steps.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_scaling_sweeps_every_variant_and_value(tiny_config, tmp_path):
+    rows = _scaling(tiny_config, tmp_path, "2,3", "rc_fixed_otf,direct_otf")
+    expected = [(v, k) for k in ("rc_fixed_otf", "direct_otf") for v in ("2", "3")]
+    assert [(r["value"], r["variant"]) for r in rows] == expected
+    for r in rows:
+        assert float(r["step_time_median_s"]) > 0 and int(r["process_peak_bytes"]) > 0
+    assert (tmp_path / "scaling_steps.png").stat().st_size > 0
+
+
+def test_quality_table_lists_every_model():
+    result = {"iters": 5, "max_eval_batches": 1, "models": {
+        name: {"label": quality.LABELS[name], "val_loss": 3.0 + i, "train_loss": 3.5, "parameter_count": 10,
+               "wall_s": 1.0} for i, name in enumerate(quality.MODELS)}}
+    table = quality.markdown(result)
+    for name in quality.MODELS:
+        assert quality.LABELS[name] in table
+    assert "| 3.0000 |" in table and "nanoGPT" in table
+
+
+@pytest.mark.slow
+def test_quality_trains_each_model_a_few_steps(tmp_path):
+    if not (ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt").is_file() and not os.environ.get(
+        "QKVFLOW_SHARED_DIR"
+    ):
+        pytest.skip("tinyshakespeare source not available")
+    code = cli.main(["bench", "quality", "--iters", "5", "--max_eval_batches", "1", "--corpus_root",
+                     str(tmp_path / "corpora"), "--out_dir", str(tmp_path), "--workdir", str(tmp_path / "work")])
+    assert code == 0
+    result = json.loads((tmp_path / "quality.json").read_text())
+    assert set(result["models"]) == set(quality.MODELS)
+    for r in result["models"].values():
+        assert r["steps"] == 5 and math.isfinite(r["val_loss"]) and r["parameter_count"] > 0
+    assert "| val loss |" in (tmp_path / "quality.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["bench", "scaling", "--what", "depth"], "--what='depth' is invalid"),
+        (["bench", "speed", "--config_path", "does/not/exist.yaml"], "does/not/exist.yaml"),
+        (["bench", "flops"], "unknown bench mode 'flops'"),
+        (["bench", "quality", "--models", "ode,rnn"], "--models='ode,rnn' is invalid"),
+        (["bench", "speed", "--config_path", "{gpt2}"], "model.type must be an ODE model"),
+        (["bench", "speed", "--config_path", "{tiny}", "--batch", "0"], "--batch=0 is invalid"),
+        (["bench", "speed"], "--config_path"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, expected, tmp_path, tiny_config, capsys):
+    gpt2 = tmp_path / "gpt2.yaml"
+    gpt2.write_text("model:\n  type: gpt2\n  hidden_dim: 32\n  num_heads: 4\n  num_layers: 2\n")
+    argv = [a.format(gpt2=gpt2, tiny=tiny_config) for a in argv]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("qkvflow bench: error:") and expected in err
