@@ -15,6 +15,8 @@ VERBS = {
     "analyze": ("qkvflow.analyze", "spectra | lyapunov | clusters: the paper's analyses, figures and JSON"),
     "export": ("qkvflow.export", "a DiffEqFormer checkpoint as a Hugging Face model (--steps M layers) [+ --ode]"),
     "bench": ("qkvflow.bench", "speed | scaling | quality: throughput, memory scaling and Tiny Shakespeare benchmarks"),
+    "finetune": ("qkvflow.finetune", "discretise a pretrained ODE model at M layers and fine-tune it (LoRA or full)"),
+    "sweep": ("qkvflow.sweep", "fine-tune over a grid of depths x methods; table and figure (--depths 9,12 --methods lora,full)"),
 }
 
 

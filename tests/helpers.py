@@ -32,3 +32,15 @@ def smooth_model(config, seed=0):
 
     model = tiny_model(config, seed)
     return eqx.tree_at(lambda m: m.token_embeddings.weight, model, model.token_embeddings.weight * 10)
+
+
+def config_class(path):
+    """The dataclass a shipped YAML is written for: a fine-tuning config names its `pretrained` model."""
+    import yaml
+
+    from qkvflow.config import TrainConfig
+    from qkvflow.finetune import FinetuneConfig
+
+    with open(path) as f:
+        content = yaml.safe_load(f)
+    return FinetuneConfig if isinstance(content, dict) and "pretrained" in content else TrainConfig

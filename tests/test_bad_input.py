@@ -238,7 +238,7 @@ def test_shipped_configs_pass_the_value_checks(path):
     import draccus
 
     from qkvflow import preflight
-    from qkvflow.config import TrainConfig
+    from tests.helpers import config_class
 
     preflight.check_config_file(str(ROOT / path))
-    preflight.check_values(draccus.parse(TrainConfig, config_path=str(ROOT / path), args=[]))
+    preflight.check_values(draccus.parse(config_class(ROOT / path), config_path=str(ROOT / path), args=[]))

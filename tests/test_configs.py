@@ -1,4 +1,4 @@
-"""Every shipped YAML parses into a TrainConfig, and the paper's configs pair up with their baselines.
+"""Every shipped YAML parses into a TrainConfig (or its FinetuneConfig), and the paper's configs pair up with their baselines.
 
 Parsing only: no data is read, no tokenizer loaded, nothing downloaded.
 """
@@ -16,7 +16,9 @@ from levanter.models.llama import LlamaConfig
 from qkvflow.config import TrainConfig
 from qkvflow.data.heldout import HeldOutHfSingleDatasetLMConfig
 from qkvflow.describe import DescribeConfig, describe, main as describe_main
+from qkvflow.finetune import FinetuneConfig
 from qkvflow.models.config import DiffEqFormerGpt2Config, DiffEqFormerLlamaConfig
+from tests.helpers import config_class
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_YAML = sorted(p for d in ("configs", "tests/configs") for p in (ROOT / d).rglob("*.yaml"))
@@ -45,8 +47,10 @@ def paper(name: str) -> TrainConfig:
 
 @pytest.mark.parametrize("path", ALL_YAML, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_yaml_parses(path: Path) -> None:
-    config = parse(path)
-    assert isinstance(config, TrainConfig)
+    cls = config_class(path)
+    config = parse(path, cls)
+    assert isinstance(config, cls) and isinstance(config, TrainConfig)
+    assert (cls is FinetuneConfig) == ("finetune" in path.name or path.parent.name == "finetune")
 
 
 def test_every_paper_config_is_in_a_pair() -> None:

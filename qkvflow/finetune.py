@@ -1,0 +1,571 @@
+"""`qkvflow finetune`: turn a pretrained DiffEqFormer into an M-layer transformer and fine-tune it.
+
+A DiffEqFormer trained with N ODE steps defines weights W(t) for every t in [0, 1]. Evaluating them
+at M step times (dt = 1/M folded into the output projections) gives an ordinary parallel-block
+transformer with M layers (`qkvflow.discretise`), for any M (the paper's Fig. 6: pretrain 18 steps,
+fine-tune at 9, 12, 18, 24 layers). This verb loads the ODE checkpoint, discretises it at
+`steps: M`, and trains the result with Levanter's trainer on the configured data:
+
+* `finetune: full`: every parameter of the discretised model is trained;
+* `finetune: lora`: Levanter's LoRA (`lora:` section, `levanter.lora.LoraConfig`) wraps the
+  matching linear projections; only the adapters are trainable, the base stays bit-identical
+  (and is not written into the checkpoints: it is rebuilt from the ODE checkpoint on resume).
+
+Data, trainer, optimizer, epochs, stop_after, nonfinite, ... are `qkvflow train`'s keys (this
+config extends `TrainConfig`); the model comes from `pretrained` instead of `model`. Checkpoints
+and resuming are `qkvflow train`'s: run the same command with the same `trainer.id`.
+
+At the end, `export:` optionally writes the model in Hugging Face format (`hf_dir`: the merged
+model, or with `merged: false` the un-fine-tuned discretised base) and the adapter in PEFT format
+(`peft_dir`, LoRA only), each into `<dir>/<run_id>`; and `finetune_summary.json` beside the
+checkpoints, which `qkvflow sweep` reads.
+"""
+
+import dataclasses
+import functools
+import itertools
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import equinox as eqx
+import haliax
+import haliax.partitioning
+import jax
+import jax.random as jrandom
+import levanter
+import levanter.checkpoint
+import levanter.config
+from haliax import Axis
+from haliax.partitioning import round_axis_for_partitioning
+from levanter import callbacks
+from levanter.callbacks import StepInfo
+from levanter.lora import LoraConfig, loraize, lora_trainable_params_filter, merge_lora_modules
+from levanter.models.lm_model import LmConfig
+from levanter.utils.jax_utils import parameter_count
+
+from qkvflow import faults, preflight
+from qkvflow.config import TrainConfig
+from qkvflow.errors import UserError
+from qkvflow.loss import lm_loss
+from qkvflow.plotting import plot_loss_curve
+from qkvflow.tracking import metrics_file
+
+logger = logging.getLogger("qkvflow.finetune")
+
+METHODS = ("lora", "full")
+SOLVERS = ("euler",)
+SUMMARY_FILE = "finetune_summary.json"
+
+
+@dataclass(frozen=True)
+class PretrainedSource:
+    """The ODE run to start from: its `qkvflow train` config (only `model` is read) and checkpoint
+    (a run folder, whose newest `step-N` is used, or a `step-N` folder)."""
+
+    config_path: Optional[str] = None
+    checkpoint: Optional[str] = None
+    overrides: List[str] = field(default_factory=list)
+    """`--dotted.key value` arguments applied to that config, as the pretraining run was started with
+    them (e.g. ["--model.ode.num_steps", "18"]); only keys of `model` matter."""
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    hf_dir: Optional[str] = None
+    """Write a Hugging Face model to `<hf_dir>/<run_id>`: the fine-tuned model with LoRA merged in
+    (`merged: true`) or the discretised base before fine-tuning (`merged: false`, what a PEFT adapter
+    is applied to)."""
+    peft_dir: Optional[str] = None
+    """Write the LoRA adapter in PEFT format to `<peft_dir>/<run_id>` (`finetune: lora`; ignored for full)."""
+    merged: bool = True
+
+
+@dataclass(frozen=True)
+class SweepSettings:
+    """`qkvflow sweep`: the grid of depths x methods and where its table and figure go."""
+
+    depths: List[int] = field(default_factory=lambda: [9, 12, 18, 24])
+    methods: List[str] = field(default_factory=lambda: ["lora", "full"])
+    out_dir: Optional[str] = None
+    """Default: sweeps/<trainer.id>."""
+    learning_rate: Dict[str, float] = field(default_factory=dict)
+    """Per-method learning rates, e.g. {lora: 1e-3, full: 1e-4}; a method not listed uses optimizer.learning_rate."""
+
+
+@dataclass
+class FinetuneConfig(TrainConfig):
+    model: Optional[LmConfig] = None
+    """Not used: the model is the pretrained one, discretised (leave unset)."""
+    pretrained: PretrainedSource = field(default_factory=PretrainedSource)
+    steps: int = 12
+    """M: the number of layers of the discretised model (any M >= 1, also unlike the N it was trained with)."""
+    solver: str = "euler"
+    finetune: str = "lora"
+    """`lora` (only LoRA adapters train) or `full` (every parameter trains)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    lora_seed: int = 0
+    """Seed of the adapters' initialisation (independent of trainer.seed, so a resume rebuilds them alike)."""
+    eval_before: bool = True
+    """Evaluate the discretised model once before fine-tuning (`initial_eval_loss`): how well the ODE
+    model survives discretisation at M, and the baseline the fine-tuning improves on."""
+    export: ExportConfig = field(default_factory=ExportConfig)
+    sweep: SweepSettings = field(default_factory=SweepSettings)
+
+
+# --- discretisation ----------------------------------------------------------------------------------
+
+
+def discretise_model(model, steps: int, solver: str):
+    """The ODE model as an M-layer parallel-block transformer (qkvflow.discretise)."""
+    from qkvflow.discretise import discretise
+
+    return discretise(model, steps, solver=solver)
+
+
+# --- checks -------------------------------------------------------------------------------------------
+
+
+def _is_ode_config(model_config) -> bool:
+    from qkvflow.models.config import DiffEqFormerConfig
+
+    return isinstance(model_config, DiffEqFormerConfig)
+
+
+def check_values(config: FinetuneConfig) -> None:
+    if config.model is not None:
+        raise UserError("model is invalid here: the model comes from pretrained.config_path (remove the `model` section)")
+    if isinstance(config.steps, bool) or not isinstance(config.steps, int) or config.steps < 1:
+        raise UserError(f"steps={config.steps!r} is invalid: expected an integer >= 1 (the number of layers M)")
+    if config.solver not in SOLVERS:
+        raise UserError(f"solver={config.solver!r} is invalid: expected one of {', '.join(SOLVERS)}")
+    if config.finetune not in METHODS:
+        raise UserError(f"finetune={config.finetune!r} is invalid: expected one of {', '.join(METHODS)}")
+    lora = config.lora
+    if config.finetune == "lora":
+        if isinstance(lora.r, bool) or not isinstance(lora.r, int) or lora.r < 1:
+            raise UserError(f"lora.r={lora.r!r} is invalid: expected an integer >= 1")
+        if not 0 <= lora.dropout < 1:
+            raise UserError(f"lora.dropout={lora.dropout!r} is invalid: expected a float in [0, 1)")
+    p = config.pretrained
+    if not p.config_path:
+        raise UserError("pretrained.config_path is missing: expected the `qkvflow train` config of the ODE run")
+    if not os.path.isfile(p.config_path):
+        raise UserError(f"pretrained.config_path={p.config_path!r}: file does not exist")
+    if not p.checkpoint:
+        raise UserError("pretrained.checkpoint is missing: expected the ODE run's checkpoint folder (checkpoints/<run_id>)")
+    if levanter.checkpoint.discover_latest_checkpoint(p.checkpoint) is None:
+        raise UserError(
+            f"pretrained.checkpoint={p.checkpoint!r}: no checkpoint found (expected checkpoints/<run_id>[/step-N])"
+        )
+
+
+def load_pretrained_config(config: FinetuneConfig) -> TrainConfig:
+    """The pretraining run's config; only its `model` is used."""
+    import draccus
+
+    import qkvflow.models.discrete  # noqa: F401  (registers parallel_*, so such configs parse and are refused)
+    from qkvflow.cli import _user_cause
+
+    path = config.pretrained.config_path
+    preflight.check_config_file(path)
+    try:
+        pretrained = draccus.parse(TrainConfig, config_path=path, args=list(config.pretrained.overrides))
+    except (draccus.utils.DecodingError, draccus.utils.ParsingError) as e:
+        cause = _user_cause(e) or e.__cause__ or e
+        raise UserError(f"pretrained.config_path={path!r}: {cause}") from None
+    if not _is_ode_config(pretrained.model):
+        raise UserError(
+            f"pretrained.config_path={path!r} has model type {type(pretrained.model).__name__}, not a DiffEqFormer: "
+            "expected the config of an ODE run (model.type diffeqformer_gpt2, diffeqformer_llama, shared_ode_*)"
+        )
+    return pretrained
+
+
+def check_pretrained_checkpoint(config: FinetuneConfig, pretrained: TrainConfig) -> None:
+    """The checkpoint must hold a DiffEqFormer (a generator of W(t)), not e.g. a GPT-2 baseline's
+    model: read from its array layout, before any device work."""
+    import fsspec
+
+    latest = levanter.checkpoint.discover_latest_checkpoint(config.pretrained.checkpoint)
+    fs, root = fsspec.core.url_to_fs(str(latest))
+    model = os.path.join(root, "model")
+    if not fs.isdir(os.path.join(model, "generator")) or _checkpoint_vocab(config.pretrained.checkpoint) is None:
+        found = sorted(os.path.basename(p.rstrip("/")) for p in fs.ls(model, detail=False)) if fs.isdir(model) else []
+        raise UserError(
+            f"pretrained.checkpoint={config.pretrained.checkpoint!r} does not hold a DiffEqFormer model "
+            f"(its model has {', '.join(found) or 'no arrays'}; expected generator, token_embeddings, ...): "
+            f"expected a checkpoint of the ODE run of pretrained.config_path={config.pretrained.config_path!r}, "
+            "not of a discrete baseline"
+        )
+
+
+def _checkpoint_vocab(checkpoint: str) -> Optional[int]:
+    """The vocabulary size the ODE checkpoint was trained with (its token embedding's rows)."""
+    import fsspec
+
+    latest = levanter.checkpoint.discover_latest_checkpoint(checkpoint)
+    fs, root = fsspec.core.url_to_fs(str(latest))
+    shape = preflight._stored_shape(fs, os.path.join(root, "model", "token_embeddings", "weight"))
+    return None if shape is None else int(shape[0])
+
+
+def load_base(config: FinetuneConfig, pretrained: TrainConfig, tokenizer, Vocab: Axis):
+    """(ODE model, discretised model): the pretrained checkpoint, discretised at `steps`."""
+    from qkvflow.checkpoints import load_model
+
+    stored = _checkpoint_vocab(config.pretrained.checkpoint)
+    if stored is not None and stored < len(tokenizer):
+        raise UserError(
+            f"pretrained.checkpoint={config.pretrained.checkpoint!r} has a vocabulary of {stored} tokens but the "
+            f"fine-tuning tokenizer has {len(tokenizer)}: fine-tune with the tokenizer of the pretraining run"
+        )
+    vocab = stored or Vocab.size
+    # only the model section of the pretraining config matters; the data is this run's (its tokenizer)
+    source = dataclasses.replace(pretrained, corpus=None, data=config.data)
+    try:
+        ode, _ = load_model(source, config.pretrained.checkpoint, vocab_size=vocab)
+    except UserError as e:
+        raise UserError(f"pretrained.checkpoint: {e}") from None
+    return ode, discretise_model(ode, config.steps, config.solver)
+
+
+# --- the run ------------------------------------------------------------------------------------------
+
+
+def _summary_path(trainer_config, run_id: str) -> str:
+    return os.path.join(trainer_config.checkpointer.expanded_path(run_id), SUMMARY_FILE)
+
+
+def read_summary(trainer_config, run_id: str) -> Optional[dict]:
+    import fsspec
+
+    path = _summary_path(trainer_config, run_id)
+    try:
+        with fsspec.open(path) as f:
+            return json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError, OSError):
+        return None
+
+
+def _write_summary(trainer_config, run_id: str, summary: dict) -> None:
+    import fsspec
+
+    keep = (int, float, str, bool, type(None), list)
+    record = {k: v for k, v in summary.items() if isinstance(v, keep)}
+    with fsspec.open(_summary_path(trainer_config, run_id), "w") as f:
+        json.dump(record, f, indent=1)
+
+
+def add_lora(model, lora: LoraConfig, seed: int = 0):
+    """Levanter's `loraize`, with B = 0 as in the LoRA paper (and PEFT): the adapted model starts out
+    computing exactly the discretised model. (Levanter initialises B at random, which would perturb
+    the model before the first step.)"""
+    from levanter.lora import LowRankLinear
+
+    def zero_b(node):
+        if isinstance(node, LowRankLinear):
+            return eqx.tree_at(lambda n: n.lora_B.weight, node, node.lora_B.weight * 0)
+        return node
+
+    model = loraize(model, lora, key=jrandom.PRNGKey(seed))
+    return jax.tree_util.tree_map(zero_b, model, is_leaf=lambda n: isinstance(n, LowRankLinear))
+
+
+def _frozen(model):
+    """A filter that freezes everything except LoRA adapters, or None for full fine-tuning."""
+    return lora_trainable_params_filter(model)
+
+
+def finetune(config: FinetuneConfig) -> dict:
+    """Fine-tune; return a summary (losses, parameter counts, outputs). `summary["model"]` is the
+    final model in memory (with LoRA modules under `finetune: lora`)."""
+    preemption = faults.Preemption().install()
+    try:
+        return _finetune(config, preemption)
+    finally:
+        preemption.restore()
+
+
+def _finetune(config: FinetuneConfig, preemption: faults.Preemption) -> dict:
+    from qkvflow.train import (
+        _build_caches,
+        _eval_hook,
+        _initialize,
+        _jsonl_tracker,
+        _save_final_checkpoint,
+        _train_stats_hook,
+        _wait_for_checkpoints,
+        with_corpus,
+    )
+
+    check_values(config)
+    pretrained = load_pretrained_config(config)
+    check_pretrained_checkpoint(config, pretrained)
+    config = with_corpus(config)
+    preflight.check(config)
+    tokenizer = preflight.load_tokenizer(config.data)
+    try:
+        inject = faults.Injection.from_env()
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    _initialize(config)
+    t = config.trainer
+    with haliax.partitioning.set_mesh(t.device_mesh):
+        Vocab = round_axis_for_partitioning(Axis("vocab", len(tokenizer)), t.parameter_axis_mapping)
+    if t.load_checkpoint_path is None:
+        checkpointer = t.checkpointer
+        faults.remove_incomplete_checkpoints(checkpointer.expanded_path(t.id), checkpointer.delete_old_temp_checkpoints)
+
+    ode, base = load_base(config, pretrained, tokenizer, Vocab)
+    lora = config.finetune == "lora"
+    if lora:
+        model = haliax.named_jit(lambda m: add_lora(m, config.lora, config.lora_seed))(base)
+        if not any(isinstance(x, eqx.Module) and type(x).__name__ == "LoraLinear" for x in _modules(model)):
+            raise UserError(
+                f"lora.target_modules={config.lora.target_modules!r} matches no linear projection of the "
+                "discretised model"
+            )
+        is_trainable = _frozen(model)
+    else:
+        model, is_trainable = base, True
+    # the model's config, for train.py's helpers that read config.model (sequence length, FLOPs)
+    model_config = base.config
+    Pos = model_config.Pos
+
+    optimizer = config.optimizer.build(t.num_train_steps)
+    loss_fn = functools.partial(lm_loss, z_loss_weight=config.z_loss_weight)
+    summary: dict = {"method": config.finetune, "steps_M": config.steps, "pretrained_steps_N": ode.config.ode.num_steps}
+    target = min(t.num_train_steps, config.stop_after or math.inf)
+
+    with faults.GuardedTrainer(t, optimizer, loss_fn, nonfinite=config.nonfinite, inject=inject) as trainer:
+        data_key, _, _, training_key = jrandom.split(jrandom.PRNGKey(t.seed), 4)
+        if config.data_seed is not None:
+            data_key = jrandom.PRNGKey(config.data_seed)
+        _build_caches(config.data)
+        epochs = config.epochs if config.epochs > 0 else None
+        train_set = config.data.train_set(Pos, t.batch_schedule, key=data_key, epochs=epochs)
+        eval_sets = config.data.tagged_eval_sets(Pos)
+        state = trainer.initial_state(training_key, model=model, is_trainable=is_trainable)
+        del model
+        start = int(state.step)
+        if start > 0:
+            print(f"resuming run {trainer.run_id} after step {start}", flush=True)
+        total, trainable = parameter_count(state.model), parameter_count(state.trainable_model)
+        levanter.tracker.log_summary(
+            {"parameter_count": total, "trainable_parameter_count": trainable, "fraction_trainable": trainable / total}
+        )
+        summary.update(
+            run_id=trainer.run_id,
+            checkpoints=t.checkpointer.expanded_path(trainer.run_id),
+            parameter_count=total,
+            trainable_parameter_count=trainable,
+        )
+        print(
+            f"fine-tuning ({config.finetune}) the {ode.config.ode.num_steps}-step ODE model as {config.steps} layers: "
+            f"{trainable:,} of {total:,} parameters trainable",
+            flush=True,
+        )
+        evaluate = None
+        last_eval = {"step": None}
+        if eval_sets and (t.max_eval_batches is None or t.max_eval_batches > 0):
+            evaluate = _eval_hook(trainer, config, eval_sets, tokenizer, summary, preemption)
+
+        if start >= target:
+            print(f"run {trainer.run_id} is already at step {start} (target {target}): nothing to train", flush=True)
+            previous = read_summary(t, trainer.run_id) or {}
+            summary.update({k: v for k, v in previous.items() if k not in summary})
+            summary["steps"] = start
+            if start > 0 and evaluate is not None and "eval_loss" not in previous:
+                evaluate(StepInfo(state, float("nan"), 0.0))
+            info = StepInfo(state, float("nan"), 0.0) if start > 0 else None
+        else:
+            if start == 0 and evaluate is not None and config.eval_before:
+                loss = _evaluate_once(trainer, config, eval_sets, tokenizer, state.model)
+                summary.update(initial_eval_loss=loss, initial_eval_perplexity=math.exp(min(loss, 80.0)))
+                levanter.tracker.log_summary({"eval/initial_loss": loss})
+                print(f"eval before fine-tuning: loss {loss:.4f}  ppl {summary['initial_eval_perplexity']:.2f}", flush=True)
+            if evaluate is not None:
+
+                def eval_and_note(info):
+                    evaluate(info)
+                    last_eval["step"] = int(info.step)
+
+                trainer.add_hook(eval_and_note, every=t.steps_per_eval)
+            flops = model_config.flops_per_token(len(tokenizer)) if hasattr(model_config, "flops_per_token") else None
+            flops_per_example = 3 * flops * Pos.size if flops is not None else None
+            trainer.add_hook(
+                callbacks.log_performance_stats(Pos.size, trainer.config.batch_schedule, flops_per_example), every=1
+            )
+            tokens_per_step = t.train_batch_size * Pos.size
+            trainer.add_hook(_train_stats_hook(summary, t.num_train_steps, config.log_every, tokens_per_step), every=1)
+
+            loader = trainer.data_loader(train_set).iter_from_step(start)
+            if config.stop_after is not None:
+                loader = itertools.islice(loader, max(0, config.stop_after - start))
+            loader = preemption.wrap(loader, start)
+            try:
+                info = trainer.train(state, loader)
+            except faults.NonFiniteError:
+                _wait_for_checkpoints(trainer)
+                raise
+            except RuntimeError as e:
+                if not preemption.requested or "No training steps" not in str(e):
+                    raise
+                print(f"qkvflow finetune: stopped by {preemption.signal_name} before the first step", file=sys.stderr)
+                summary.update(steps=start, preempted=True, finished=False)
+                levanter.tracker.current_tracker().finish()
+                return summary
+            _save_final_checkpoint(trainer, info)
+            summary["steps"] = int(info.step) + 1
+            if trainer.skipped_steps:
+                summary["skipped_steps"] = list(trainer.skipped_steps)
+            if preemption.requested:
+                summary["preempted"] = True
+                print(
+                    f"qkvflow finetune: stopped by {preemption.signal_name} after step {summary['steps']}/"
+                    f"{t.num_train_steps}; checkpoint saved in {summary['checkpoints']}; run the same command to resume",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            else:
+                # the validation loss of the final model (Levanter's last forced hook run skips it)
+                if evaluate is not None and last_eval["step"] != int(info.step):
+                    evaluate(info)
+                if summary["steps"] < target:
+                    logger.warning(f"The training data ran out after {summary['steps']} steps; set `epochs` to loop it.")
+        summary["finished"] = finished = not summary.get("preempted") and summary["steps"] >= t.num_train_steps
+        if info is not None:
+            summary["model"] = info.state.model
+            if finished and jax.process_index() == 0:
+                export(config, info.state.model, base, tokenizer, trainer.run_id, summary)
+
+    jsonl = _jsonl_tracker(config.trainer)
+    if jsonl is not None and jax.process_index() == 0:
+        summary["metrics"] = metrics_file(jsonl.path, summary["run_id"])
+        if config.loss_curve and os.path.exists(summary["metrics"]):
+            out = os.path.join(os.path.dirname(summary["metrics"]), config.loss_curve)
+            title = f"{config.finetune} fine-tuning at M={config.steps} (N={ode.config.ode.num_steps})"
+            summary["loss_curve"] = plot_loss_curve(summary["metrics"], out, title=title)
+    if jax.process_index() == 0:
+        _write_summary(t, summary["run_id"], summary)
+    levanter.tracker.current_tracker().finish()
+    return summary
+
+
+def _evaluate_once(trainer, config, eval_sets, tokenizer, model) -> float:
+    import levanter.eval
+
+    max_examples = config.trainer.max_eval_batches
+    if max_examples is not None:
+        max_examples *= config.trainer.eval_batch_size
+    evaluator = levanter.eval.TaggedEvaluator(
+        config.trainer.EvalBatch,
+        eval_sets,
+        tokenizer,
+        trainer.device_mesh,
+        trainer.compute_axis_mapping,
+        max_examples,
+        mp=config.trainer.mp,
+    )
+    return float(levanter.eval.eval_model(evaluator, model, prefix="eval")["eval/loss"])
+
+
+def _modules(tree):
+    return jax.tree_util.tree_leaves(tree, is_leaf=lambda x: type(x).__name__ == "LoraLinear")
+
+
+def merged_model(model, base, lora: LoraConfig, lora_seed: int = 0):
+    """The fine-tuned model without LoRA modules: the trained adapters merged into the base.
+
+    The trainer holds the frozen base in compute precision (Levanter casts non-trainable parameters);
+    the merge uses `base`, the discretised model in its original precision."""
+    if not any(type(x).__name__ == "LoraLinear" for x in _modules(model)):
+        return model
+    from levanter.lora import is_lora_param, partition_lora_params
+
+    base_params, _ = partition_lora_params(add_lora(base, lora, lora_seed))
+    _, lora_params = partition_lora_params(model)
+    return merge_lora_modules(eqx.combine(base_params, lora_params, is_leaf=is_lora_param))
+
+
+def peft_target_modules(model) -> list[str]:
+    """The names of the projections that carry LoRA (e.g. q_proj, up_proj, lm_head): what PEFT's
+    `target_modules` needs to put the adapters on the same torch modules (Levanter's own regexes
+    match its paths, which differ from the torch ones by the layer stacking)."""
+    from levanter.lora import LoraLinear
+    from levanter.utils.jax_utils import leaf_key_paths
+
+    is_lora = lambda x: isinstance(x, LoraLinear)  # noqa: E731
+    paths = jax.tree_util.tree_leaves(leaf_key_paths(model, is_leaf=is_lora), is_leaf=lambda x: isinstance(x, str))
+    leaves = jax.tree_util.tree_leaves(model, is_leaf=is_lora)
+    names = {path.split(".")[-1] for path, leaf in zip(paths, leaves) if is_lora(leaf)}
+    return sorted(names)
+
+
+PEFT_PREFIX = "base_model.model"
+"""Where the torch model's state dict sits inside a PEFT model (see qkvflow.models.discrete.model)."""
+
+
+def export(config: FinetuneConfig, model, base, tokenizer, run_id: str, summary: dict) -> None:
+    from qkvflow.hf_folder import save_hf_folder
+
+    e = config.export
+    ode_steps = summary.get("pretrained_steps_N")
+    if e.hf_dir is not None:
+        path = os.path.join(e.hf_dir, run_id)
+        out = merged_model(model, base, config.lora, config.lora_seed) if e.merged else base
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        os.makedirs(path)
+        save_hf_folder(out, path, tokenizer=tokenizer, ode_steps=ode_steps)
+        summary["hf_dir"] = path
+        what = "the merged fine-tuned model" if e.merged or config.finetune == "full" else "the discretised base model"
+        print(f"wrote {what} (Hugging Face format) to {path}", flush=True)
+    if e.peft_dir is not None and config.finetune != "lora":
+        print("export.peft_dir: no adapter to write (finetune: full); the fine-tuned model is in export.hf_dir", flush=True)
+    elif e.peft_dir is not None:
+        from levanter.lora import save_peft_pretrained
+
+        path = os.path.join(e.peft_dir, run_id)
+        base_path = os.path.abspath(os.path.join(e.hf_dir, run_id)) if (e.hf_dir and not e.merged) else None
+        lora = dataclasses.replace(config.lora, target_modules=peft_target_modules(model))
+        save_peft_pretrained(model, lora, base_path, path, tokenizer, prefix=PEFT_PREFIX)
+        summary["peft_dir"] = path
+        print(f"wrote the LoRA adapter (PEFT) to {path}", flush=True)
+
+
+def print_summary(summary: dict) -> None:
+    print("\n== qkvflow finetune: " + ("preempted ==" if summary.get("preempted") else "done =="))
+    keys = (
+        "run_id", "method", "steps_M", "pretrained_steps_N", "trainable_parameter_count", "parameter_count", "steps",
+        "skipped_steps", "initial_eval_loss", "initial_eval_perplexity", "train_loss", "train_perplexity", "eval_loss",
+        "eval_perplexity",
+    )
+    for key in keys:
+        if key in summary:
+            value = summary[key]
+            print(f"{key:>25}: {value:.4f}" if isinstance(value, float) else f"{key:>25}: {value}")
+    for key in ("checkpoints", "metrics", "loss_curve", "hf_dir", "peft_dir"):
+        if key in summary:
+            print(f"{key:>25}: {summary[key]}")
+
+
+def _run(config: FinetuneConfig) -> None:
+    print_summary(finetune(config))
+
+
+def main(argv: list[str]) -> int:
+    from qkvflow.train import NONFINITE_EXIT
+
+    try:
+        levanter.config.main(_run, args=argv)()
+    except faults.NonFiniteError as e:
+        print(f"qkvflow finetune: error: {e}. Lower the learning rate, or set `nonfinite: skip`.", file=sys.stderr)
+        return NONFINITE_EXIT
+    return 0

@@ -1,0 +1,69 @@
+"""Shared by the fine-tuning tests: a tiny pretrained ODE checkpoint and `qkvflow finetune|sweep` runs."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_TRAIN = str(ROOT / "tests" / "configs" / "tiny_train.yaml")
+TINY_FINETUNE = str(ROOT / "tests" / "configs" / "tiny_finetune.yaml")
+
+
+def save_fresh_checkpoint(path: Path, corpus_root: Path, config_path: str = TINY_TRAIN, *extra: str) -> Path:
+    """A freshly initialised model of `config_path`, saved as a Levanter checkpoint `path/step-0`
+    with the `model` subtree that `qkvflow train` writes (seconds, instead of a training run)."""
+    import draccus
+    import jax
+    import jax.random as jrandom
+    import levanter.checkpoint
+    import numpy as np
+    from haliax import Axis
+
+    from qkvflow.config import TrainConfig
+    from qkvflow.train import with_corpus
+
+    config = with_corpus(draccus.parse(TrainConfig, config_path=config_path, args=["--corpus.root", str(corpus_root), *extra]))
+    vocab = Axis("vocab", len(config.data.the_tokenizer))
+    model = config.model.build(vocab, key=jrandom.PRNGKey(0))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    with jax.set_mesh(mesh):
+        levanter.checkpoint.save_checkpoint({"model": model}, 0, str(path / "step-0"), is_temporary=False)
+    return path
+
+
+def base_args(workdir: Path, corpus_root: Path, pretrained: Path, *, config_path: str = TINY_FINETUNE) -> list[str]:
+    return [
+        "--config_path", config_path,
+        "--pretrained.config_path", TINY_TRAIN,
+        "--pretrained.checkpoint", str(pretrained),
+        "--corpus.root", str(corpus_root),
+        "--trainer.checkpointer.base_path", str(workdir / "checkpoints"),
+        "--trainer.tracker", f"{{type: jsonl, path: {workdir / 'runs'}}}",
+        "--trainer.log_dir", str(workdir / "logs"),
+    ]  # fmt: skip
+
+
+def run_cli(verb: str, workdir: Path, *args: str, timeout=900):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    return subprocess.run(
+        [sys.executable, "-m", "qkvflow", verb, *args], cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def shared_setup(tmp_path_factory) -> tuple[Path, Path]:
+    """(corpus root, pretrained checkpoint run folder), built once per test session and shared by the
+    fine-tuning test modules: the tiny ODE model of tiny_train.yaml (N = 2 Euler steps) pretrained
+    for 8 steps with `qkvflow train` (which also builds Levanter's token caches in the corpus folder).
+    A freshly initialised model would not do: its logits are too small for a few LoRA steps to move."""
+    from qkvflow.data.corpora import prepare_corpus
+    from tests.train_utils import train
+
+    root = tmp_path_factory.getbasetemp() / "finetune_shared"
+    corpora, pretrained = root / "corpora", root / "checkpoints" / "tiny"
+    if not any(pretrained.glob("step-*/metadata.json")):
+        root.mkdir(parents=True, exist_ok=True)
+        prepare_corpus("pydoc", str(corpora))
+        proc = train(root, corpora)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return corpora, pretrained

@@ -1,0 +1,210 @@
+"""`qkvflow finetune`: a pretrained DiffEqFormer, discretised at M layers, fine-tuned with LoRA or fully.
+
+The end-to-end run here (LoRA at M = 2N, in this process so that the final model can be inspected)
+checks that the loss falls, that the frozen base is bit-identical to the discretised checkpoint and
+the adapters changed, and that the PEFT adapter on the exported base computes the Levanter model's
+logits in torch. Full fine-tuning and M = N/2 run in tests/test_sweep.py (the 2 x 2 grid).
+"""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from qkvflow.cli import main as cli_main
+from tests.finetune_utils import TINY_FINETUNE, TINY_TRAIN, base_args, save_fresh_checkpoint, shared_setup
+from tests.train_utils import losses
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    return shared_setup(tmp_path_factory)
+
+
+LORA_LR = "1e-2"
+MIN_DROP = 0.005
+
+
+def _parse(tmp_path, corpora, pretrained, *extra):
+    import draccus
+
+    from qkvflow.finetune import FinetuneConfig
+
+    args = base_args(tmp_path, corpora, pretrained)[2:] + list(extra)
+    return draccus.parse(FinetuneConfig, config_path=TINY_FINETUNE, args=args)
+
+
+REPEATED = (
+    "The assert statement is a convenient way to insert debugging assertions into a program. "
+    "The simple form evaluates an expression and raises an error when it is false. "
+) * 3
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, shared):
+    """LoRA at M = 2N = 4 on a small repetitive text (train = validation), so that six steps show
+    a clear effect; the tokenizer is the pretraining corpus's."""
+    from qkvflow.finetune import finetune
+
+    corpora, pretrained = shared
+    workdir = tmp_path_factory.mktemp("lora")
+    data = workdir / "small.jsonl"
+    data.write_text("".join(json.dumps({"text": REPEATED}) + "\n" for _ in range(48)))
+    export = f"{{hf_dir: {workdir / 'hf'}, peft_dir: {workdir / 'peft'}, merged: false}}"
+    config = _parse(
+        workdir, corpora, pretrained, "--steps", "4", "--export", export, "--corpus", "null",
+        "--data.train_urls", f"[{data}]", "--data.validation_urls", f"[{data}]",
+        "--data.tokenizer", str(corpora / "pydoc" / "tokenizer"), "--data.cache_dir", str(workdir / "cache"),
+        "--optimizer.learning_rate", LORA_LR,
+    )  # fmt: skip
+    return workdir, config, finetune(config)
+
+
+def test_lora_loss_falls_and_summary(lora_run):
+    workdir, config, summary = lora_run
+    curve = losses(workdir, "tiny-ft")
+    assert len(curve) == 6 and curve[-1] < curve[0] - MIN_DROP, curve
+    assert summary["eval_loss"] < summary["initial_eval_loss"] - MIN_DROP, summary
+    assert summary["finished"] and summary["steps"] == 6
+    assert summary["steps_M"] == 4 and summary["pretrained_steps_N"] == 2
+    # LoRA r=4 on q, k, v, o (32 -> 32) and up, down (32 <-> 128) in each of the 4 layers
+    assert summary["trainable_parameter_count"] == 4 * (4 * 4 * 64 + 2 * 4 * 160)
+    assert summary["eval_perplexity"] == pytest.approx(math.exp(summary["eval_loss"]), rel=1e-6)
+    written = json.loads((workdir / "checkpoints" / "tiny-ft" / "finetune_summary.json").read_text())
+    assert written["finished"] and written["eval_loss"] == summary["eval_loss"] and "model" not in written
+    assert (workdir / "checkpoints" / "tiny-ft" / "step-5").is_dir()
+    assert (workdir / "runs" / "tiny-ft" / "loss_curve.png").stat().st_size > 10_000
+
+
+def test_lora_freezes_the_base_bit_for_bit_and_trains_the_adapters(lora_run, shared):
+    import jax
+    import jax.numpy as jnp
+    import equinox as eqx
+    from levanter.lora import partition_lora_params
+
+    from qkvflow.finetune import add_lora, load_base, load_pretrained_config
+
+    _, config, summary = lora_run
+    from qkvflow.train import with_corpus
+
+    c = with_corpus(config)
+    tokenizer = c.data.the_tokenizer
+    from haliax import Axis
+
+    _, base = load_base(c, load_pretrained_config(c), tokenizer, Axis("vocab", len(tokenizer)))
+    initial = add_lora(base, config.lora, config.lora_seed)
+    base_before, lora_before = partition_lora_params(initial)
+    base_after, lora_after = partition_lora_params(summary["model"])
+    before, after = jax.tree_util.tree_leaves(base_before), jax.tree_util.tree_leaves(base_after)
+    assert len(before) == len(after) > 10
+    for x, y in zip(before, after):
+        assert x.dtype == y.dtype and bool(jnp.array_equal(x, y))
+    arrays = lambda tree: [x for x in jax.tree_util.tree_leaves(tree) if eqx.is_array(x)]  # noqa: E731
+    a_b_before, a_b_after = arrays(lora_before), arrays(lora_after)
+    assert len(a_b_before) == 2 * 6  # lora_A and lora_B of q, k, v, o, up, down (stacked over the layers)
+    assert all(not bool(jnp.array_equal(x, y)) for x, y in zip(a_b_before, a_b_after))
+    assert all(not bool(jnp.any(b)) for b in a_b_before[1::2])  # B starts at 0: training starts from the base
+
+    # export.merged: the adapters merged into the base compute the fine-tuned model
+    import haliax as hax
+
+    from qkvflow.finetune import merged_model
+
+    merged = merged_model(summary["model"], base, config.lora, config.lora_seed)
+    tokens = hax.named(jnp.arange(32, dtype=jnp.int32) % 97, "position")
+    want, got = summary["model"](tokens).array, merged(tokens).array
+    assert type(merged) is type(base) and bool(jnp.allclose(got, want, rtol=1e-4, atol=1e-4))
+    assert not bool(jnp.allclose(base(tokens).array, want, rtol=1e-4, atol=1e-4))
+
+
+def test_peft_adapter_on_the_exported_base_computes_the_fine_tuned_model(lora_run):
+    import haliax as hax
+    import jax.numpy as jnp
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    workdir, _, summary = lora_run
+    adapter = json.loads((workdir / "peft" / "tiny-ft" / "adapter_config.json").read_text())
+    assert adapter["r"] == 4 and adapter["lora_alpha"] == 8.0
+    assert sorted(adapter["target_modules"]) == ["down_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    base = AutoModelForCausalLM.from_pretrained(str(workdir / "hf" / "tiny-ft"), trust_remote_code=True)
+    model = PeftModel.from_pretrained(base, str(workdir / "peft" / "tiny-ft")).eval()
+    tokens = np.random.default_rng(0).integers(0, 500, size=32)
+    with torch.no_grad():
+        got = model(torch.tensor(tokens)[None]).logits[0].numpy()
+        plain = model.get_base_model()
+        with model.disable_adapter():
+            without = plain(torch.tensor(tokens)[None]).logits[0].numpy()
+    want = summary["model"](hax.named(jnp.asarray(tokens, dtype=jnp.int32), "position")).array
+    want = np.asarray(want)[:, : got.shape[-1]]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert np.abs(got - without).max() > 1e-3  # the adapter matters
+
+
+@pytest.mark.slow
+def test_lora_stop_and_resume_reproduces_the_uninterrupted_run(lora_run, shared, tmp_path):
+    """Under LoRA the checkpoints hold only the adapters and their optimizer state; a resume
+    rebuilds the frozen base from the ODE checkpoint and continues exactly."""
+    from tests.finetune_utils import run_cli
+
+    whole, config, _ = lora_run
+    corpora, pretrained = shared
+    data = whole / "small.jsonl"
+    args = [
+        *base_args(tmp_path, corpora, pretrained), "--steps", "4", "--corpus", "null",
+        "--data.train_urls", f"[{data}]", "--data.validation_urls", f"[{data}]",
+        "--data.tokenizer", str(corpora / "pydoc" / "tokenizer"), "--data.cache_dir", str(whole / "cache"),
+        "--optimizer.learning_rate", LORA_LR,
+    ]  # fmt: skip
+    first = run_cli("finetune", tmp_path, *args, "--stop_after", "3")
+    assert first.returncode == 0 and "step 3/6" in first.stdout and "step 4/6" not in first.stdout, first.stderr[-3000:]
+    assert not json.loads((tmp_path / "checkpoints" / "tiny-ft" / "finetune_summary.json").read_text())["finished"]
+    second = run_cli("finetune", tmp_path, *args)
+    assert second.returncode == 0 and "resuming run tiny-ft after step 3" in second.stdout, second.stderr[-3000:]
+    assert losses(tmp_path, "tiny-ft") == losses(whole, "tiny-ft")
+
+
+def _fails(capsys, argv, message):
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err, err
+    assert "\n" not in err and "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--steps", "0"], "steps=0 is invalid: expected an integer >= 1"),
+        (["--finetune", "qlora"], "finetune='qlora' is invalid: expected one of lora, full"),
+        (["--solver", "rk4"], "solver='rk4' is invalid"),
+        (["--lora.r", "0"], "lora.r=0 is invalid"),
+        (["--pretrained.config_path", "configs/paper/owt_small_gpt2.yaml"], "not a DiffEqFormer"),
+        (["--pretrained.checkpoint", "{tmp}/nothing"], "pretrained.checkpoint='{tmp}/nothing': no checkpoint found"),
+    ],
+    ids=["steps", "method", "solver", "lora-rank", "pretrained-config", "no-checkpoint"],
+)
+def test_bad_input_fails_in_one_line(tmp_path, shared, capsys, extra, message, monkeypatch):
+    from tests.finetune_utils import ROOT
+
+    monkeypatch.chdir(ROOT)
+    corpora, pretrained = shared
+    extra = [e.format(tmp=tmp_path) for e in extra]
+    _fails(capsys, ["finetune", *base_args(tmp_path, corpora, pretrained), *extra], message.format(tmp=tmp_path))
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_baseline_checkpoint_is_refused(tmp_path, shared, capsys):
+    """A Levanter GPT-2 (baseline) checkpoint given as the ODE run's checkpoint."""
+    import yaml
+
+    corpora, _ = shared
+    config = yaml.safe_load(open(TINY_TRAIN))
+    config["model"] = {"type": "gpt2", "num_layers": 1, "hidden_dim": 32, "num_heads": 2, "seq_len": 32}
+    baseline_config = tmp_path / "baseline.yaml"
+    baseline_config.write_text(yaml.safe_dump(config))
+    baseline = save_fresh_checkpoint(tmp_path / "baseline", corpora, str(baseline_config))
+    err = _fails(capsys, ["finetune", *base_args(tmp_path, corpora, baseline)], "does not hold a DiffEqFormer model")
+    assert "pretrained.checkpoint=" in err
