@@ -135,6 +135,7 @@ def test_missing_shakespeare_and_unknown_name_raise(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists() and not (tmp_path / "wikitext").exists()
 
 
+@pytest.mark.slow  # ~90 s; every training test also reads the pydoc corpus through Levanter
 def test_levanter_reads_pydoc_offline(pydoc: PreparedCorpus, tmp_path: Path) -> None:
     import haliax as hax
     import jax
