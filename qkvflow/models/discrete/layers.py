@@ -18,7 +18,9 @@ import haliax.nn as hnn
 import jax.numpy as jnp
 import jax.random as jrandom
 from haliax import NamedArray
-from levanter.layers.attention import AttentionMask, dot_product_attention
+from levanter.layers.attention import AttentionMask
+
+from qkvflow.models.fields.common import attend
 
 from .config import ParallelConfig
 
@@ -57,19 +59,7 @@ class ParallelAttention(eqx.Module):
         if config.flavour == "llama":
             rotary = config.rope.build(config.HeadSize)
             q, k = rotary(q, pos_ids), rotary(k, pos_ids)
-        k = k.rename({config.Pos.name: config.KeyPos.name})
-        v = v.rename({config.Pos.name: config.KeyPos.name})
-        out = dot_product_attention(
-            config.Pos.name,
-            config.KeyPos.name,
-            config.HeadSize.name,
-            q,
-            k,
-            v,
-            mask=mask,
-            attn_backend=config.attn_backend,
-            flash_block_size=config.flash_attention_block_size,
-        )
+        out = attend(q, k, v, config, mask)
         return self.o_proj(out.astype(h.dtype))
 
 

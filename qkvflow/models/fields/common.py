@@ -43,9 +43,16 @@ def self_attention(
     v = affine(h, weights, "v", config.Embed)
     if rotary is not None:
         q, k = rotary(q, pos_ids), rotary(k, pos_ids)
+    out = attend(q, k, v, config, mask)
+    return affine(out.astype(h.dtype), weights, "o", (config.Heads, config.HeadSize))
+
+
+def attend(q: NamedArray, k: NamedArray, v: NamedArray, config, mask) -> NamedArray:
+    """softmax(q k^T / sqrt(head_size)) v over positions, by Levanter's attention kernels; shared by the
+    ODE fields and the discretised blocks (qkvflow.models.discrete), so both compute the same thing."""
     k = k.rename({config.Pos.name: config.KeyPos.name})
     v = v.rename({config.Pos.name: config.KeyPos.name})
-    out = dot_product_attention(
+    return dot_product_attention(
         config.Pos.name,
         config.KeyPos.name,
         config.HeadSize.name,
@@ -56,4 +63,3 @@ def self_attention(
         attn_backend=config.attn_backend,
         flash_block_size=config.flash_attention_block_size,
     )
-    return affine(out.astype(h.dtype), weights, "o", (config.Heads, config.HeadSize))
