@@ -28,7 +28,10 @@ class OdeConfig:
     """Gradient method: recursive_checkpoint (online checkpointing, Stumm & Walther 2010), direct,
     or backsolve (continuous adjoint, Chen et al. 2018)."""
     checkpoints: Optional[int] = None
-    """Checkpoints kept by recursive_checkpoint. None: diffrax's default (all steps of a fixed grid)."""
+    """States kept by recursive_checkpoint for the backward pass. None: every step of a fixed grid
+    (each step is recomputed once, like a transformer's per-layer remat; memory grows with N), and
+    equinox's default for adaptive solves (about sqrt(2 max_steps), Stumm & Walther 2010). A fixed
+    K keeps memory flat in N at the cost of recomputing steps more than once."""
     weight_cache: str = "precompute"
     """Fixed grids only. precompute: generate W(t) for every evaluation time in one batched
     hypernetwork call before the solve (fast, holds all weights); on_the_fly: generate inside each

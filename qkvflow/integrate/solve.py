@@ -35,7 +35,10 @@ def build_solver(config: OdeConfig) -> dfx.AbstractSolver:
 
 def build_adjoint(config: OdeConfig) -> dfx.AbstractAdjoint:
     if config.adjoint == "recursive_checkpoint":
-        return dfx.RecursiveCheckpointAdjoint(checkpoints=config.checkpoints)
+        checkpoints = config.checkpoints
+        if checkpoints is None and not config.is_adaptive:
+            checkpoints = config.num_steps  # store every step's state, as per-layer remat does
+        return dfx.RecursiveCheckpointAdjoint(checkpoints=checkpoints)
     if config.adjoint == "direct":
         return dfx.DirectAdjoint()
     return dfx.BacksolveAdjoint(solver=build_solver(config))

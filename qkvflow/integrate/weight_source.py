@@ -56,6 +56,6 @@ class WeightSource(eqx.Module):
 
 
 def generate_batched(generator, times: jax.Array) -> dict:
-    """W(t_k) for all k in one vmapped hypernetwork call; each weight gains a leading `ode_time` axis."""
+    """W(t_k) for all k in one batched generator call; each weight gains an `ode_time` axis."""
     OdeTimeAxis = hax.Axis("ode_time", times.shape[0])
-    return hax.vmap(generator, OdeTimeAxis)(hax.named(times, OdeTimeAxis))
+    return generator.at_times(hax.named(times, OdeTimeAxis))

@@ -84,6 +84,17 @@ class HyperGenerator(eqx.Module):
         s, shared = self._features(t)
         return {name: w(s, shared) for name, w in self.weights.items()}
 
+    def at_times(self, times: NamedArray) -> dict[str, NamedArray]:
+        """W(t_k) for every t_k of the 1-d `times`: each weight gains the axis of `times`.
+
+        The time features are computed per t; each projection is then one matrix product over all
+        times (and its gradient another), rather than one product per t.
+        """
+        (Times,) = times.axes
+        s = hax.vmap(self.time_embedding, Times)(times)
+        shared = self.shared_mlp(s) if self.shared_mlp is not None else None
+        return {name: w(s, shared) for name, w in self.weights.items()}
+
 
 class SharedGenerator(eqx.Module):
     constants: dict[str, NamedArray]
@@ -112,3 +123,8 @@ class SharedGenerator(eqx.Module):
                 bias = weights[f"{name}_bias"] + bias
             weights[f"{name}_bias"] = bias
         return weights
+
+    def at_times(self, times: NamedArray) -> dict[str, NamedArray]:
+        """W(t_k) for every t_k of the 1-d `times`: each weight gains the axis of `times`."""
+        (Times,) = times.axes
+        return hax.vmap(self, Times)(times)

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import jax.random as jrandom
 from haliax import Axis, NamedArray
 
+from qkvflow.nn.projection import project
+
 TimeHidden = "time_hidden"
 TimeEmbed = "time_embed"
 
@@ -71,6 +73,7 @@ class TimeDependentWeight(eqx.Module):
         return self.mlp(features) if self.mlp is not None else shared
 
     def __call__(self, features: NamedArray, shared: Optional[NamedArray] = None) -> NamedArray:
+        """features: (time_feature,) for one t, or (*times, time_feature) for several at once."""
         e = hnn.silu(self.embed(features, shared))
-        w = hax.dot(e.astype(self.proj.dtype), self.proj, axis=TimeEmbed)
+        w = project(e, self.proj, TimeEmbed)
         return w + self.offset if self.offset else w
