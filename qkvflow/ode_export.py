@@ -2,7 +2,7 @@
 
 A folder written by `save_ode_export` holds
 
-    config.json        {"format": "qkvflow-ode", "version": 1, "vocab_size": V,
+    config.json        {"format": "qkvflow-ode", "version": 2, "vocab_size": V,
                         "model": {"type": "diffeqformer_gpt2", ...every DiffEqFormerConfig field...},
                         "axes": {key: [named axes of the tensor, in stored order]}}
     model.safetensors  one tensor per key, float32, keys = the model's attribute paths:
@@ -12,7 +12,7 @@ A folder written by `save_ode_export` holds
                 generator.weights.<w>.mlp.lin{1,2}.{weight,bias}  (or generator.shared_mlp.* when shared)
         shared: generator.constants.<w> [*axes of w], generator.time_bias.<w> [*output axes of w]
 
-so W_w(t) = offset_w + proj_w . silu(L2(silu(L1(Sinusoidal(t))))) (`qkvflow.nn.time_dependent`;
+so W_w(t) = offset_w + proj_w . silu(L2(silu(L1(Sinusoidal(t))))) / d_emb (`qkvflow.nn.time_dependent`;
 offset 1 for norm scales) or, shared, W_w = constants_w with bias constants_w_bias + time_bias_w * t.
 `load_ode_export` rebuilds the `DiffEqFormerLMHeadModel`; its logits equal the original's.
 """
@@ -29,7 +29,8 @@ from haliax.state_dict import from_state_dict, to_state_dict
 
 from qkvflow.errors import UserError
 
-FORMAT, VERSION = "qkvflow-ode", 1
+FORMAT, VERSION = "qkvflow-ode", 2
+"""2: W(t) carries the 1/d_emb multiplier (qkvflow.nn.time_dependent); version-1 folders predate it."""
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
 
@@ -92,6 +93,12 @@ def load_ode_export(folder: str):
         raise UserError(f"{path}: cannot read an ODE export config ({e})") from None
     if meta.get("format") != FORMAT:
         raise UserError(f"{path}: format={meta.get('format')!r} is invalid: expected {FORMAT!r}")
+    if meta.get("version") != VERSION:
+        raise UserError(
+            f"{path}: version={meta.get('version')!r} is invalid: expected {VERSION} (version 1 exports predate "
+            "the 1/d_emb multiplier of W(t) and would give different logits; re-export from the checkpoint "
+            "with the qkvflow that trained it)"
+        )
     config = draccus.decode(LmConfig, meta["model"])
     template = eqx.filter_eval_shape(config.build, Axis("vocab", meta["vocab_size"]), key=jrandom.PRNGKey(0))
     return from_state_dict(template, load_file(os.path.join(folder, WEIGHTS_FILE)))

@@ -1,4 +1,4 @@
-"""A weight that is a function of time: W(t) = offset + Proj(silu(MLP(Sinusoidal(t)))).
+"""A weight that is a function of time: W(t) = offset + Proj(silu(MLP(Sinusoidal(t)))) / d_emb.
 
     MLP(s) = L2(silu(L1(s)))        L1: time_feature -> time_hidden, L2: time_hidden -> time_embed
     Proj(e) = sum_d e_d P[d, ...]   P: time_embed x (target axes), no bias
@@ -7,6 +7,14 @@
 collapsing into one linear map. `offset` is 1 for norm scales (so W(0) is near the identity) and 0
 otherwise. The MLP may be owned by this weight (the paper's default) or shared by all weights
 (its ablation); then the caller passes the shared embedding in.
+
+The fixed multiplier 1/d_emb (an output multiplier in the sense of muP, Yang et al., 2021) sets how
+fast Adam moves W(t). Adam changes every entry of P by about the learning rate, and the entries of
+dP = e g^T for one entry of W share the sign of e_d g, so W moves by about lr * sum_d |e_d|: without
+the multiplier, d_emb * mean|e| (about 20 at d_emb 64) times faster than an ordinary weight, and at
+nanoGPT's learning rate the DiffEqFormer stalled on Tiny Shakespeare (benchmarks/README.md). With
+it, W(t) moves by about lr * mean|e| for any d_emb. The initialisation compensates, so W(t) starts
+with the same spread either way.
 """
 
 from typing import Optional
@@ -59,14 +67,15 @@ class TimeDependentWeight(eqx.Module):
         offset: float = 0.0,
         key,
     ) -> "TimeDependentWeight":
-        """Proj starts as N(0, 1) * std / sqrt(d_emb); the generator rescales it so W(t) has std `std`."""
+        """Proj starts as N(0, 1) * std * sqrt(d_emb), so W(t) has std `std` when silu(MLP) has unit
+        RMS; the generator then rescales it by the measured RMS."""
         k_mlp, k_proj = jrandom.split(key)
         mlp = TimeMLP.init(TimeFeature, time_embed_dim, key=k_mlp) if own_mlp else None
         Embed = Axis(TimeEmbed, time_embed_dim)
         if std == 0.0:
             proj = hax.zeros((Embed, *target))
         else:
-            proj = hax.random.normal(k_proj, (Embed, *target)) * (std / jnp.sqrt(time_embed_dim))
+            proj = hax.random.normal(k_proj, (Embed, *target)) * (std * jnp.sqrt(time_embed_dim))
         return TimeDependentWeight(mlp, proj, offset)
 
     def embed(self, features: NamedArray, shared: Optional[NamedArray]) -> NamedArray:
@@ -75,5 +84,5 @@ class TimeDependentWeight(eqx.Module):
     def __call__(self, features: NamedArray, shared: Optional[NamedArray] = None) -> NamedArray:
         """features: (time_feature,) for one t, or (*times, time_feature) for several at once."""
         e = hnn.silu(self.embed(features, shared))
-        w = project(e, self.proj, TimeEmbed)
+        w = project(e / self.proj.resolve_axis(TimeEmbed).size, self.proj, TimeEmbed)
         return w + self.offset if self.offset else w
