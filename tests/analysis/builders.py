@@ -5,6 +5,8 @@ numbers: no initialiser runs, so no XLA compilations (Levanter's truncated-norma
 compile for seconds per shape on a CPU). For tests that read or set weights, not for training.
 """
 
+import re
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -15,12 +17,15 @@ from tests.helpers import Vocab
 
 
 def filled(config, vocab=Vocab, *, seed: int = 0, std: float = 0.3):
+    """Projections get std * d_emb, so that W(t) = Proj(e) / d_emb is as large as the other weights."""
     shape = eqx.filter_eval_shape(config.build, vocab, key=jrandom.PRNGKey(0))
     rng = np.random.default_rng(seed)
+    d_emb = getattr(config, "time_embed_dim", 1)
 
-    def fill(leaf):
+    def fill(path, leaf):
         if isinstance(leaf, jax.ShapeDtypeStruct):
-            return jnp.asarray(rng.normal(scale=std, size=leaf.shape), leaf.dtype)
+            scale = std * d_emb if re.search(r"\.proj\b", jax.tree_util.keystr(path)) else std
+            return jnp.asarray(rng.normal(scale=scale, size=leaf.shape), leaf.dtype)
         return leaf
 
-    return jax.tree_util.tree_map(fill, shape)
+    return jax.tree_util.tree_map_with_path(fill, shape)
