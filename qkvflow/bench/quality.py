@@ -4,7 +4,9 @@ Each model trains in its own `qkvflow train` subprocess from benchmarks/configs/
 (nanoGPT's CPU "baby GPT" budget: 4 layers/steps, 4 heads, width 128, context 64, batch 12, 2000
 iterations, lr 1e-3 cosine to 1e-4, beta2 0.99, dropout 0; nanoGPT reports val loss 1.88 for its GPT).
 The runs write into a fresh work folder (so nothing resumes), and the final `eval/loss` over the
-validation split (the last 10% of the text) is collected into JSON and a markdown table.
+validation split (the last 10% of the text) is collected into JSON and a markdown table. With
+`--learning_rates A,B,...` every model trains at each peak learning rate (same schedule shape) and is
+reported at its best, so that no model is compared at a learning rate tuned for another.
 """
 
 import argparse
@@ -16,6 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 from qkvflow.errors import UserError
 from qkvflow.tracking import metrics_file, read_metrics
@@ -41,14 +44,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="quality", help="output files OUT_DIR/NAME.json and NAME.md")
     p.add_argument("--workdir", default=None, help="where runs write (default: a fresh temporary folder)")
     p.add_argument("--timeout", type=float, default=7200.0, help="seconds per model")
+    p.add_argument("--learning_rates", default=None,
+                   help="comma-separated peak learning rates: train every model at each and report each "
+                        "model's best validation loss (default: the configs' 1e-3 only)")
     return p
 
 
-def train_one(name: str, args, workdir: Path) -> dict:
+def train_one(name: str, args, workdir: Path, learning_rate: Optional[float] = None) -> dict:
     config = Path(args.configs_dir) / f"quality_{name}.yaml"
     if not config.is_file():
         raise UserError(f"bench quality: config {config} not found")
-    run_id = f"quality_{name}"
+    run_id = f"quality_{name}" if learning_rate is None else f"quality_{name}_lr{learning_rate:g}"
     cmd = [
         sys.executable, "-m", "qkvflow", "train", "--config_path", str(config),
         "--corpus.root", args.corpus_root,
@@ -62,13 +68,16 @@ def train_one(name: str, args, workdir: Path) -> dict:
     ]
     if args.max_eval_batches is not None:
         cmd += ["--trainer.max_eval_batches", str(args.max_eval_batches)]
+    if learning_rate is not None:
+        cmd += ["--optimizer.learning_rate", str(learning_rate)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     start = time.perf_counter()
-    with open(workdir / f"{name}.log", "w") as log:
+    log_file = workdir / f"{run_id.removeprefix('quality_')}.log"
+    with open(log_file, "w") as log:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
-        tail = (workdir / f"{name}.log").read_text().strip().splitlines()[-1:]
+        tail = log_file.read_text().strip().splitlines()[-1:]
         raise UserError(f"bench quality: training {name} failed (exit {proc.returncode}): {' '.join(tail)}")
     steps = read_metrics(metrics_file(str(workdir / "runs"), run_id))
     evals = [s for s in sorted(steps) if "eval/loss" in steps[s]]
@@ -88,7 +97,17 @@ def train_one(name: str, args, workdir: Path) -> dict:
         "steps": (trains[-1] + 1) if trains else 0,
         "parameter_count": params,
         "wall_s": round(wall, 1),
+        "learning_rate": learning_rate,
     }
+
+
+def train_grid(name: str, args, workdir: Path, learning_rates: list[float]) -> dict:
+    """Train `name` at each learning rate; the entry is the best run by validation loss, with all runs."""
+    runs = [train_one(name, args, workdir, lr) for lr in learning_rates]
+    scored = [r for r in runs if r["val_loss"] is not None]
+    best = dict(min(scored, key=lambda r: r["val_loss"]) if scored else runs[0])
+    best["grid"] = [{k: r[k] for k in ("learning_rate", "val_loss", "train_loss", "wall_s")} for r in runs]
+    return best
 
 
 def markdown(result: dict) -> str:
@@ -96,15 +115,40 @@ def markdown(result: dict) -> str:
         f"Tiny Shakespeare (char level), {result['iters']} iterations x batch 12 x context 64"
         + (f", eval on {result['max_eval_batches']} batches" if result["max_eval_batches"] else ", full validation split"),
         "",
-        "| model | params | val loss | train loss | wall (s) |",
-        "|---|---:|---:|---:|---:|",
+        "| model | params | peak lr | val loss | train loss | wall (s) |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for r in result["models"].values():
-        val = f"{r['val_loss']:.4f}" if r["val_loss"] is not None else "-"
-        train = f"{r['train_loss']:.4f}" if r["train_loss"] is not None else "-"
-        lines.append(f"| {r['label']} | {r['parameter_count'] or '-'} | {val} | {train} | {r['wall_s']} |")
-    lines.append(f"| nanoGPT baby GPT (reference, 2000 iters) | 0.80M | {NANOGPT_VAL_LOSS} | - | - |")
+        lr = f"{r['learning_rate']:g}" if r.get("learning_rate") is not None else "config"
+        lines.append(f"| {r['label']} | {r['parameter_count'] or '-'} | {lr} | {_loss(r['val_loss'])} | "
+                     f"{_loss(r['train_loss'])} | {r['wall_s']} |")
+    lines.append(f"| nanoGPT baby GPT (reference, 2000 iters) | 0.80M | 1e-3 | {NANOGPT_VAL_LOSS} | - | - |")
+    grids = {name: r["grid"] for name, r in result["models"].items() if r.get("grid")}
+    if grids:
+        lrs = sorted({g["learning_rate"] for grid in grids.values() for g in grid})
+        lines += ["", "Validation loss by peak learning rate (the best per model is reported above):", "",
+                  "| model | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |",
+                  "|---|" + "---:|" * len(lrs)]
+        for name, grid in grids.items():
+            by_lr = {g["learning_rate"]: g["val_loss"] for g in grid}
+            lines.append(f"| {name} | " + " | ".join(_loss(by_lr.get(lr)) for lr in lrs) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _loss(value) -> str:
+    return f"{value:.4f}" if value is not None else "-"
+
+
+def _learning_rates(text: Optional[str]) -> Optional[list[float]]:
+    if text is None:
+        return None
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        rates = []
+    if not rates or any(not (0 < r < 1) for r in rates):
+        raise UserError(f"--learning_rates={text!r} is invalid: expected comma-separated numbers in (0, 1), e.g. 1e-3,2e-3")
+    return rates
 
 
 def main(argv: list[str]) -> int:
@@ -115,13 +159,17 @@ def main(argv: list[str]) -> int:
     bad = [n for n in names if n not in MODELS]
     if bad or not names:
         raise UserError(f"--models={args.models!r} is invalid: expected a comma-separated subset of {','.join(MODELS)}")
+    learning_rates = _learning_rates(args.learning_rates)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="qkvflow-quality-"))
     workdir.mkdir(parents=True, exist_ok=True)
     result = {"iters": args.iters, "max_eval_batches": args.max_eval_batches, "workdir": str(workdir),
-              "reference_nanogpt_val_loss": NANOGPT_VAL_LOSS, "models": {}}
+              "learning_rates": learning_rates, "reference_nanogpt_val_loss": NANOGPT_VAL_LOSS, "models": {}}
     for name in names:
-        print(f"bench quality: training {name} for {args.iters} steps (log: {workdir / (name + '.log')})", flush=True)
-        result["models"][name] = train_one(name, args, workdir)
+        print(f"bench quality: training {name} for {args.iters} steps (logs in {workdir})", flush=True)
+        if learning_rates is None:
+            result["models"][name] = train_one(name, args, workdir)
+        else:
+            result["models"][name] = train_grid(name, args, workdir, learning_rates)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -97,6 +97,25 @@ def test_quality_table_lists_every_model():
     assert "| 3.0000 |" in table and "nanoGPT" in table
 
 
+def test_quality_grid_reports_each_models_best_learning_rate(monkeypatch, tmp_path):
+    losses = {("ode", 1e-3): 2.0, ("ode", 2e-3): 1.9, ("gpt2", 1e-3): 1.8, ("gpt2", 2e-3): None}  # None: diverged
+
+    def fake_train_one(name, args, workdir, learning_rate=None):
+        val = losses[(name, learning_rate)]
+        return {"label": quality.LABELS[name], "val_loss": val, "train_loss": val, "parameter_count": 1,
+                "wall_s": 1.0, "learning_rate": learning_rate}
+
+    monkeypatch.setattr(quality, "train_one", fake_train_one)
+    code = cli.main(["bench", "quality", "--models", "ode,gpt2", "--learning_rates", "1e-3,2e-3",
+                     "--out_dir", str(tmp_path), "--workdir", str(tmp_path / "work")])
+    assert code == 0
+    result = json.loads((tmp_path / "quality.json").read_text())
+    assert result["models"]["ode"]["learning_rate"] == 2e-3 and result["models"]["ode"]["val_loss"] == 1.9
+    assert result["models"]["gpt2"]["learning_rate"] == 1e-3 and result["models"]["gpt2"]["val_loss"] == 1.8
+    table = (tmp_path / "quality.md").read_text()
+    assert "| ode | 2.0000 | 1.9000 |" in table and "| gpt2 | 1.8000 | - |" in table
+
+
 @pytest.mark.slow
 def test_quality_trains_each_model_a_few_steps(tmp_path):
     if not (ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt").is_file() and not os.environ.get(
@@ -120,6 +139,8 @@ def test_quality_trains_each_model_a_few_steps(tmp_path):
         (["bench", "speed", "--config_path", "does/not/exist.yaml"], "does/not/exist.yaml"),
         (["bench", "flops"], "unknown bench mode 'flops'"),
         (["bench", "quality", "--models", "ode,rnn"], "--models='ode,rnn' is invalid"),
+        (["bench", "quality", "--learning_rates", "fast"], "--learning_rates='fast' is invalid"),
+        (["bench", "quality", "--learning_rates", "3"], "--learning_rates='3' is invalid"),
         (["bench", "speed", "--config_path", "{gpt2}"], "model.type must be an ODE model"),
         (["bench", "speed", "--config_path", "{tiny}", "--batch", "0"], "--batch=0 is invalid"),
         (["bench", "speed"], "--config_path"),
