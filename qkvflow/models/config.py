@@ -41,6 +41,9 @@ class DiffEqFormerConfig(LmConfig):
     time_scale: float = 1000.0
     """t is multiplied by this before the sinusoids (see qkvflow.nn.time_embedding)."""
     shared_time_mlp: bool = False
+    time_embed_norm: bool = False
+    """Divide silu(MLP(s(t))) by its RMS before Proj, so Adam moves W(t) by about 0.8 lr instead of
+    about 0.15 lr (qkvflow.nn.time_dependent; benchmarks/README.md has the measurements)."""
     """One time MLP shared by all weights (the paper's ablation) instead of one per weight."""
 
     ode: OdeConfig = dataclasses.field(default_factory=OdeConfig)
@@ -48,6 +51,9 @@ class DiffEqFormerConfig(LmConfig):
     """lambda of the kinetic regulariser lambda/2 * int mean_tokens ||dx/dt||^2 dt; 0 turns it off."""
 
     initializer_range: float = 0.02
+    matrix_init: str = "normal"
+    """"normal": generated matrices start with std initializer_range; "fan_in": 1/sqrt(fan_in), as
+    the Linear layers of Levanter's GPT-2 and Llama baselines."""
     layer_norm_epsilon: float = 1e-5
     use_bias: Optional[bool] = None
     """None: True for GPT-2, False for Llama."""
@@ -72,6 +78,7 @@ class DiffEqFormerConfig(LmConfig):
             _check(self.intermediate_dim >= 1, "intermediate_dim", self.intermediate_dim, "null or an integer >= 1")
         _check(self.time_scale > 0, "time_scale", self.time_scale, "a positive float")
         _check(self.kinetic_weight >= 0, "kinetic_weight", self.kinetic_weight, "a float >= 0")
+        _check(self.matrix_init in ("normal", "fan_in"), "matrix_init", self.matrix_init, "'normal' or 'fan_in'")
         _check(self.initializer_range > 0, "initializer_range", self.initializer_range, "a positive float")
 
     # --- flavour-dependent defaults -------------------------------------------------------------

@@ -10,6 +10,7 @@ differ only here:
 """
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -37,6 +38,14 @@ class WeightSpec:
         return (*self.in_axes, *self.out_axes)
 
 
+def matrix_std(spec: WeightSpec, config) -> float:
+    """Initial std of a generated matrix: initializer_range ("normal", HF GPT-2's 0.02), or
+    1/sqrt(fan_in) ("fan_in", haliax's Linear default, which Levanter's GPT-2 and Llama use)."""
+    if config.matrix_init == "fan_in":
+        return math.prod(a.size for a in spec.in_axes) ** -0.5
+    return config.initializer_range
+
+
 class HyperGenerator(eqx.Module):
     time_embedding: SinusoidalTimeEmbedding
     shared_mlp: Optional[TimeMLP]
@@ -44,10 +53,12 @@ class HyperGenerator(eqx.Module):
 
     @staticmethod
     def init(specs: dict[str, WeightSpec], config, *, key) -> "HyperGenerator":
-        """`config` supplies num_frequencies, time_scale, time_embed_dim, shared_time_mlp, initializer_range.
+        """`config` supplies num_frequencies, time_scale, time_embed_dim, shared_time_mlp,
+        time_embed_norm, initializer_range and matrix_init.
 
-        Matrices start with W(t) ~ N(0, initializer_range^2) at every t (the projection is rescaled
-        by the measured size of its time embedding); biases start at 0 and norm scales at 1.
+        Matrices start with W(t) ~ N(0, std^2) at every t (the projection is rescaled by the
+        measured size of its time embedding), std = initializer_range or, with matrix_init
+        "fan_in", 1/sqrt(fan_in); biases start at 0 and norm scales at 1.
         """
         embedding = SinusoidalTimeEmbedding.init(config.num_frequencies, config.time_scale)
         k_shared, *keys = jrandom.split(key, len(specs) + 1)
@@ -56,10 +67,11 @@ class HyperGenerator(eqx.Module):
         shared_mlp = None if own else TimeMLP.init(embedding.TimeFeature, d, key=k_shared)
         weights = {}
         for k, (name, spec) in zip(keys, specs.items()):
-            std = config.initializer_range if spec.kind == "matrix" else 0.0
+            std = matrix_std(spec, config) if spec.kind == "matrix" else 0.0
             offset = 1.0 if spec.kind == "norm" else 0.0
             weights[name] = TimeDependentWeight.init(
-                spec.axes, embedding.TimeFeature, d, std=std, own_mlp=own, offset=offset, key=k
+                spec.axes, embedding.TimeFeature, d, std=std, own_mlp=own, offset=offset,
+                normalise=config.time_embed_norm, key=k,
             )
         generator = HyperGenerator(embedding, shared_mlp, weights)
         return generator._normalise_init(specs)
@@ -71,7 +83,7 @@ class HyperGenerator(eqx.Module):
             if spec.kind != "matrix":
                 continue
             w = weights[name]
-            e = jax.vmap(lambda t: hax.nn.silu(w.embed(*self._features(t))).array)(times)
+            e = jax.vmap(lambda t: w.coefficients(*self._features(t)).array)(times)
             rms = jnp.sqrt(jnp.mean(jnp.square(e)))
             weights[name] = dataclasses.replace(w, proj=w.proj / rms)
         return dataclasses.replace(self, weights=weights)
@@ -106,7 +118,7 @@ class SharedGenerator(eqx.Module):
         constants, time_bias = {}, {}
         for k, (name, spec) in zip(keys, specs.items()):
             if spec.kind == "matrix":
-                constants[name] = hax.random.normal(k, spec.axes) * config.initializer_range
+                constants[name] = hax.random.normal(k, spec.axes) * matrix_std(spec, config)
                 time_bias[name] = hax.zeros(spec.out_axes)
             elif spec.kind == "norm":
                 constants[name] = hax.ones(spec.axes)

@@ -162,3 +162,25 @@ def test_shared_generator_is_constant_plus_linear_bias():
     assert "w_down_bias" in w0  # every affine map gets its time bias, even in the bias-free Llama field
     logits = model(random_tokens(config))
     assert bool(jnp.all(jnp.isfinite(logits.array)))
+
+
+@pytest.mark.parametrize("generator", ["diffeqformer_gpt2", "shared_ode_gpt2"])
+def test_matrix_init_fan_in_matches_levanter_linear(generator):
+    """matrix_init fan_in: generated matrices start with std 1/sqrt(fan_in), as haliax's Linear (and so
+    Levanter's GPT-2 baseline) does; "normal" keeps initializer_range."""
+    from levanter.models.lm_model import LmConfig
+
+    cls = LmConfig.get_choice_class(generator)
+    base = dict(seq_len=12, hidden_dim=64, num_heads=4, time_embed_dim=16, num_frequencies=16)
+    for init, q_std, w2_std in (("fan_in", 64**-0.5, 256**-0.5), ("normal", 0.02, 0.02)):
+        model = tiny_model(cls(matrix_init=init, **base))
+        ws = [model.generator(t) for t in np.linspace(0.0, 1.0, 9)]  # the init normalises over these times
+        rms = {n: np.sqrt(np.mean([np.mean(np.square(np.asarray(w[n].array))) for w in ws])) for n in ("q", "w2")}
+        assert rms["q"] == pytest.approx(q_std, rel=0.2) and rms["w2"] == pytest.approx(w2_std, rel=0.2)
+
+
+def test_matrix_init_rejects_unknown_value():
+    from qkvflow.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="matrix_init='xavier' is invalid"):
+        tiny_config("gpt2", matrix_init="xavier")
