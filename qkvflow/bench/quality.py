@@ -25,10 +25,13 @@ from qkvflow.tracking import metrics_file, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ("ode", "gpt2", "shared")
+EXTRA_MODELS = ("ode_tuned", "parallel")  # run on request: --models ode_tuned,parallel
 LABELS = {
     "ode": "DiffEqFormer (diffeqformer_gpt2, N=4 Euler steps, d_emb=64)",
     "gpt2": "GPT-2 baseline (Levanter gpt2, 4 layers)",
     "shared": "weight-shared ODE (shared_ode_gpt2, N=4)",
+    "ode_tuned": "DiffEqFormer, time_embed_norm + matrix_init fan_in",
+    "parallel": "parallel-block GPT-2 (parallel_gpt2, 4 layers; the ODE's discrete twin)",
 }
 NANOGPT_VAL_LOSS = 1.88
 
@@ -36,7 +39,7 @@ NANOGPT_VAL_LOSS = 1.88
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qkvflow bench quality", description=__doc__)
     p.add_argument("--iters", type=int, default=2000, help="training steps per model (schedule spans them)")
-    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS + EXTRA_MODELS)}")
     p.add_argument("--configs_dir", default=str(ROOT / "benchmarks" / "configs"))
     p.add_argument("--corpus_root", default=str(ROOT / "cache" / "corpora"))
     p.add_argument("--max_eval_batches", type=int, default=None, help="evaluate on a slice (default: all)")
@@ -156,9 +159,11 @@ def main(argv: list[str]) -> int:
     if args.iters < 1:
         raise UserError(f"--iters={args.iters} is invalid: expected an integer >= 1")
     names = [n.strip() for n in args.models.split(",") if n.strip()]
-    bad = [n for n in names if n not in MODELS]
+    bad = [n for n in names if n not in MODELS + EXTRA_MODELS]
     if bad or not names:
-        raise UserError(f"--models={args.models!r} is invalid: expected a comma-separated subset of {','.join(MODELS)}")
+        raise UserError(
+            f"--models={args.models!r} is invalid: expected a comma-separated subset of {','.join(MODELS + EXTRA_MODELS)}"
+        )
     learning_rates = _learning_rates(args.learning_rates)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="qkvflow-quality-"))
     workdir.mkdir(parents=True, exist_ok=True)

@@ -153,3 +153,27 @@ def test_bad_input_is_one_line_and_exit_2(argv, expected, tmp_path, tiny_config,
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("qkvflow bench: error:") and expected in err
+
+
+def test_quality_configs_share_one_budget():
+    """Every quality_<model>.yaml the bench can run parses, exists for each model name, and differs from
+    the DiffEqFormer's only in `model` and the run id: same data, budget and optimizer for all."""
+    import draccus
+    import yaml
+
+    from qkvflow.config import TrainConfig
+
+    configs = quality.ROOT / "benchmarks" / "configs"
+    reference = yaml.safe_load((configs / "quality_ode.yaml").read_text())
+    for name in quality.MODELS + quality.EXTRA_MODELS:
+        path = configs / f"quality_{name}.yaml"
+        raw = yaml.safe_load(path.read_text())
+        parsed = draccus.parse(TrainConfig, config_path=str(path), args=[])
+        assert parsed.trainer.num_train_steps == 2000 and parsed.trainer.train_batch_size == 12
+        strip = lambda c: {k: v for k, v in c.items() if k not in ("model", "trainer", "optimizer")}  # noqa: E731
+        assert strip(raw) == strip(reference), path
+        assert {**raw["trainer"], "id": None} == {**reference["trainer"], "id": None}, path
+        opt = {k: v for k, v in raw["optimizer"].items() if k != "weight_decay_modules"}
+        assert opt == {k: v for k, v in reference["optimizer"].items() if k != "weight_decay_modules"}, path
+    tuned = draccus.parse(TrainConfig, config_path=str(configs / "quality_ode_tuned.yaml"), args=[])
+    assert tuned.model.time_embed_norm and tuned.model.matrix_init == "fan_in"
