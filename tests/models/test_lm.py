@@ -1,6 +1,7 @@
 """The DiffEqFormer LM: the solve is the equation it claims, for both flavours."""
 
 import dataclasses
+import json
 
 import equinox as eqx
 import haliax as hax
@@ -184,3 +185,23 @@ def test_matrix_init_rejects_unknown_value():
 
     with pytest.raises(ConfigError, match="matrix_init='xavier' is invalid"):
         tiny_config("gpt2", matrix_init="xavier")
+
+
+def test_ode_export_keeps_the_opt_in_knobs(tmp_path):
+    """time_embed_norm and matrix_init travel in the ODE export's config, so the reloaded model
+    computes the same logits (a loader that dropped time_embed_norm would not)."""
+    from qkvflow.ode_export import load_ode_export, save_ode_export
+
+    config = tiny_config("gpt2", time_embed_norm=True, matrix_init="fan_in")
+    model = tiny_model(config)
+    save_ode_export(model, str(tmp_path))
+    loaded = load_ode_export(str(tmp_path))
+    assert loaded.config.time_embed_norm and loaded.config.matrix_init == "fan_in"
+    ids = random_tokens(config)
+    logits = lambda m: np.asarray(m(ids, attn_mask=AttentionMask.causal()).array)  # noqa: E731
+    np.testing.assert_array_equal(logits(loaded), logits(model))
+    # Negative control: the same weights read back with time_embed_norm off compute something else.
+    meta = json.loads((tmp_path / "config.json").read_text())
+    meta["model"]["time_embed_norm"] = False
+    (tmp_path / "config.json").write_text(json.dumps(meta))
+    assert not np.allclose(logits(load_ode_export(str(tmp_path))), logits(model), rtol=1e-3, atol=0)
