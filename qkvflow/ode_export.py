@@ -13,7 +13,8 @@ A folder written by `save_ode_export` holds
         shared: generator.constants.<w> [*axes of w], generator.time_bias.<w> [*output axes of w]
 
 so W_w(t) = offset_w + proj_w . silu(L2(silu(L1(Sinusoidal(t))))) / d_emb (`qkvflow.nn.time_dependent`;
-offset 1 for norm scales; with the config's time_embed_norm the silu output is first divided by its RMS) or, shared, W_w = constants_w with bias constants_w_bias + time_bias_w * t.
+offset 1 for norm scales; with the config's time_embed_norm the silu output is first divided by its
+RMS) or, shared, W_w = constants_w with bias constants_w_bias + time_bias_w * t.
 `load_ode_export` rebuilds the `DiffEqFormerLMHeadModel`; its logits equal the original's.
 """
 

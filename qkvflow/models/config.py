@@ -41,10 +41,10 @@ class DiffEqFormerConfig(LmConfig):
     time_scale: float = 1000.0
     """t is multiplied by this before the sinusoids (see qkvflow.nn.time_embedding)."""
     shared_time_mlp: bool = False
-    time_embed_norm: bool = False
-    """Divide silu(MLP(s(t))) by its RMS before Proj, so Adam moves W(t) by about 0.8 lr instead of
-    about 0.15 lr (qkvflow.nn.time_dependent; benchmarks/README.md has the measurements)."""
     """One time MLP shared by all weights (the paper's ablation) instead of one per weight."""
+    time_embed_norm: bool = False
+    """Divide silu(MLP(s(t))) by its RMS before Proj, so Proj's share of an Adam step on W(t) is about
+    0.8 lr instead of about 0.15 lr (qkvflow.nn.time_dependent; benchmarks/README.md, "Quality")."""
 
     ode: OdeConfig = dataclasses.field(default_factory=OdeConfig)
     kinetic_weight: float = 0.0

@@ -18,8 +18,9 @@ initialisation compensates, so W(t) starts with the same spread either way.
 
 `normalise=True` (config `time_embed_norm`) divides e = silu(MLP(s)) by its RMS over d_emb before
 Proj, so mean|e| is about 0.8 whatever the MLP does. silu(MLP(s)) starts with mean|e| of about 0.15
-(silu halves the small pre-activations of the default init), so without it W(t) moves by about
-0.15 lr, a sixth of an ordinary weight's Adam step; with it, by about 0.8 lr.
+(silu halves the small pre-activations of the default init), so without it Proj's share of an Adam
+step moves W(t) by about 0.15 lr, a sixth of an ordinary weight's step; with it, by about 0.8 lr.
+The time MLP's own step comes on top (tests/nn/test_time_dependent.py measures the total).
 """
 
 from typing import Optional

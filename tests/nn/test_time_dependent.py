@@ -67,15 +67,16 @@ def test_normalised_embedding_has_unit_rms_and_defines_w():
     s = emb(0.4)
     e = np.asarray(hax.nn.silu(w.mlp(s)).array)
     e_hat = e / np.sqrt(np.mean(e**2) + 1e-6)
-    np.testing.assert_allclose(np.sqrt(np.mean(np.asarray(w.coefficients(s).array) ** 2)), 1.0, rtol=1e-3)  # up to the 1e-6 epsilon
+    rms = np.sqrt(np.mean(np.asarray(w.coefficients(s).array) ** 2))
+    np.testing.assert_allclose(rms, 1.0, rtol=1e-3)  # up to the 1e-6 epsilon
     expected = np.einsum("d,dab->ab", e_hat, np.asarray(w.proj.array)) / 6
     np.testing.assert_allclose(w(s).array, expected, rtol=1e-5, atol=1e-7)
 
 
 def test_normalised_embedding_speeds_up_adam_on_w():
-    """time_embed_norm: silu(MLP) starts with mean|e| ~ 0.15, so one Adam step of lr 1e-3 moves W by a
-    fraction of lr; dividing e by its RMS makes it about 0.8 lr. Measured at d_emb 64: 6.5e-4 -> ~1e-3
-    (the time MLP's own step adds to both)."""
+    """time_embed_norm: silu(MLP) starts with mean|e| ~ 0.15, so Proj's share of one Adam step of lr 1e-3
+    moves W by ~0.15 lr; dividing e by its RMS makes it ~0.8 lr, and the time MLP's own step adds to
+    both. Measured on this 3 x 5 weight at d_emb 64: 6.5e-4 plain, 2.8e-3 normalised (4.4x)."""
     plain, normalised = _adam_step_on_w(64), _adam_step_on_w(64, normalise=True)
-    assert 5e-4 < normalised < 3e-3
-    assert normalised > 1.3 * plain
+    assert 1e-3 < normalised < 3e-3
+    assert normalised > 3 * plain
