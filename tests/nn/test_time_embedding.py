@@ -36,3 +36,21 @@ def test_time_scale_separates_nearby_layers():
     assert cos_sim(1.0) > 0.99
     assert cos_sim(1000.0) < 0.9
     assert jax.numpy.isfinite(cos_sim(1000.0))
+
+
+def test_defaults_are_the_papers_and_reach_the_model():
+    """Pinned defaults: F = 128 frequencies, time scale 1000, maximum period 1e4 (Vaswani et al.), and the
+    model's generator is built with them. The formula is written out here for t = 0.3."""
+    from qkvflow.models.config import DiffEqFormerGpt2Config
+    from tests.helpers import tiny_model
+
+    emb = SinusoidalTimeEmbedding.init()
+    w = np.exp(-np.log(1e4) * np.arange(128) / 128)
+    expected = np.concatenate([[0.3], np.sin(1000 * 0.3 * w), np.cos(1000 * 0.3 * w)])
+    # |angle| <= 300 rad: float32 holds it to ~300 * eps32 = 2e-5 rad, the error of sin and cos too
+    np.testing.assert_allclose(emb(0.3).array, expected, rtol=0, atol=300 * np.finfo(np.float32).eps * 2)
+
+    config = DiffEqFormerGpt2Config(seq_len=8, hidden_dim=16, num_heads=2, time_embed_dim=4)
+    assert (config.num_frequencies, config.time_scale) == (128, 1000.0)
+    model_embedding = tiny_model(config).generator.time_embedding
+    np.testing.assert_array_equal(model_embedding(0.3).array, emb(0.3).array)
