@@ -4,6 +4,7 @@ The dataset is a local folder of jsonl, which `datasets.load_dataset` (and so Le
 WrappedHFDataSource) reads offline as a dataset with only a train split.
 """
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -48,7 +49,13 @@ def test_split_is_disjoint_complete_and_about_the_fraction(dataset_dir: str) -> 
     assert len(everything) == N_DOCS
     assert not set(train) & set(validation)
     assert sorted(train + validation) == sorted(everything)
-    # Binomial(400, 0.2): mean 80, sd 8; +-4 sd.
+    # The rule of the module docstring, written out: exactly these documents are held out.
+    def held_out(text: str) -> bool:
+        digest = hashlib.blake2b(f"0:{text}".encode("utf-8"), digest_size=8).digest()
+        return int.from_bytes(digest, "big") / 2**64 < 0.2
+
+    assert sorted(validation) == sorted(t for t in everything if held_out(t))
+    # and the rule is a fair coin: Binomial(400, 0.2) has mean 80, sd 8; +-4 sd.
     assert 48 <= len(validation) <= 112
 
 
