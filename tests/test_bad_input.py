@@ -122,6 +122,8 @@ CASES = [
     ("stop-after-0", ["--stop_after", "0"], "stop_after=0 is invalid"),
     ("nonfinite-mode", ["--nonfinite", "ignore"], "nonfinite='ignore' is invalid: expected one of stop, skip"),
     ("negative-lr", ["--optimizer.learning_rate", "-0.1"], "optimizer.learning_rate=-0.1 is invalid"),
+    ("negative-weight-decay", ["--optimizer.weight_decay", "-0.1"], "optimizer.weight_decay=-0.1 is invalid: expected a float >= 0"),
+    ("steps-per-eval-0", ["--trainer.steps_per_eval", "0"], "trainer.steps_per_eval=0 is invalid: expected an integer >= 1"),
     ("run-id-with-slash", ["--trainer.id", "a/b"], "trainer.id='a/b' is invalid"),
     ("unknown-corpus", ["--corpus.name", "wikipedia"], "corpus.name='wikipedia' is invalid: expected one of pydoc, tinyshakespeare"),
     ("corpus-vocab-0", ["--corpus.vocab_size", "0"], "corpus.vocab_size=0 is invalid"),
