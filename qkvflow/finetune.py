@@ -532,10 +532,12 @@ def export(config: FinetuneConfig, model, base, tokenizer, run_id: str, summary:
     elif e.peft_dir is not None:
         from levanter.lora import save_peft_pretrained
 
+        from qkvflow.hf_folder import prompt_tokenizer
+
         path = os.path.join(e.peft_dir, run_id)
         base_path = os.path.abspath(os.path.join(e.hf_dir, run_id)) if (e.hf_dir and not e.merged) else None
         lora = dataclasses.replace(config.lora, target_modules=peft_target_modules(model))
-        save_peft_pretrained(model, lora, base_path, path, tokenizer, prefix=PEFT_PREFIX)
+        save_peft_pretrained(model, lora, base_path, path, prompt_tokenizer(tokenizer), prefix=PEFT_PREFIX)
         summary["peft_dir"] = path
         print(f"wrote the LoRA adapter (PEFT) to {path}", flush=True)
 

@@ -7,8 +7,10 @@ document per line), a Hugging Face tokenizer directory ``<root>/<name>/tokenizer
 Special tokens: ``<|endoftext|>`` is both bos and eos, and the tokenizer's post-processor already wraps
 every encoded text as ``<|endoftext|> text <|endoftext|>``. Levanter's ``BatchTokenizer`` probes
 ``tokenizer("hi there")``, sees both tokens present and therefore adds nothing itself (otherwise it would
-splice ``bos + " "`` and ``" " + eos`` into the raw string, i.e. extra space tokens). Consequence for
-other users: pass ``add_special_tokens=False`` when encoding a prompt.
+splice ``bos + " "`` and ``" " + eos`` into the raw string, i.e. extra space tokens). So this tokenizer must
+keep appending EOS for training; for a prompt that ending means "document over". The copy that
+``qkvflow export`` and ``qkvflow finetune`` write (``qkvflow.hf_folder.prompt_tokenizer``) keeps the leading
+``<|endoftext|>`` and drops the trailing one.
 """
 
 from __future__ import annotations
