@@ -45,17 +45,24 @@ from qkvflow.tracking import JsonlTrackerConfig, metrics_file
 logger = logging.getLogger("qkvflow.train")
 
 
-def with_corpus(config: TrainConfig) -> TrainConfig:
-    """Build the configured offline corpus (if any) and point `data` at its files and tokenizer."""
-    if config.corpus is None:
-        return config
-    from qkvflow.data.corpora import NAMES, prepare_corpus
+def check_corpus(c) -> None:
+    """UserError unless the `corpus:` section names a known corpus and a usable vocabulary size."""
+    from qkvflow.data.corpora import NAMES
 
-    c = config.corpus
     if c.name not in NAMES:
         raise UserError(f"corpus.name={c.name!r} is invalid: expected one of {', '.join(NAMES)}")
     if c.vocab_size is not None and (isinstance(c.vocab_size, bool) or c.vocab_size < 1):
         raise UserError(f"corpus.vocab_size={c.vocab_size!r} is invalid: expected null or an integer >= 1")
+
+
+def with_corpus(config: TrainConfig) -> TrainConfig:
+    """Build the configured offline corpus (if any) and point `data` at its files and tokenizer."""
+    if config.corpus is None:
+        return config
+    from qkvflow.data.corpora import prepare_corpus
+
+    c = config.corpus
+    check_corpus(c)
     try:
         corpus = prepare_corpus(c.name, c.root, vocab_size=c.vocab_size)
     except (ValueError, RuntimeError) as e:  # e.g. a vocabulary size the corpus cannot have
