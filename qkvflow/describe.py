@@ -81,8 +81,14 @@ def describe(config: DescribeConfig) -> dict:
 
 
 def main(argv: list[str]) -> int:
+    from qkvflow import usage
+
+    if usage.wants_help(argv):
+        print(usage.short_help("qkvflow describe", DescribeConfig, "Parameter counts and FLOPs of a config, as JSON."))
+        return 0
+
     def run(config: DescribeConfig):
         print(json.dumps(describe(config), indent=2))
 
-    levanter.config.main(run, args=argv)()
+    levanter.config.main(run, args=usage.full_listing_args(argv))()
     return 0

@@ -563,10 +563,15 @@ def _run(config: FinetuneConfig) -> None:
 
 
 def main(argv: list[str]) -> int:
+    from qkvflow import usage
     from qkvflow.train import NONFINITE_EXIT
 
+    if usage.wants_help(argv):
+        summary = "Discretise a pretrained ODE model at `steps: M` layers and fine-tune it (LoRA or full)."
+        print(usage.short_help("qkvflow finetune", FinetuneConfig, summary, hide=("model",)))
+        return 0
     try:
-        levanter.config.main(_run, args=argv)()
+        levanter.config.main(_run, args=usage.full_listing_args(argv))()
     except faults.NonFiniteError as e:
         print(f"qkvflow finetune: error: {e}. Lower the learning rate, or set `nonfinite: skip`.", file=sys.stderr)
         return NONFINITE_EXIT

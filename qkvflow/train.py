@@ -321,8 +321,13 @@ NONFINITE_EXIT = 3
 
 
 def main(argv: list[str]) -> int:
+    from qkvflow import usage
+
+    if usage.wants_help(argv):
+        print(usage.short_help("qkvflow train", TrainConfig, "Pretrain a language model with Levanter's trainer."))
+        return 0
     try:
-        levanter.config.main(_run, args=argv)()
+        levanter.config.main(_run, args=usage.full_listing_args(argv))()
     except faults.NonFiniteError as e:
         print(
             f"qkvflow train: error: {e}. Nothing was saved for this step; the newest checkpoint is from before it. "

@@ -1,7 +1,10 @@
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,3 +57,30 @@ def test_describe_counts_the_corpus_tokenizers_vocabulary(capsys, corpus_root, t
                        "--corpus.root", str(tmp_path / "nothing"), "--corpus.vocab_size", "1000")  # fmt: skip
     assert rc == 0 and json.loads(out)["vocab_size"] == 1000
     assert not (tmp_path / "nothing").exists()  # describe builds nothing
+
+
+HELP = {  # verb: options and sections its --help must name
+    "train": ["--stop_after", "--epochs", "--nonfinite", "model", "corpus"],
+    "finetune": ["--steps", "--finetune", "pretrained", "lora", "export"],
+    "sweep": ["--depths", "--methods", "--steps", "pretrained", "sweep"],
+}
+
+
+@pytest.mark.parametrize("verb", sorted(HELP))
+def test_help_is_one_screen_of_options_and_sections(capsys, verb):
+    rc, out, err = cli(capsys, verb, "--help")
+    assert rc == 0, err
+    assert len(out.splitlines()) < 80, f"{verb} --help prints {len(out.splitlines())} lines"
+    assert out.startswith(f"usage: qkvflow {verb} --config_path CFG")
+    for name in ["--config_path", "data", "trainer", "optimizer", *HELP[verb]]:
+        pattern = rf"^  {re.escape(name)}\s" if not name.startswith("--") else rf"^  {re.escape(name)}\b"
+        assert re.search(pattern, out, re.MULTILINE), f"{verb} --help does not list {name}"
+    assert f"qkvflow {verb} --help-all" in out
+
+
+def test_help_all_lists_every_key(capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli(capsys, "train", "--help-all")
+    out = capsys.readouterr().out
+    assert exit.value.code == 0
+    assert "--trainer.checkpointer.base_path" in out and "--model.ode.num_steps" in out
