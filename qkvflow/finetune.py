@@ -301,12 +301,15 @@ def _finetune(config: FinetuneConfig, preemption: faults.Preemption) -> dict:
         _save_final_checkpoint,
         _train_stats_hook,
         _wait_for_checkpoints,
+        announce_corpus,
+        say,
         with_corpus,
     )
 
     check_values(config)
     pretrained = load_pretrained_config(config)
     check_pretrained_checkpoint(config, pretrained)
+    announce_corpus(config)
     config = with_corpus(config)
     preflight.check(config)
     tokenizer = preflight.load_tokenizer(config.data)
@@ -409,6 +412,7 @@ def _finetune(config: FinetuneConfig, preemption: faults.Preemption) -> dict:
             if config.stop_after is not None:
                 loader = itertools.islice(loader, max(0, config.stop_after - start))
             loader = preemption.wrap(loader, start)
+            say("compiling the training step (the first step takes longest) ...")
             try:
                 info = trainer.train(state, loader)
             except faults.NonFiniteError:
