@@ -161,6 +161,7 @@ def test_other_depths_match_the_discrete_model_generate_and_overwrite(runs, tmp_
 def test_generate_from_a_prompt_continues_as_jax_greedy_decoding(runs, exported, corpus_root, kind):
     """`model.generate(**tokenizer(prompt))` as a transformers user writes it: the prompt is encoded as a
     training document starts (EOS, then the text, no end marker) and the new tokens are the ODE model's."""
+    import equinox as eqx
     import haliax as hax
     import torch
     from haliax import Axis
@@ -176,11 +177,12 @@ def test_generate_from_a_prompt_continues_as_jax_greedy_decoding(runs, exported,
     assert inputs["input_ids"][0].tolist() == prompt_ids
 
     seq_len = model.Pos.size  # JAX: greedy decoding, one full-sequence forward pass per new token
+    forward = eqx.filter_jit(lambda m, tokens: m(tokens).array)
     ids = list(prompt_ids)
     while len(ids) < seq_len:
         padded = np.zeros((1, seq_len), np.int32)  # causal: the padding after the prompt changes nothing
         padded[0, : len(ids)] = ids
-        logits = np.asarray(model(hax.named(padded, (Axis("batch", 1), model.Pos))).array)
+        logits = np.asarray(forward(model, hax.named(padded, (Axis("batch", 1), model.Pos))))
         ids.append(int(np.argmax(logits[0, len(ids) - 1])))
     reference = ids[len(prompt_ids) :]
     assert len(reference) >= 5 and eos not in reference  # else generate would rightly stop early
