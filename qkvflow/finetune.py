@@ -301,12 +301,15 @@ def _finetune(config: FinetuneConfig, preemption: faults.Preemption) -> dict:
         _save_final_checkpoint,
         _train_stats_hook,
         _wait_for_checkpoints,
+        announce_corpus,
+        say,
         with_corpus,
     )
 
     check_values(config)
     pretrained = load_pretrained_config(config)
     check_pretrained_checkpoint(config, pretrained)
+    announce_corpus(config)
     config = with_corpus(config)
     preflight.check(config)
     tokenizer = preflight.load_tokenizer(config.data)
@@ -409,6 +412,7 @@ def _finetune(config: FinetuneConfig, preemption: faults.Preemption) -> dict:
             if config.stop_after is not None:
                 loader = itertools.islice(loader, max(0, config.stop_after - start))
             loader = preemption.wrap(loader, start)
+            say("compiling the training step (the first step takes longest) ...")
             try:
                 info = trainer.train(state, loader)
             except faults.NonFiniteError:
@@ -532,10 +536,12 @@ def export(config: FinetuneConfig, model, base, tokenizer, run_id: str, summary:
     elif e.peft_dir is not None:
         from levanter.lora import save_peft_pretrained
 
+        from qkvflow.hf_folder import prompt_tokenizer
+
         path = os.path.join(e.peft_dir, run_id)
         base_path = os.path.abspath(os.path.join(e.hf_dir, run_id)) if (e.hf_dir and not e.merged) else None
         lora = dataclasses.replace(config.lora, target_modules=peft_target_modules(model))
-        save_peft_pretrained(model, lora, base_path, path, tokenizer, prefix=PEFT_PREFIX)
+        save_peft_pretrained(model, lora, base_path, path, prompt_tokenizer(tokenizer), prefix=PEFT_PREFIX)
         summary["peft_dir"] = path
         print(f"wrote the LoRA adapter (PEFT) to {path}", flush=True)
 
@@ -561,10 +567,15 @@ def _run(config: FinetuneConfig) -> None:
 
 
 def main(argv: list[str]) -> int:
+    from qkvflow import usage
     from qkvflow.train import NONFINITE_EXIT
 
+    if usage.wants_help(argv):
+        summary = "Discretise a pretrained ODE model at `steps: M` layers and fine-tune it (LoRA or full)."
+        print(usage.short_help("qkvflow finetune", FinetuneConfig, summary, hide=("model",)))
+        return 0
     try:
-        levanter.config.main(_run, args=argv)()
+        levanter.config.main(_run, args=usage.full_listing_args(argv))()
     except faults.NonFiniteError as e:
         print(f"qkvflow finetune: error: {e}. Lower the learning rate, or set `nonfinite: skip`.", file=sys.stderr)
         return NONFINITE_EXIT

@@ -6,9 +6,12 @@
     configuration_qkvflow.py  copied from qkvflow/hf, so trust_remote_code works without qkvflow
     modeling_qkvflow.py
     generation_config.json    special token ids; use_cache false (the torch model keeps no cache)
-    tokenizer files           when a tokenizer is given
+    tokenizer files           when a tokenizer is given, as `prompt_tokenizer` makes it
 """
 
+import copy
+import json
+import logging
 import os
 import shutil
 
@@ -20,6 +23,64 @@ from qkvflow.errors import UserError
 
 HF_DIR = os.path.join(os.path.dirname(__file__), "hf")
 WEIGHTS_FILE = "model.safetensors"
+logger = logging.getLogger("qkvflow.hf_folder")
+
+
+def prompt_tokenizer(tokenizer):
+    """`tokenizer` as users of an exported model need it: encoding a prompt appends no EOS.
+
+    qkvflow's corpus tokenizers frame every text as `<eos> text <eos>`, so that Levanter's training
+    data carries document boundaries (qkvflow.data.corpora); training must keep seeing exactly those
+    ids. A prompt encoded that way ends with "end of document", and `model.generate(**tokenizer(prompt))`
+    continues with EOS and stops at once. The returned copy keeps the leading BOS (a prompt starts as
+    every training document does) and drops the EOS tokens that end its post-processor's templates.
+    A tokenizer that appends no EOS is returned unchanged; one that does in a way this cannot undo
+    (not a TemplateProcessing post-processor) is returned unchanged with a warning.
+    """
+    if not _appends_eos(tokenizer):
+        return tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    state = json.loads(backend.to_str()) if backend is not None else {}
+    if _drop_trailing_eos(state.get("post_processor"), tokenizer.eos_token_id):
+        from tokenizers import Tokenizer
+
+        fixed = copy.deepcopy(tokenizer)
+        fixed.backend_tokenizer.post_processor = Tokenizer.from_str(json.dumps(state)).post_processor
+        if not _appends_eos(fixed):
+            return fixed
+    logger.warning(
+        "the exported tokenizer appends %s to every text: pass add_special_tokens=False when encoding prompts "
+        "for generation", tokenizer.eos_token,
+    )
+    return tokenizer
+
+
+def _appends_eos(tokenizer) -> bool:
+    """Whether encoding a text ends with EOS (the probe Levanter's BatchTokenizer uses)."""
+    return tokenizer.eos_token_id is not None and tokenizer("hi there")["input_ids"][-1] == tokenizer.eos_token_id
+
+
+def _drop_trailing_eos(processor, eos_id: int) -> bool:
+    """Remove EOS from the ends of the templates in a post-processor's JSON; whether any was removed."""
+    if not processor:
+        return False
+    if processor.get("type") == "Sequence":
+        return any([_drop_trailing_eos(p, eos_id) for p in processor.get("processors", [])])
+    if processor.get("type") != "TemplateProcessing":
+        return False
+    specials = processor.get("special_tokens", {})
+
+    def is_eos(piece) -> bool:
+        name = piece.get("SpecialToken", {}).get("id")
+        return name is not None and specials.get(name, {}).get("ids") == [eos_id]
+
+    dropped = False
+    for key in ("single", "pair"):
+        template = processor.get(key) or []
+        while template and is_eos(template[-1]):
+            template.pop()
+            dropped = True
+    return dropped
 
 
 def hf_config(model, *, ode_steps=None, tokenizer=None):
@@ -84,5 +145,5 @@ def save_hf_folder(model, folder: str, *, tokenizer=None, ode_steps=None) -> lis
         use_cache=False,
     ).save_pretrained(folder)
     if tokenizer is not None:
-        tokenizer.save_pretrained(folder)
+        prompt_tokenizer(tokenizer).save_pretrained(folder)
     return sorted(os.path.join(folder, f) for f in os.listdir(folder))

@@ -212,8 +212,22 @@ def _write_outputs(rows, out_dir, config, pretrained_steps) -> dict:
 def main(argv: list[str]) -> int:
     import draccus
 
+    from qkvflow import usage
     from qkvflow.finetune import FinetuneConfig
 
+    if usage.HELP_ALL in argv:  # the config keys, as `qkvflow finetune --help-all`
+        draccus.parse(FinetuneConfig, args=["--help"])
+    if usage.wants_help(argv):
+        extra = (
+            ("--depths M1,M2,...", "the depths M of the grid (default: sweep.depths)"),
+            ("--methods lora,full", "the fine-tuning methods of the grid (default: sweep.methods)"),
+        )
+        summary = (
+            "Fine-tune one pretrained ODE model at several depths M with several methods (a grid of "
+            "`qkvflow finetune` runs, resumable) and write sweep.{csv,md,png}."
+        )
+        print(usage.short_help("qkvflow sweep", FinetuneConfig, summary, hide=("model",), extra=extra))
+        return 0
     rest, grid = _split_grid_args(argv)
     config_path = None
     for i, arg in enumerate(rest):

@@ -14,6 +14,7 @@ Several processes (multi-host, or several processes on one machine) run the same
 metrics, the loss curve and checkpoint metadata; every process writes its shards of the arrays.
 """
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -45,17 +46,24 @@ from qkvflow.tracking import JsonlTrackerConfig, metrics_file
 logger = logging.getLogger("qkvflow.train")
 
 
-def with_corpus(config: TrainConfig) -> TrainConfig:
-    """Build the configured offline corpus (if any) and point `data` at its files and tokenizer."""
-    if config.corpus is None:
-        return config
-    from qkvflow.data.corpora import NAMES, prepare_corpus
+def check_corpus(c) -> None:
+    """UserError unless the `corpus:` section names a known corpus and a usable vocabulary size."""
+    from qkvflow.data.corpora import NAMES
 
-    c = config.corpus
     if c.name not in NAMES:
         raise UserError(f"corpus.name={c.name!r} is invalid: expected one of {', '.join(NAMES)}")
     if c.vocab_size is not None and (isinstance(c.vocab_size, bool) or c.vocab_size < 1):
         raise UserError(f"corpus.vocab_size={c.vocab_size!r} is invalid: expected null or an integer >= 1")
+
+
+def with_corpus(config: TrainConfig) -> TrainConfig:
+    """Build the configured offline corpus (if any) and point `data` at its files and tokenizer."""
+    if config.corpus is None:
+        return config
+    from qkvflow.data.corpora import prepare_corpus
+
+    c = config.corpus
+    check_corpus(c)
     try:
         corpus = prepare_corpus(c.name, c.root, vocab_size=c.vocab_size)
     except (ValueError, RuntimeError) as e:  # e.g. a vocabulary size the corpus cannot have
@@ -126,10 +134,27 @@ def _train_stats_hook(summary, total_steps: int, log_every: int, tokens_per_step
     return record
 
 
+def say(message: str) -> None:
+    """One progress line on stdout from process 0 (after `_initialize`), for the quiet parts of a run:
+    building the token cache and compiling take a minute or more before the first step line."""
+    if jax.process_index() == 0:
+        print(message, flush=True)
+
+
+def announce_corpus(config) -> None:
+    """Say which corpus is prepared (building it trains a tokenizer); printed before JAX starts, so by
+    every process."""
+    if config.corpus is not None:
+        print(f"preparing corpus {config.corpus.name} in {os.path.join(config.corpus.root, config.corpus.name)} ...", flush=True)
+
+
 def _build_caches(data, timeout: float = 1800.0) -> None:
     """Tokenize into Levanter's caches and wait for them before reading: reading a cache that is
     still being built can stall Levanter's loader indefinitely. With several processes, process 0
     builds first and the others then load what it wrote (or build their own on a non-shared disk)."""
+    where = getattr(data, "cache_dir", None)
+    say(f"preparing the token cache in {where or 'each dataset cache_dir'} (the first run tokenizes the data) ...")
+    start = time.perf_counter()
 
     def build():
         for split in ("train", "validation"):
@@ -145,6 +170,7 @@ def _build_caches(data, timeout: float = 1800.0) -> None:
     faults.barrier("qkvflow_build_caches")
     if jax.process_index() != 0:
         build()
+    say(f"token cache ready ({time.perf_counter() - start:.0f} s)")
 
 
 def _checkpointers(trainer):
@@ -186,7 +212,40 @@ def _initialize(config: TrainConfig) -> None:
             flush=True,
         )
     preflight.check_devices(t)
+    log_dir = str(t.log_dir)
+    before = set(os.listdir(log_dir)) if os.path.isdir(log_dir) else set()
     levanter.initialize(config)
+    _fix_log_file_name(log_dir, before)
+
+
+def _fix_log_file_name(log_dir: str, before: set) -> None:
+    """Log to `<log_dir>/<run_id>.log`, not Levanter 1.2's `<run_id>.log.log`.
+
+    Levanter's TrainerConfig.initialize passes "<id>.log" to init_logging, which appends ".log" again.
+    The root logger's handler on such a file is replaced by one on the intended name; what was already
+    written moves there, and the stray file is removed only if it did not exist before this run (a
+    no-op once Levanter names the file itself).
+    """
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        stray = getattr(handler, "baseFilename", "")
+        if not (isinstance(handler, logging.FileHandler) and stray.endswith(".log.log")):
+            continue
+        if os.path.dirname(stray) != os.path.abspath(log_dir):
+            continue
+        fixed = logging.FileHandler(stray[: -len(".log")], mode="a")
+        fixed.setFormatter(handler.formatter)
+        fixed.setLevel(handler.level)
+        root.removeHandler(handler)
+        handler.close()
+        if os.path.basename(stray) not in before:
+            with contextlib.suppress(FileNotFoundError):  # another process of this run moved it first
+                with open(stray) as src:
+                    text = src.read()
+                with open(fixed.baseFilename, "a") as dst:
+                    dst.write(text)
+                os.remove(stray)
+        root.addHandler(fixed)
 
 
 def train(config: TrainConfig) -> dict:
@@ -199,6 +258,7 @@ def train(config: TrainConfig) -> dict:
 
 
 def _train(config: TrainConfig, preemption: faults.Preemption) -> dict:
+    announce_corpus(config)
     config = with_corpus(config)
     preflight.check(config)
     tokenizer = preflight.load_tokenizer(config.data)
@@ -229,6 +289,7 @@ def _train(config: TrainConfig, preemption: faults.Preemption) -> dict:
         epochs = config.epochs if config.epochs > 0 else None
         train_set = config.data.train_set(Pos, t.batch_schedule, key=data_key, epochs=epochs)
         eval_sets = config.data.tagged_eval_sets(Pos)
+        say("compiling the training step (the first step takes longest) ...")
         state = trainer.initial_state(training_key, model_init=lambda: config.model.build(Vocab, key=model_key))
         start = int(state.step)
         if start > 0:
@@ -314,8 +375,13 @@ NONFINITE_EXIT = 3
 
 
 def main(argv: list[str]) -> int:
+    from qkvflow import usage
+
+    if usage.wants_help(argv):
+        print(usage.short_help("qkvflow train", TrainConfig, "Pretrain a language model with Levanter's trainer."))
+        return 0
     try:
-        levanter.config.main(_run, args=argv)()
+        levanter.config.main(_run, args=usage.full_listing_args(argv))()
     except faults.NonFiniteError as e:
         print(
             f"qkvflow train: error: {e}. Nothing was saved for this step; the newest checkpoint is from before it. "

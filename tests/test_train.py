@@ -25,6 +25,15 @@ def reference(tmp_path_factory, corpus_root):
 def test_trains_evaluates_checkpoints_and_plots(reference):
     tmp_path, proc = reference
     assert "step 8/8" in proc.stdout and "eval at step 8" in proc.stdout
+    # the quiet first minute is explained on stdout, in order, before the first step
+    lines = proc.stdout.splitlines()
+    said = [next((i for i, line in enumerate(lines) if line.startswith(start)), None) for start in (
+        "preparing corpus pydoc in", "preparing the token cache in", "compiling the training step", "step 1/8",
+    )]  # fmt: skip
+    assert None not in said and said == sorted(said), proc.stdout[:2000]
+    # Levanter's log goes to logs/<run_id>.log (Levanter 1.2 alone writes logs/<run_id>.log.log)
+    assert "Saving checkpoint" in (tmp_path / "logs" / "tiny.log").read_text()
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir() if p.is_file()) == ["tiny.log"]
     curve = losses(tmp_path)
     assert len(curve) == 8 and curve[-1] < curve[0] - 0.5, curve
     steps = read_metrics(metrics_file(str(tmp_path / "runs"), "tiny"))

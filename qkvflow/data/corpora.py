@@ -7,8 +7,10 @@ document per line), a Hugging Face tokenizer directory ``<root>/<name>/tokenizer
 Special tokens: ``<|endoftext|>`` is both bos and eos, and the tokenizer's post-processor already wraps
 every encoded text as ``<|endoftext|> text <|endoftext|>``. Levanter's ``BatchTokenizer`` probes
 ``tokenizer("hi there")``, sees both tokens present and therefore adds nothing itself (otherwise it would
-splice ``bos + " "`` and ``" " + eos`` into the raw string, i.e. extra space tokens). Consequence for
-other users: pass ``add_special_tokens=False`` when encoding a prompt.
+splice ``bos + " "`` and ``" " + eos`` into the raw string, i.e. extra space tokens). So this tokenizer must
+keep appending EOS for training; for a prompt that ending means "document over". The copy that
+``qkvflow export`` and ``qkvflow finetune`` write (``qkvflow.hf_folder.prompt_tokenizer``) keeps the leading
+``<|endoftext|>`` and drops the trailing one.
 """
 
 from __future__ import annotations
@@ -82,18 +84,13 @@ def prepare_corpus(
     Reuses existing output when ``manifest.json`` matches (source sha256, vocab size, format version);
     otherwise builds in a temporary directory and renames it into place, so a partial build is never used.
     """
+    vocab = corpus_vocab_size(name, vocab_size=vocab_size, shared_dir=shared_dir)
     if name == "pydoc":
         train, validation, digest = _pydoc_source()
-        vocab = DEFAULT_PYDOC_VOCAB if vocab_size is None else vocab_size
         build: Callable[[], Tokenizer] = partial(_bpe_tokenizer, train, vocab)
-    elif name == "tinyshakespeare":
-        train, validation, digest, chars = _shakespeare_source(shared_dir)
-        vocab = len(chars) + 1
-        if vocab_size not in (None, vocab):
-            raise ValueError(f"tinyshakespeare is character-level: vocab_size must be {vocab}, got {vocab_size}")
-        build = partial(_char_tokenizer, chars)
     else:
-        raise ValueError(f"unknown corpus {name!r}; expected one of {', '.join(NAMES)}")
+        train, validation, digest, chars = _shakespeare_source(shared_dir)
+        build = partial(_char_tokenizer, chars)
 
     out = Path(root).resolve() / name
     key = {"name": name, "format_version": _FORMAT_VERSION, "source_sha256": digest, "vocab_size": vocab}
@@ -118,6 +115,19 @@ def prepare_corpus(
         finally:
             shutil.rmtree(tmp, ignore_errors=True)  # gone already if it was published
     return PreparedCorpus([str(out / "train.jsonl")], [str(out / "validation.jsonl")], str(out / "tokenizer"))
+
+
+def corpus_vocab_size(name: str, *, vocab_size: int | None = None, shared_dir: str | None = None) -> int:
+    """The number of tokens of the tokenizer ``prepare_corpus(name, ..., vocab_size=vocab_size)`` builds,
+    without building anything (``qkvflow describe`` counts embeddings with it)."""
+    if name == "pydoc":
+        return DEFAULT_PYDOC_VOCAB if vocab_size is None else vocab_size
+    if name == "tinyshakespeare":
+        vocab = len(_shakespeare_source(shared_dir)[3]) + 1
+        if vocab_size not in (None, vocab):
+            raise ValueError(f"tinyshakespeare is character-level: vocab_size must be {vocab}, got {vocab_size}")
+        return vocab
+    raise ValueError(f"unknown corpus {name!r}; expected one of {', '.join(NAMES)}")
 
 
 def _pydoc_source() -> tuple[list[str], list[str], str]:

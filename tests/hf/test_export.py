@@ -157,6 +157,42 @@ def test_other_depths_match_the_discrete_model_generate_and_overwrite(runs, tmp_
         assert int(generated[0, 4]) == int(hf(prompt).logits[0, -1].argmax())
 
 
+@pytest.mark.parametrize("kind", ["diffeqformer_gpt2", "diffeqformer_llama"])
+def test_generate_from_a_prompt_continues_as_jax_greedy_decoding(runs, exported, corpus_root, kind):
+    """`model.generate(**tokenizer(prompt))` as a transformers user writes it: the prompt is encoded as a
+    training document starts (EOS, then the text, no end marker) and the new tokens are the ODE model's."""
+    import equinox as eqx
+    import haliax as hax
+    import torch
+    from haliax import Axis
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, model = exported[kind][0], runs[kind][2]
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    corpus_tokenizer = AutoTokenizer.from_pretrained(str(corpus_root / "pydoc" / "tokenizer"))
+    prompt = "The return statement"
+    eos = corpus_tokenizer.eos_token_id
+    prompt_ids = [eos] + corpus_tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    inputs = tokenizer(prompt, return_tensors="pt")
+    assert inputs["input_ids"][0].tolist() == prompt_ids
+
+    seq_len = model.Pos.size  # JAX: greedy decoding, one full-sequence forward pass per new token
+    forward = eqx.filter_jit(lambda m, tokens: m(tokens).array)
+    ids = list(prompt_ids)
+    while len(ids) < seq_len:
+        padded = np.zeros((1, seq_len), np.int32)  # causal: the padding after the prompt changes nothing
+        padded[0, : len(ids)] = ids
+        logits = np.asarray(forward(model, hax.named(padded, (Axis("batch", 1), model.Pos))))
+        ids.append(int(np.argmax(logits[0, len(ids) - 1])))
+    reference = ids[len(prompt_ids) :]
+    assert len(reference) >= 5 and eos not in reference  # else generate would rightly stop early
+
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=True).eval()
+    with torch.no_grad():
+        generated = hf.generate(**inputs, max_new_tokens=len(reference), do_sample=False)
+    assert generated[0, len(prompt_ids) :].tolist() == reference
+
+
 def test_register_loads_without_remote_code_and_the_tokenizer_is_there(runs, exported):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

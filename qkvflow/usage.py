@@ -1,0 +1,103 @@
+"""`--help` of the config-driven verbs (train, finetune, sweep, describe): one screen, not draccus's listing.
+
+Draccus lists every key of every nested config (Levanter's trainer, data, optimizer and all model types:
+about 3,500 lines for `qkvflow train`). `--help` prints the verb's own options (the top-level fields of
+its config, with their docstrings and defaults) and one line per config section; `--help-all` keeps
+draccus's full listing.
+"""
+
+import dataclasses
+import textwrap
+import typing
+
+HELP_ALL = "--help-all"
+
+SECTIONS = {
+    "data": "Levanter's data config: train_urls / validation_urls (jsonl with a `text` field, or txt) or a "
+    "Hugging Face dataset `id`; tokenizer, cache_dir",
+    "corpus": "build one of qkvflow's offline corpora and point `data` at it: name (pydoc, tinyshakespeare), "
+    "root, vocab_size",
+    "trainer": "Levanter's trainer: id, num_train_steps, train_batch_size, seed, mp, steps_per_eval, "
+    "max_eval_batches, checkpointer, tracker, log_dir, fsdp_axis, model_axis_size, distributed",
+    "model": "the model, chosen by `type` (diffeqformer_gpt2, diffeqformer_llama, shared_ode_gpt2, "
+    "shared_ode_llama, gpt2, llama): hidden_dim, num_heads, seq_len, time_embed_dim, ode.num_steps, "
+    "ode.solver, ...",
+    "optimizer": "Levanter's AdamW: learning_rate, weight_decay, beta1, beta2, warmup, lr_schedule, min_lr_ratio",
+    "pretrained": "the ODE run to start from: config_path, checkpoint, overrides",
+    "lora": "Levanter's LoRA: r, alpha, dropout, target_modules",
+    "export": "what to write at the end: hf_dir, peft_dir, merged",
+    "sweep": "the grid of `qkvflow sweep`: depths, methods, out_dir, learning_rate (per method)",
+}
+REFERENCE = "README.md (Training, Fine-tuning), configs/README.md, docs/finetune.md"
+
+
+def wants_help(argv: list[str]) -> bool:
+    return any(a in ("-h", "--help") for a in argv)
+
+
+def full_listing_args(argv: list[str]) -> list[str]:
+    """argv with `--help-all` turned into draccus's `--help`."""
+    return ["--help" if a == HELP_ALL else a for a in argv]
+
+
+def short_help(
+    prog: str, config_cls, summary: str, *, hide: tuple[str, ...] = (), extra: tuple[tuple[str, str], ...] = ()
+) -> str:
+    """`prog`'s usage, its own options (`extra`, then config_cls's top-level fields that are not sections)
+    and one line per section of config_cls."""
+    from draccus.wrappers.docstring import get_attribute_docstring
+
+    hints = typing.get_type_hints(config_cls)
+    options, sections = list(extra), []
+    for f in dataclasses.fields(config_cls):
+        if f.name in hide:
+            continue
+        doc = get_attribute_docstring(config_cls, f.name).docstring_below
+        if f.name in SECTIONS or _is_dataclass_type(hints.get(f.name)):
+            sections.append((f.name, SECTIONS.get(f.name) or _first_paragraph(doc)))
+        else:
+            options.append((f"--{f.name} {_type_name(hints.get(f.name))}", _with_default(doc, f)))
+    lines = [f"usage: {prog} --config_path CFG [--dotted.key value ...]", "", summary.strip(), ""]
+    lines += ["options:", *_rows([("--config_path CFG", "the YAML config"), *options]), ""]
+    lines += ["config sections (set any key in the YAML, or override it: --trainer.num_train_steps 100):"]
+    lines += _rows(sections)
+    lines += ["", f"every key with its default: {prog} {HELP_ALL}", f"reference: {REFERENCE}"]
+    return "\n".join(lines)
+
+
+def _rows(rows, width: int = 100) -> list[str]:
+    left = max(len(name) for name, _ in rows) + 2
+    out = []
+    for name, text in rows:
+        wrapped = textwrap.wrap(" ".join(text.split()), width - 2 - left) or [""]
+        out.append(f"  {name:<{left}}{wrapped[0]}")
+        out += [" " * (2 + left) + line for line in wrapped[1:]]
+    return out
+
+
+def _is_dataclass_type(tp) -> bool:
+    args = typing.get_args(tp)
+    if args:
+        return any(_is_dataclass_type(a) for a in args)
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _type_name(tp) -> str:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) is typing.Union and len(args) == 1:
+        tp = args[0]
+    return getattr(tp, "__name__", str(tp).replace("typing.", "")).upper()
+
+
+def _first_paragraph(doc: str) -> str:
+    return doc.strip().split("\n\n")[0]
+
+
+def _with_default(doc: str, f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        default = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        default = f.default_factory()
+    else:
+        return _first_paragraph(doc)
+    return f"{_first_paragraph(doc)} (default: {'null' if default is None else default})".strip()
