@@ -252,22 +252,26 @@ def test_end_to_end_in_a_subprocess(world, corpus_root, tmp_path):
 
 
 def test_data_shorter_than_one_sequence_is_refused_after_tokenizing(corpus_root, tmp_path):
-    """Validation data that passes every file check but tokenizes to fewer than model.seq_len tokens
-    (Levanter's eval loader used to fail with an IndexError): one line naming the split, its token
-    count and the sequence length, exit 2, before any step."""
-    sentence = "The quick brown fox jumps over the lazy dog while the cat watches from the window."
-    (tmp_path / "train.jsonl").write_text(f'{{"text": "{sentence}"}}\n' * 40)
-    (tmp_path / "short.jsonl").write_text('{"text": "Hi."}\n')
-    proc = train(
-        tmp_path, corpus_root, "--corpus", "null", "--data.train_urls", f"[{tmp_path / 'train.jsonl'}]",
-        "--data.validation_urls", f"[{tmp_path / 'short.jsonl'}]", "--data.tokenizer", str(corpus_root / "pydoc" / "tokenizer"),
-        "--data.cache_dir", str(tmp_path / "cache"),
-    )
+    """A split that passes every file check but holds fewer tokens than one sequence (Levanter's eval
+    loader used to fail with an IndexError): one line naming the split, its token count and the
+    sequence length, exit 2, before any step. The session's pydoc corpus and its Levanter cache are
+    reused: its validation split (8 documents) is shorter than 16384 tokens, its train split is not."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    seq_len = 16384
+    tokenizer = AutoTokenizer.from_pretrained(str(corpus_root / "pydoc" / "tokenizer"))
+    with open(corpus_root / "pydoc" / "validation.jsonl") as f:
+        docs = [json.loads(line)["text"] for line in f]
+    tokens = sum(len(tokenizer(doc)["input_ids"]) for doc in docs)
+    assert tokens < seq_len
+    proc = train(tmp_path, corpus_root, "--model.seq_len", str(seq_len), run_id="long")
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("qkvflow train: error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    found = re.search(r"data: the validation split holds (\d+) tokens, fewer than one sequence of model.seq_len=32 ", errors[0])
-    assert found and 0 < int(found.group(1)) < 32, errors[0]
+    found = re.search(rf"data: the validation split holds (\d+) tokens, fewer than one sequence of model.seq_len={seq_len} ", errors[0])
+    assert found and tokens <= int(found.group(1)) <= tokens + 2 * len(docs), errors[0]  # + BOS/EOS per document
     assert not list((tmp_path / "checkpoints").rglob("metadata.json"))
 
 
