@@ -9,9 +9,9 @@ import re
 
 import equinox as eqx
 import jax
-import numpy as np
 import jax.random as jrandom
 import levanter.checkpoint
+import numpy as np
 from haliax import Axis
 
 from qkvflow.config import TrainConfig
@@ -54,7 +54,7 @@ SHOWN = 3
 def _names(root: str, paths) -> list[str]:
     """Checkpoint file paths as the arrays' dotted names (`model.token_embeddings.weight`)."""
     root = root.rstrip("/") + "/"
-    return [(p[len(root):] if p.startswith(root) else p).strip("/").replace("/", ".") for p in paths]
+    return [p.removeprefix(root).strip("/").replace("/", ".") for p in paths]
 
 
 def name_some(names, shown: int = SHOWN) -> str:
@@ -74,7 +74,7 @@ def restore_error(checkpoint: str, error: BaseException) -> UserError | None:
     """
     checkpoint = str(checkpoint)
     message = str(error)
-    missing = re.search(r"Missing[^\[]*\[(.*?)\]", message, re.S)
+    missing = re.search(r"Missing[^\[]*\[(.*?)\]", message, re.DOTALL)
     if isinstance(error, FileNotFoundError) and missing:
         names = _names(checkpoint, re.findall(r"'([^']+)'", missing.group(1)))
         absent = sorted({n.split(".")[0] for n in names if not os.path.exists(os.path.join(checkpoint, n.split(".")[0]))})

@@ -186,8 +186,8 @@ RESUME = [
     ("other-model-type", ["--model.type", "diffeqformer_llama", "--model.seq_len", "32", "--model.hidden_dim", "32", "--model.num_heads", "2", "--model.time_embed_dim", "8", "--model.num_frequencies", "16"],
      "has no array model."),
     ("other-width", ["--model.hidden_dim", "64"],
-     "model.token_embeddings.weight has shape (2048, 32) but this config's DiffEqFormerGpt2Config needs (vocab=2048, embed=64); "
-     "embed=32 in the checkpoint vs 64 here (set by model.hidden_dim)"),
+     ("model.token_embeddings.weight has shape (2048, 32) but this config's DiffEqFormerGpt2Config needs (vocab=2048, embed=64); "
+      "embed=32 in the checkpoint vs 64 here (set by model.hidden_dim)")),
 ]
 
 
