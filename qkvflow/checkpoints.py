@@ -4,11 +4,14 @@ Levanter checkpoints hold the whole trainer state; this loads only its `model` s
 shape that the run's config builds, on the local devices.
 """
 
+import os
+import re
+
 import equinox as eqx
 import jax
-import numpy as np
 import jax.random as jrandom
 import levanter.checkpoint
+import numpy as np
 from haliax import Axis
 
 from qkvflow.config import TrainConfig
@@ -34,8 +37,60 @@ def load_model(config: TrainConfig, checkpoint: str, *, vocab_size: int | None =
         with jax.set_mesh(mesh):
             model = levanter.checkpoint.load_checkpoint(shape, path, subpath="model", discover_latest=False, mesh=mesh)
     except (KeyError, ValueError, FileNotFoundError) as e:
+        error = restore_error(path, e)
+        if error is not None:
+            raise error from None
         raise UserError(
             f"checkpoint {path!r} does not hold a {type(config.model).__name__} model with vocabulary "
             f"{Vocab.size} as the config describes ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
         ) from e
     return model, tokenizer
+
+
+SHOWN = 3
+"""How many array names a message lists before "and N more"."""
+
+
+def _names(root: str, paths) -> list[str]:
+    """Checkpoint file paths as the arrays' dotted names (`model.token_embeddings.weight`)."""
+    root = root.rstrip("/") + "/"
+    return [p.removeprefix(root).strip("/").replace("/", ".") for p in paths]
+
+
+def name_some(names, shown: int = SHOWN) -> str:
+    """`a, b, c and 167 more`: a list capped at `shown` names."""
+    names = list(names)
+    head = ", ".join(names[:shown])
+    return head + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+def restore_error(checkpoint: str, error: BaseException) -> UserError | None:
+    """A one-line `UserError` for a checkpoint Levanter could not restore, or None if `error` is not
+    about the files of `checkpoint`.
+
+    Levanter reports missing arrays as one exception listing every path (170 for a checkpoint
+    without optimizer state) and damaged chunks as tensorstore's error with the file's path; this
+    names the checkpoint, the arrays (at most SHOWN) and what the user can do.
+    """
+    checkpoint = str(checkpoint)
+    message = str(error)
+    missing = re.search(r"Missing[^\[]*\[(.*?)\]", message, re.DOTALL)
+    if isinstance(error, FileNotFoundError) and missing:
+        names = _names(checkpoint, re.findall(r"'([^']+)'", missing.group(1)))
+        absent = sorted({n.split(".")[0] for n in names if not os.path.exists(os.path.join(checkpoint, n.split(".")[0]))})
+        whole = f" (no {' or '.join(absent)} at all)" if absent else ""
+        return UserError(
+            f"checkpoint {checkpoint!r} lacks {len(names)} arrays that this run restores{whole}: {name_some(names)}; "
+            "set trainer.allow_partial_checkpoint=true to initialise the missing ones, or use a new trainer.id"
+        )
+    damaged = re.search(r"[\"']((?:file://)?" + re.escape(checkpoint.rstrip("/")) + r"/[^\"']+)[\"'][:;,]?\s*(.*)", message)
+    if isinstance(error, ValueError) and damaged:
+        file = damaged.group(1).removeprefix("file://")
+        array, chunk = os.path.split(file)
+        why = damaged.group(2).strip().splitlines()[0][:160] if damaged.group(2).strip() else type(error).__name__
+        return UserError(
+            f"checkpoint {checkpoint!r}: array {_names(checkpoint, [array])[0]} cannot be read, its chunk file "
+            f"{chunk!r} is damaged ({why}); resume from an earlier step-N with trainer.load_checkpoint_path, or use a "
+            "new trainer.id"
+        )
+    return None

@@ -57,11 +57,50 @@ def check_config_file(path) -> None:
         )
 
 
+FORMATS = (".jsonl", ".json", ".parquet")
+"""What Levanter's URL data source (`UrlDatasetSourceConfig`, in Levanter 1.2 and marin-levanter 0.2)
+reads, by the last or second-to-last extension; `.txt` is not among them (it stops with "Unknown format")."""
+
+FORMAT_NAMES = ".jsonl, .json or .parquet"
+SUPPORTED = f"{FORMAT_NAMES} (optionally compressed, e.g. .jsonl.gz)"
+
+
+def _format(url: str):
+    """The format Levanter reads a data file as, from its extensions as Levanter looks at them."""
+    root, last = os.path.splitext(url)
+    extensions = (last, os.path.splitext(root)[1])
+    return next((f for f in (".jsonl", ".txt", ".json", ".parquet") if f in extensions), None)
+
+
+def _check_format(key: str, url: str, text_key: str) -> None:
+    fmt = _format(url)
+    if fmt in FORMATS:
+        return
+    what = "a .txt file, which" if fmt == ".txt" else "not a format"
+    raise UserError(
+        f"{key}: {url!r} is {what} Levanter's URL data does not read; expected {SUPPORTED}, "
+        f"e.g. jsonl with one JSON object per line and the text in its {text_key!r} field"
+    )
+
+
 def _local_path(url: str):
     parsed = urllib.parse.urlparse(url)
     if parsed.scheme in ("", "file"):
         return parsed.path if parsed.scheme else url
     return None  # remote (gs://, hf://, https://): checked by Levanter when read
+
+
+def _expand(key: str, url: str) -> list:
+    """The files a local URL names: Levanter expands braces and globs (fsspec) and reads whatever matches."""
+    from levanter.utils.fsspec_utils import expand_glob
+
+    path = _local_path(url)
+    if path is None or not any(c in path for c in "*?{["):
+        return [url]
+    matches = list(expand_glob(path))
+    if not matches:
+        raise UserError(f"{key}: {url!r} matches no files (expected at least one {FORMAT_NAMES} file)")
+    return sorted(matches)
 
 
 def _text_key(data) -> str:
@@ -81,7 +120,7 @@ def _check_file_head(key: str, path: str, text_key: str) -> None:
     except UnicodeDecodeError as e:
         raise UserError(
             f"{key}: file {path!r} is not UTF-8 text (byte {e.start}: {head[e.start:e.start + 1]!r}); "
-            "expected UTF-8 jsonl or txt"
+            f"expected UTF-8 text in {FORMAT_NAMES} files"
         ) from None
     if not text.strip():
         raise UserError(f"{key}: file {path!r} holds only whitespace (expected at least one document)")
@@ -89,33 +128,86 @@ def _check_file_head(key: str, path: str, text_key: str) -> None:
         if len(head) == HEAD_BYTES and "\n" not in text:
             return  # the first record is longer than what was read
         first = next((line for line in text.splitlines() if line.strip()), "")
+        if path.endswith(".json") and first.lstrip().startswith("["):
+            return  # a JSON array (Levanter reads it whole)
         try:
             record = json.loads(first)
         except json.JSONDecodeError as e:
             raise UserError(f"{key}: file {path!r} line 1 is not JSON ({e.msg}); expected one JSON object per line") from None
-        if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
-            raise UserError(
-                f"{key}: file {path!r} line 1 has no string field {text_key!r} "
-                f"(expected objects like {{\"{text_key}\": \"...\"}}; data.format.text_key names the field)"
-            )
+        _check_record(key, path, 1, record, text_key)
+
+
+def _check_record(key: str, path: str, line: int, record, text_key: str) -> None:
+    if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
+        raise UserError(
+            f"{key}: file {path!r} line {line} has no string field {text_key!r} "
+            f"(expected objects like {{\"{text_key}\": \"...\"}}; data.format.text_key names the field)"
+        )
+
+
+def _check_jsonl_lines(key: str, path: str, text_key: str) -> None:
+    """Every line of a local jsonl file, streamed: Levanter's reader parses each line as one JSON
+    object (blank lines included) and fails deep inside its cache builder on the first bad one."""
+    offset = 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UserError(
+                    f"{key}: file {path!r} is not UTF-8 text (line {number}, byte {offset + e.start}); "
+                    f"expected UTF-8 text"
+                ) from None
+            offset += len(raw)
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                what = "is blank" if not line.strip() else f"is not JSON ({e.msg.removesuffix(' at')} at column {e.colno})"
+                raise UserError(f"{key}: file {path!r} line {number} {what}; expected one JSON object per line") from None
+            _check_record(key, path, number, record, text_key)
+
+
+def _is_jsonl(path: str) -> bool:
+    """Read by Levanter line by line: .jsonl, or .json that does not start with '[' or a lone '{'."""
+    if path.endswith(".jsonl"):
+        return True
+    if not path.endswith(".json"):
+        return False
+    with open(path, "rb") as f:
+        first_two = f.read(2)
+    return first_two[:1] == b"{" and first_two not in (b"{\n", b"{\r")
+
+
+def _cached(data, split: str) -> bool:
+    """Whether Levanter's finished cache of `split` exists (then it reads the cache, not the files)."""
+    cache = getattr(data, "cache_dir", None)
+    local = cache and _local_path(cache)
+    return bool(local) and os.path.isfile(os.path.join(local, split, "shard_ledger.json"))
 
 
 def check_data(data) -> None:
     urls_seen = False
-    for key in ("train_urls", "validation_urls"):
+    text_key = _text_key(data)
+    for key, split in (("train_urls", "train"), ("validation_urls", "validation")):
+        scan = not _cached(data, split)
         for i, url in enumerate(getattr(data, key, ()) or ()):
             urls_seen = True
-            path = _local_path(url)
-            if path is None or any(c in path for c in "*{["):
-                continue
             where = f"data.{key}[{i}]"
-            if not os.path.exists(path):
-                raise UserError(f"{where}: file {path!r} does not exist (expected a jsonl or txt file)")
-            if os.path.isdir(path):
-                raise UserError(f"{where}: {path!r} is a folder (expected a jsonl or txt file, or a glob like {path}/*.jsonl)")
-            if os.path.getsize(path) == 0:
-                raise UserError(f"{where}: file {path!r} is empty (expected at least one document)")
-            _check_file_head(where, path, _text_key(data))
+            for file in _expand(where, url):
+                path = _local_path(file)
+                if path is None:
+                    _check_format(where, file, text_key)
+                    continue
+                if not os.path.exists(path):
+                    raise UserError(f"{where}: file {path!r} does not exist (expected a {FORMAT_NAMES} file)")
+                if os.path.isdir(path):
+                    raise UserError(f"{where}: {path!r} is a folder (expected a {FORMAT_NAMES} file, or a glob like {path}/*.jsonl)")
+                _check_format(where, path, text_key)
+                if os.path.getsize(path) == 0:
+                    raise UserError(f"{where}: file {path!r} is empty (expected at least one document)")
+                _check_file_head(where, path, text_key)
+                if scan and _is_jsonl(path):
+                    _check_jsonl_lines(where, path, text_key)
     if hasattr(data, "train_urls") and not getattr(data, "train_urls", None) and not urls_seen:
         cache = getattr(data, "cache_dir", None)
         prebuilt = cache and _local_path(cache) and os.path.isdir(os.path.join(_local_path(cache), "train"))
@@ -129,6 +221,20 @@ def check_data(data) -> None:
         raise UserError("data.tokenizer is not set (expected a Hugging Face tokenizer name or folder)")
     if (tokenizer.startswith((".", "/")) or os.sep in tokenizer) and not os.path.exists(tokenizer):
         raise UserError(f"data.tokenizer: {tokenizer!r} does not exist (expected a Hugging Face tokenizer folder)")
+
+
+def check_data_size(tokens: dict, seq_len: int) -> None:
+    """Each split must hold at least one sequence after tokenization. Levanter cuts a split's token
+    stream into sequences of exactly `seq_len` tokens and drops the remainder, so a shorter split is an
+    empty dataset: evaluation fails with an IndexError, and training has nothing to loop over, whatever
+    `epochs` says. Run once the caches are built (`tokens`: split -> number of tokens)."""
+    for split, count in tokens.items():
+        if count < seq_len:
+            skip = ", or set data.validation_urls to [] to skip evaluation" if split == "validation" else ""
+            raise UserError(
+                f"data: the {split} split holds {count} tokens, fewer than one sequence of model.seq_len={seq_len} "
+                f"tokens; add {split} data (data.{split}_urls) or lower model.seq_len{skip}"
+            )
 
 
 def load_tokenizer(data):
@@ -225,9 +331,10 @@ def _stored_shape(fs, path: str):
     return None
 
 
-def check_resume(config, Vocab) -> None:
+def check_resume(config, Vocab):
     """If this run resumes (or initialises) from a checkpoint, the checkpoint's model arrays must be
-    the ones the config builds. Reads one small metadata file per array."""
+    the ones the config builds. Reads one small metadata file per array. Returns the checkpoint
+    (a `step-N` folder) that the trainer will load, or None for a new run."""
     import equinox as eqx
     import fsspec
     import jax.random as jrandom
@@ -240,11 +347,11 @@ def check_resume(config, Vocab) -> None:
     path = t.load_checkpoint_path or t.checkpointer.expanded_path(t.id)
     if not levanter.checkpoint.is_checkpoint_path(path):
         if not t.initialize_from:
-            return  # a new run
+            return None  # a new run
         path = t.initialize_from
     latest = levanter.checkpoint.discover_latest_checkpoint(path)
     if latest is None:
-        return
+        return None
     is_named = lambda x: isinstance(x, NamedArray)  # noqa: E731
     shapes = eqx.filter_eval_shape(lambda: config.model.build(Vocab, key=jrandom.PRNGKey(0)))
     names = leaf_key_paths(shapes, prefix="model", is_leaf=is_named)
@@ -269,16 +376,43 @@ def check_resume(config, Vocab) -> None:
             )
         if tuple(stored) != tuple(array.shape):
             axes = ", ".join(f"{a.name}={a.size}" for a in leaf.axes) if is_named(leaf) else str(tuple(array.shape))
-            hint = ""
-            if is_named(leaf) and any(a.name == "vocab" for a in leaf.axes):
-                hint = (
-                    f"; the tokenizer's vocabulary ({Vocab.size} tokens with padding, from data.tokenizer or "
-                    "corpus.vocab_size) differs from the one the checkpoint was trained with"
-                )
             raise UserError(
                 f"checkpoint {latest!r}: {key} has shape {tuple(stored)} but this config's {model_type} "
-                f"needs ({axes}){hint}; {how}"
+                f"needs ({axes}){_shape_hint(leaf, stored, Vocab) if is_named(leaf) else ''}; {how}"
             )
+    return str(latest)
+
+
+AXIS_KEYS = {
+    "embed": "model.hidden_dim",
+    "heads": "model.num_heads",
+    "head_size": "model.hidden_dim / model.num_heads",
+    "mlp": "model.intermediate_dim",
+    "position": "model.seq_len",
+    "time_freq": "model.num_frequencies",
+    "time_feature": "model.num_frequencies",
+    "time_embed": "model.time_embed_dim",
+    "time_hidden": "model.time_embed_dim",
+    "layers": "model.num_layers",
+}
+"""The config keys that set each named axis of a model array (for shape mismatches)."""
+
+
+def _shape_hint(leaf, stored, Vocab) -> str:
+    """Which axes differ between the checkpoint and the config, and which keys set them. The
+    tokenizer is blamed only when the vocab axis itself differs."""
+    if len(stored) != len(leaf.axes):
+        return ""
+    differ = [(a, n) for a, n in zip(leaf.axes, stored) if a.size != n]
+    if any(a.name == "vocab" for a, _ in differ):
+        return (
+            f"; the tokenizer's vocabulary ({Vocab.size} tokens with padding, from data.tokenizer or "
+            "corpus.vocab_size) differs from the one the checkpoint was trained with"
+        )
+    return "; " + ", ".join(
+        f"{a.name}={n} in the checkpoint vs {a.size} here" + (f" (set by {AXIS_KEYS[a.name]})" if a.name in AXIS_KEYS else "")
+        for a, n in differ
+    )
 
 
 def check(config) -> None:

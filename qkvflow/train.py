@@ -37,6 +37,7 @@ from levanter.checkpoint import Checkpointer
 from levanter.utils.jax_utils import parameter_count
 
 from qkvflow import faults, preflight
+from qkvflow.checkpoints import restore_error
 from qkvflow.config import TrainConfig
 from qkvflow.errors import UserError
 from qkvflow.loss import lm_loss
@@ -148,13 +149,16 @@ def announce_corpus(config) -> None:
         print(f"preparing corpus {config.corpus.name} in {os.path.join(config.corpus.root, config.corpus.name)} ...", flush=True)
 
 
-def _build_caches(data, timeout: float = 1800.0) -> None:
+def _build_caches(data, timeout: float = 1800.0) -> dict:
     """Tokenize into Levanter's caches and wait for them before reading: reading a cache that is
     still being built can stall Levanter's loader indefinitely. With several processes, process 0
-    builds first and the others then load what it wrote (or build their own on a non-shared disk)."""
+    builds first and the others then load what it wrote (or build their own on a non-shared disk).
+
+    Returns the number of tokens of each split that has data ({} for configs that build lazily)."""
     where = getattr(data, "cache_dir", None)
     say(f"preparing the token cache in {where or 'each dataset cache_dir'} (the first run tokenizes the data) ...")
     start = time.perf_counter()
+    tokens: dict = {}
 
     def build():
         for split in ("train", "validation"):
@@ -164,6 +168,8 @@ def _build_caches(data, timeout: float = 1800.0) -> None:
                 return
             for cache in caches.values():
                 cache.await_finished(timeout=timeout)
+            if caches:
+                tokens[split] = sum(_token_count(cache) for cache in caches.values())
 
     if jax.process_index() == 0:
         build()
@@ -171,6 +177,13 @@ def _build_caches(data, timeout: float = 1800.0) -> None:
     if jax.process_index() != 0:
         build()
     say(f"token cache ready ({time.perf_counter() - start:.0f} s)")
+    return tokens
+
+
+def _token_count(cache) -> int:
+    """Tokens in a finished Levanter cache: the length of its `input_ids` column, which Levanter's
+    token-sequence dataset cuts into sequences of `seq_len`."""
+    return int(cache.store.tree["input_ids"].data_size)
 
 
 def _checkpointers(trainer):
@@ -273,7 +286,7 @@ def _train(config: TrainConfig, preemption: faults.Preemption) -> dict:
     if t.load_checkpoint_path is None:  # this run's own folder: drop writes a kill interrupted
         checkpointer = t.checkpointer
         faults.remove_incomplete_checkpoints(checkpointer.expanded_path(t.id), checkpointer.delete_old_temp_checkpoints)
-    preflight.check_resume(config, Vocab)
+    resume_from = preflight.check_resume(config, Vocab)
     optimizer = config.optimizer.build(t.num_train_steps)
     loss_fn = functools.partial(lm_loss, z_loss_weight=config.z_loss_weight)
     summary: dict = {}
@@ -285,12 +298,18 @@ def _train(config: TrainConfig, preemption: faults.Preemption) -> dict:
             data_key = jrandom.PRNGKey(config.data_seed)
         Pos = config.model.Pos
 
-        _build_caches(config.data)
+        try:  # before tokenizing, so that a checkpoint that cannot be restored fails fast
+            state = trainer.initial_state(training_key, model_init=lambda: config.model.build(Vocab, key=model_key))
+        except (ValueError, FileNotFoundError) as e:  # missing or damaged arrays: one line, not Levanter's list
+            error = restore_error(resume_from, e) if resume_from else None
+            if error is None:
+                raise
+            raise error from None
+        preflight.check_data_size(_build_caches(config.data), Pos.size)
         epochs = config.epochs if config.epochs > 0 else None
         train_set = config.data.train_set(Pos, t.batch_schedule, key=data_key, epochs=epochs)
         eval_sets = config.data.tagged_eval_sets(Pos)
         say("compiling the training step (the first step takes longest) ...")
-        state = trainer.initial_state(training_key, model_init=lambda: config.model.build(Vocab, key=model_key))
         start = int(state.step)
         if start > 0:
             logger.info(f"Resuming run {trainer.run_id} from step {start}")

@@ -10,13 +10,15 @@ the end runs the whole command in a subprocess to show the same outcome end to e
 """
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.train_utils import TINY
+from tests.train_utils import TINY, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,7 +49,12 @@ def world(tmp_path_factory, corpus_root):
     data = w / "data"
     data.mkdir()
     (data / "empty.jsonl").write_text("")
-    (data / "blank.txt").write_text("\n  \n\n")
+    (data / "blank.jsonl").write_text("\n  \n\n")
+    (data / "plain.txt").write_text("Documented once as a format, but Levanter's URL data does not read it.\n")
+    good = '{"text": "a valid record"}\n'
+    (data / "bad_line_3.jsonl").write_text(good * 2 + '{"text": "unterminated\n' + good)
+    (data / "no_text_line_2.jsonl").write_text(good + '{"content": "x"}\n')
+    (data / "blank_line_2.jsonl").write_text(good + "\n" + good)
     (data / "latin1.jsonl").write_bytes(b'{"text": "caf\xe9 au lait"}\n')
     (data / "not_json.jsonl").write_text("just some words\n")
     (data / "no_text.jsonl").write_text('{"content": "the field is called text"}\n')
@@ -130,11 +137,18 @@ CASES = [
     # data files and the tokenizer
     ("missing-data", [*DATA, "--data.train_urls", "[{w}/data/missing.jsonl]"], "data.train_urls[0]: file '{w}/data/missing.jsonl' does not exist"),
     ("empty-data", [*DATA, "--data.train_urls", "[{w}/data/empty.jsonl]"], "data.train_urls[0]: file '{w}/data/empty.jsonl' is empty"),
-    ("blank-data", [*DATA, "--data.train_urls", "[{w}/data/blank.txt]"], "blank.txt' holds only whitespace"),
+    ("blank-data", [*DATA, "--data.train_urls", "[{w}/data/blank.jsonl]"], "blank.jsonl' holds only whitespace"),
+    ("txt-data", [*DATA, "--data.train_urls", "[{w}/data/plain.txt]"], "data.train_urls[0]: '{w}/data/plain.txt' is a .txt file, which Levanter's URL data does not read; expected .jsonl, .json or .parquet"),
+    ("jsonl-bad-later-line", [*DATA, "--data.train_urls", "[{w}/data/bad_line_3.jsonl]"], "data.train_urls[0]: file '{w}/data/bad_line_3.jsonl' line 3 is not JSON"),
+    ("jsonl-later-line-no-text", [*DATA, "--data.train_urls", "[{w}/data/no_text_line_2.jsonl]"], "no_text_line_2.jsonl' line 2 has no string field 'text'"),
+    ("jsonl-blank-line", [*DATA, "--data.train_urls", "[{w}/data/blank_line_2.jsonl]"], "blank_line_2.jsonl' line 2 is blank"),
+    ("txt-data-remote", [*DATA, "--data.train_urls", "[gs://bucket/corpus.txt]"], "data.train_urls[0]: 'gs://bucket/corpus.txt' is a .txt file"),
+    ("glob-matches-nothing", [*DATA, "--data.train_urls", "[{w}/data/nothing*.jsonl]"], "data.train_urls[0]: '{w}/data/nothing*.jsonl' matches no files"),
+    ("glob-matches-bad-file", [*DATA, "--data.train_urls", "[{w}/data/bad_line_*.jsonl]"], "data.train_urls[0]: file '{w}/data/bad_line_3.jsonl' line 3"),
     ("non-utf8-data", [*DATA, "--data.train_urls", "[{w}/data/latin1.jsonl]"], "latin1.jsonl' is not UTF-8 text (byte 13"),
     ("jsonl-not-json", [*DATA, "--data.train_urls", "[{w}/data/not_json.jsonl]"], "not_json.jsonl' line 1 is not JSON"),
     ("jsonl-no-text-field", [*DATA, "--data.train_urls", "[{w}/data/no_text.jsonl]"], "no_text.jsonl' line 1 has no string field 'text'"),
-    ("data-is-a-folder", [*DATA, "--data.train_urls", "[{w}/data/folder]"], "folder' is a folder (expected a jsonl or txt file"),
+    ("data-is-a-folder", [*DATA, "--data.train_urls", "[{w}/data/folder]"], "folder' is a folder (expected a .jsonl, .json or .parquet file"),
     ("no-training-data", ["--corpus", "null", "--data.train_urls", "[]"], "data.train_urls is empty"),
     ("missing-validation-data", ["--corpus", "null", "--data.train_urls", "[{corpus}/pydoc/train.jsonl]", "--data.validation_urls", "[{w}/v.jsonl]", "--data.tokenizer", "{corpus}/pydoc/tokenizer"], "data.validation_urls[0]: file '{w}/v.jsonl' does not exist"),
     ("missing-tokenizer", [*DATA, "--data.train_urls", "[{corpus}/pydoc/train.jsonl]", "--data.tokenizer", "{w}/no_tokenizer"], "data.tokenizer: '{w}/no_tokenizer' does not exist"),
@@ -173,7 +187,9 @@ RESUME = [
      "model.token_embeddings.weight has shape (2048, 32) but this config's DiffEqFormerGpt2Config needs (vocab=512, embed=32); the tokenizer's vocabulary"),
     ("other-model-type", ["--model.type", "diffeqformer_llama", "--model.seq_len", "32", "--model.hidden_dim", "32", "--model.num_heads", "2", "--model.time_embed_dim", "8", "--model.num_frequencies", "16"],
      "has no array model."),
-    ("other-width", ["--model.hidden_dim", "64"], "but this config's DiffEqFormerGpt2Config needs"),
+    ("other-width", ["--model.hidden_dim", "64"],
+     ("model.token_embeddings.weight has shape (2048, 32) but this config's DiffEqFormerGpt2Config needs (vocab=2048, embed=64); "
+      "embed=32 in the checkpoint vs 64 here (set by model.hidden_dim)")),
 ]
 
 
@@ -212,13 +228,16 @@ def test_the_checkpoint_fits_its_own_config(world, corpus_root, capsys, monkeypa
 
 
 def test_end_to_end_in_a_subprocess(world, corpus_root, tmp_path):
-    """The whole command, JAX start-up included: a tokenizer that does not fit the run's checkpoint."""
+    """The whole command, JAX start-up and Levanter's trainer included: resuming run `tiny`, whose
+    checkpoint holds the model but no optimizer state, fails at the restore with one short line
+    naming the checkpoint and a few of the missing arrays (Levanter's own error lists all of them)."""
     before = _snapshot(world / "checkpoints")
+    step = world / "checkpoints" / "tiny" / "step-5"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
     proc = subprocess.run(
         [
             sys.executable, "-m", "qkvflow", "train", "--config_path", str(world / "base.yaml"),
-            "--corpus.root", str(world / "corpus_512"), "--corpus.vocab_size", "512",
+            "--corpus.root", str(corpus_root),
             "--trainer.checkpointer.base_path", str(world / "checkpoints"),
             "--trainer.tracker", f"{{type: jsonl, path: {tmp_path / 'runs'}}}",
             "--trainer.log_dir", str(tmp_path / "logs"),
@@ -227,9 +246,87 @@ def test_end_to_end_in_a_subprocess(world, corpus_root, tmp_path):
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("qkvflow train: error:")]
-    assert len(errors) == 1 and "the tokenizer's vocabulary" in errors[0], proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert f"checkpoint '{step}' lacks " in errors[0] and re.search(r"\(no [^)]*opt_state[^)]* at all\)", errors[0]), errors[0]
+    assert re.search(r": [\w.]+, [\w.]+, [\w.]+ and \d+ more;", errors[0]), errors[0]
+    assert len(errors[0]) < 600 and "Traceback" not in proc.stderr
     assert _snapshot(world / "checkpoints") == before
+
+
+def test_data_shorter_than_one_sequence_is_refused_after_tokenizing(corpus_root, tmp_path):
+    """A split that passes every file check but holds fewer tokens than one sequence (Levanter's eval
+    loader used to fail with an IndexError): one line naming the split, its token count and the
+    sequence length, exit 2, before any step. The session's pydoc corpus and its Levanter cache are
+    reused: its validation split (8 documents) is shorter than 16384 tokens, its train split is not."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    seq_len = 16384
+    tokenizer = AutoTokenizer.from_pretrained(str(corpus_root / "pydoc" / "tokenizer"))
+    with open(corpus_root / "pydoc" / "validation.jsonl") as f:
+        docs = [json.loads(line)["text"] for line in f]
+    tokens = sum(len(tokenizer(doc)["input_ids"]) for doc in docs)
+    assert tokens < seq_len
+    proc = train(tmp_path, corpus_root, "--model.seq_len", str(seq_len), run_id="long")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("qkvflow train: error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    found = re.search(rf"data: the validation split holds (\d+) tokens, fewer than one sequence of model.seq_len={seq_len} ", errors[0])
+    assert found and tokens <= int(found.group(1)) <= tokens + 2 * len(docs), errors[0]  # + BOS/EOS per document
+    assert not list((tmp_path / "checkpoints").rglob("metadata.json"))
+
+
+@pytest.mark.parametrize("tokens,refused", [({"train": 32, "validation": 32}, None), ({"train": 31}, "train"), ({"train": 500, "validation": 0}, "validation")])
+def test_each_split_needs_one_sequence(tokens, refused):
+    """Levanter cuts each split into sequences of exactly seq_len tokens: seq_len tokens make one."""
+    from qkvflow import preflight
+    from qkvflow.errors import UserError
+
+    if refused is None:
+        preflight.check_data_size(tokens, 32)
+        return
+    with pytest.raises(UserError, match=f"the {refused} split holds {tokens[refused]} tokens, fewer than one sequence of model.seq_len=32"):
+        preflight.check_data_size(tokens, 32)
+
+
+def _arrays(folder: Path) -> list:
+    """The arrays Levanter stored under `folder` (one zarr metadata file each)."""
+    return sorted(p.parent for p in folder.rglob(".zarray"))
+
+
+def _truncate_a_chunk(step: Path) -> str:
+    chunk = next(p for p in sorted((step / "model" / "token_embeddings" / "weight").iterdir()) if not p.name.startswith("."))
+    os.truncate(chunk, chunk.stat().st_size // 2)
+    return "array model.token_embeddings.weight cannot be read, its chunk file"
+
+
+def _remove_the_generator(step: Path) -> str:
+    n = len(_arrays(step / "model" / "generator"))
+    shutil.rmtree(step / "model" / "generator")
+    return f"lacks {n} arrays that this run restores: model.generator."
+
+
+@pytest.mark.parametrize("damage", [_truncate_a_chunk, _remove_the_generator], ids=["truncated-chunk", "missing-arrays"])
+def test_damaged_checkpoint_is_named_in_one_short_line(world, corpus_root, tmp_path, damage):
+    """Reading a damaged checkpoint back (qkvflow.checkpoints.load_model, as export and analyze do):
+    one line naming the checkpoint and the array, at most three array names, not Levanter's list."""
+    import draccus
+
+    from qkvflow.checkpoints import load_model
+    from qkvflow.config import TrainConfig
+    from qkvflow.errors import UserError
+
+    run = tmp_path / "tiny"
+    shutil.copytree(world / "checkpoints" / "tiny", run)
+    config = draccus.parse(TrainConfig, config_path=str(world / "base.yaml"), args=["--corpus.root", str(corpus_root)])
+    load_model(config, str(run))  # the control: the intact copy loads
+    expected = damage(run / "step-5")
+    with pytest.raises(UserError) as error:
+        load_model(config, str(run))
+    message = str(error.value)
+    assert message.startswith(f"checkpoint '{run / 'step-5'}'") and expected in message, message
+    assert "\n" not in message and len(message) < 500 and message.count("model.generator.") <= 3, message
 
 
 @pytest.mark.parametrize(
