@@ -83,11 +83,11 @@ def _jsonl_tracker(trainer_config):
 
 
 def _drop_replayed_metrics(trainer_config, run_id: str, start: int) -> None:
-    """A run resuming at step `start` trains again the steps a kill lost after its last checkpoint:
-    drop their records from metrics.jsonl first (process 0, which alone writes it), so that each
-    step appears once."""
+    """A run starting at step `start` (0 when a kill came before the first checkpoint) trains again
+    the steps a kill lost after its last checkpoint: drop their records from metrics.jsonl first
+    (process 0, which alone writes it), so that each step appears once."""
     jsonl = _jsonl_tracker(trainer_config)
-    if start > 0 and jsonl is not None and jax.process_index() == 0:
+    if jsonl is not None and jax.process_index() == 0:
         dropped = drop_steps_from(metrics_file(jsonl.path, run_id), start)
         if dropped:
             logger.info(f"Dropped {dropped} metric records of the steps after step {start}: they are trained again")
