@@ -1,10 +1,12 @@
 """Preemption, interrupted checkpoint writes and non-finite steps: what `qkvflow train` does about them.
 
-* **Preemption** (`Preemption`): the first SIGTERM asks the run to stop after the step in progress;
-  `qkvflow train` then saves a checkpoint, waits for the write and exits 0. A second SIGTERM kills the
-  process at once. With several processes (`jax.distributed`), JAX's preemption notifier receives
-  the SIGTERM instead, and all processes stop after the same step (a notice to any one of them
-  stops all of them).
+* **Preemption and Ctrl-C** (`Preemption`): the first SIGTERM or SIGINT (Ctrl-C) asks the run to stop
+  after the step in progress; `qkvflow train` then saves a checkpoint, waits for the write and exits
+  0 after SIGTERM (a preemption is not a failure) or 130 after SIGINT (128 + SIGINT, as a shell reports
+  Ctrl-C, so that `qkvflow train && next` stops). A second signal of the same kind ends the process at
+  once. With several processes (`jax.distributed`), JAX's preemption notifier receives the SIGTERM
+  instead, and all processes stop after the same step (a notice to any one of them stops all of
+  them); a SIGINT is passed on to that notifier as a SIGTERM, so Ctrl-C stops them alike.
 * **Interrupted checkpoint writes** (`remove_incomplete_checkpoints`): Levanter writes a checkpoint's
   arrays first and its `metadata.json` last (after every process has committed its shards), and only
   folders with a readable `metadata.json` count as checkpoints. A process killed during a write leaves a
@@ -64,13 +66,16 @@ class NonFiniteError(RuntimeError):
 
 
 class Preemption:
-    """SIGTERM handling: the first signal requests a stop after the current step; a second one kills."""
+    """SIGTERM and SIGINT handling: the first signal requests a stop after the current step; a second
+    one of the same kind ends the process at once (its default action: Ctrl-C twice quits)."""
 
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)):
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT), verb: str = "qkvflow train"):
         self.signals = signals
+        self.verb = verb
         self.requested = False
         self.signal_name: Optional[str] = None
         self._previous: dict[int, object] = {}
+        self._forwarded = False
 
     def install(self) -> "Preemption":
         for sig in self.signals:
@@ -88,19 +93,33 @@ class Preemption:
     def __exit__(self, *exc):
         self.restore()
 
+    @property
+    def exit_status(self) -> int:
+        """The exit status of a run that stopped cleanly: 130 after SIGINT (Ctrl-C), else 0."""
+        return 128 + signal.SIGINT if self.signal_name == "SIGINT" else 0
+
     def _handle(self, signum, frame):
         name = signal.Signals(signum).name
+        if signum == signal.SIGTERM and self._forwarded:  # our own SIGTERM for JAX's notifier: not a second signal
+            self._forwarded = False
+            return
         if self.requested:  # second signal: stop waiting for the step and the checkpoint
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
         self.requested, self.signal_name = True, name
+        again = "press Ctrl-C again" if signum == signal.SIGINT else f"send {name} again"
         print(
-            f"qkvflow train: {name} received: finishing the current step, saving a checkpoint, then exiting "
-            f"(send {name} again to exit at once)",
+            f"{self.verb}: {name} received: finishing the current step, saving a checkpoint, then exiting "
+            f"({again} to exit at once, without saving)",
             file=sys.stderr,
             flush=True,
         )
+        if signum != signal.SIGTERM and _distributed_client() is not None and jax.process_count() > 1:
+            # all processes must stop after the same step: JAX's preemption notifier (which owns
+            # SIGTERM under jax.distributed) makes them agree on it
+            self._forwarded = True
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def should_stop(self, step: int) -> bool:
         """Whether to stop before training step `step` (0-based), on every process alike.

@@ -21,6 +21,7 @@ model, or with `merged: false` the un-fine-tuned discretised base) and the adapt
 checkpoints, which `qkvflow sweep` reads.
 """
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -80,7 +81,7 @@ class ExportConfig:
     hf_dir: Optional[str] = None
     """Write a Hugging Face model to `<hf_dir>/<run_id>`: the fine-tuned model with LoRA merged in
     (`merged: true`) or the discretised base before fine-tuning (`merged: false`, what a PEFT adapter
-    is applied to)."""
+    is applied to). `finetune: full` always writes the fine-tuned model (there is no adapter)."""
     peft_dir: Optional[str] = None
     """Write the LoRA adapter in PEFT format to `<peft_dir>/<run_id>` (`finetune: lora`; ignored for full)."""
     merged: bool = True
@@ -253,6 +254,25 @@ def read_summary(trainer_config, run_id: str) -> Optional[dict]:
         return None
 
 
+CARRIED = ("initial_eval_loss", "initial_eval_perplexity", "train_loss", "train_perplexity")
+"""What a resumed run cannot measure again and takes from the summary of the run it resumes: the
+validation loss before fine-tuning (measured at step 0 only), and the last train loss when it trains
+no step."""
+
+
+def _carry_over(summary: dict, previous: dict, jsonl) -> None:
+    for key in CARRIED:
+        if key not in summary and key in previous:
+            summary[key] = previous[key]
+    if "train_loss" not in summary and jsonl is not None:  # no summary written before (e.g. a crash): the metrics
+        from qkvflow.tracking import read_metrics
+
+        steps = read_metrics(metrics_file(jsonl.path, summary["run_id"]))
+        losses = [steps[s]["train/loss"] for s in sorted(steps) if "train/loss" in steps[s]]
+        if losses:
+            summary.update(train_loss=losses[-1], train_perplexity=math.exp(min(losses[-1], 80.0)))
+
+
 def _write_summary(trainer_config, run_id: str, summary: dict) -> None:
     import fsspec
 
@@ -285,18 +305,17 @@ def _frozen(model):
 def finetune(config: FinetuneConfig) -> dict:
     """Fine-tune; return a summary (losses, parameter counts, outputs). `summary["model"]` is the
     final model in memory (with LoRA modules under `finetune: lora`)."""
-    preemption = faults.Preemption().install()
-    try:
-        return _finetune(config, preemption)
-    finally:
-        preemption.restore()
+    with contextlib.ExitStack() as cleanup:
+        preemption = cleanup.enter_context(faults.Preemption(verb="qkvflow finetune"))
+        return _finetune(config, preemption, cleanup)
 
 
-def _finetune(config: FinetuneConfig, preemption: faults.Preemption) -> dict:
+def _finetune(config: FinetuneConfig, preemption: faults.Preemption, cleanup: contextlib.ExitStack) -> dict:
     from qkvflow.train import (
         _build_caches,
+        _drop_replayed_metrics,
         _eval_hook,
-        _initialize,
+        initialize,
         _jsonl_tracker,
         _save_final_checkpoint,
         _train_stats_hook,
@@ -317,7 +336,7 @@ def _finetune(config: FinetuneConfig, preemption: faults.Preemption) -> dict:
         inject = faults.Injection.from_env()
     except ValueError as e:
         raise UserError(str(e)) from None
-    _initialize(config)
+    initialize(config, cleanup)
     t = config.trainer
     with haliax.partitioning.set_mesh(t.device_mesh):
         Vocab = round_axis_for_partitioning(Axis("vocab", len(tokenizer)), t.parameter_axis_mapping)
@@ -359,6 +378,7 @@ def _finetune(config: FinetuneConfig, preemption: faults.Preemption) -> dict:
         start = int(state.step)
         if start > 0:
             print(f"resuming run {trainer.run_id} after step {start}", flush=True)
+        _drop_replayed_metrics(t, trainer.run_id, start)
         total, trainable = parameter_count(state.model), parameter_count(state.trainable_model)
         levanter.tracker.log_summary(
             {"parameter_count": total, "trainable_parameter_count": trainable, "fraction_trainable": trainable / total}
@@ -422,7 +442,7 @@ def _finetune(config: FinetuneConfig, preemption: faults.Preemption) -> dict:
                 if not preemption.requested or "No training steps" not in str(e):
                     raise
                 print(f"qkvflow finetune: stopped by {preemption.signal_name} before the first step", file=sys.stderr)
-                summary.update(steps=start, preempted=True, finished=False)
+                summary.update(steps=start, preempted=True, stopped_by=preemption.signal_name, finished=False)
                 levanter.tracker.current_tracker().finish()
                 return summary
             _save_final_checkpoint(trainer, info)
@@ -430,7 +450,7 @@ def _finetune(config: FinetuneConfig, preemption: faults.Preemption) -> dict:
             if trainer.skipped_steps:
                 summary["skipped_steps"] = list(trainer.skipped_steps)
             if preemption.requested:
-                summary["preempted"] = True
+                summary.update(preempted=True, stopped_by=preemption.signal_name)
                 print(
                     f"qkvflow finetune: stopped by {preemption.signal_name} after step {summary['steps']}/"
                     f"{t.num_train_steps}; checkpoint saved in {summary['checkpoints']}; run the same command to resume",
@@ -444,6 +464,8 @@ def _finetune(config: FinetuneConfig, preemption: faults.Preemption) -> dict:
                 if summary["steps"] < target:
                     logger.warning(f"The training data ran out after {summary['steps']} steps; set `epochs` to loop it.")
         summary["finished"] = finished = not summary.get("preempted") and summary["steps"] >= t.num_train_steps
+        if start > 0:
+            _carry_over(summary, read_summary(t, trainer.run_id) or {}, _jsonl_tracker(t))
         if info is not None:
             summary["model"] = info.state.model
             if finished and jax.process_index() == 0:
@@ -523,13 +545,16 @@ def export(config: FinetuneConfig, model, base, tokenizer, run_id: str, summary:
     ode_steps = summary.get("pretrained_steps_N")
     if e.hf_dir is not None:
         path = os.path.join(e.hf_dir, run_id)
-        out = merged_model(model, base, config.lora, config.lora_seed) if e.merged else base
+        # full fine-tuning has no base/adapter split: `merged` does not apply, the fine-tuned model is
+        # written (and `base` may hold buffers the trainer donated to the train step)
+        lora = config.finetune == "lora"
+        out = base if lora and not e.merged else merged_model(model, base, config.lora, config.lora_seed)
         if os.path.isdir(path):
             shutil.rmtree(path)
         os.makedirs(path)
         save_hf_folder(out, path, tokenizer=tokenizer, ode_steps=ode_steps)
         summary["hf_dir"] = path
-        what = "the merged fine-tuned model" if e.merged or config.finetune == "full" else "the discretised base model"
+        what = "the discretised base model" if lora and not e.merged else "the fine-tuned model" + (" (merged)" if lora else "")
         print(f"wrote {what} (Hugging Face format) to {path}", flush=True)
     if e.peft_dir is not None and config.finetune != "lora":
         print("export.peft_dir: no adapter to write (finetune: full); the fine-tuned model is in export.hf_dir", flush=True)
@@ -562,21 +587,23 @@ def print_summary(summary: dict) -> None:
             print(f"{key:>25}: {summary[key]}")
 
 
-def _run(config: FinetuneConfig) -> None:
-    print_summary(finetune(config))
+def _run(config: FinetuneConfig) -> dict:
+    summary = finetune(config)
+    print_summary(summary)
+    return summary
 
 
 def main(argv: list[str]) -> int:
     from qkvflow import usage
-    from qkvflow.train import NONFINITE_EXIT
+    from qkvflow.train import NONFINITE_EXIT, stop_status
 
     if usage.wants_help(argv):
         summary = "Discretise a pretrained ODE model at `steps: M` layers and fine-tune it (LoRA or full)."
         print(usage.short_help("qkvflow finetune", FinetuneConfig, summary, hide=("model",)))
         return 0
     try:
-        levanter.config.main(_run, args=usage.full_listing_args(argv))()
+        summary = levanter.config.main(_run, args=usage.full_listing_args(argv))()
     except faults.NonFiniteError as e:
         print(f"qkvflow finetune: error: {e}. Lower the learning rate, or set `nonfinite: skip`.", file=sys.stderr)
         return NONFINITE_EXIT
-    return 0
+    return stop_status(summary)

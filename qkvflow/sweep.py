@@ -176,7 +176,7 @@ def sweep(config, depths: list[int], methods: list[str]) -> dict:
     if not config.trainer.id:
         raise UserError("trainer.id is missing: the sweep names its runs <trainer.id>-<method>-M<depth>")
     out_dir = config.sweep.out_dir or os.path.join("sweeps", config.trainer.id)
-    rows, pretrained_steps = [], None
+    rows, pretrained_steps, stopped_by = [], None, None
     grid = [(d, m) for m in methods for d in depths]
     for d, m in grid:  # check every cell before training any
         check_values(cell_config(config, d, m))
@@ -193,13 +193,14 @@ def sweep(config, depths: list[int], methods: list[str]) -> dict:
             if not summary.get("finished"):
                 print(f"qkvflow sweep: {cell.trainer.id} did not finish; rerun the same command to resume", file=sys.stderr)
                 rows.append(_row(summary, depth, method))
+                stopped_by = summary.get("stopped_by")
                 break
         pretrained_steps = summary.get("pretrained_steps_N", pretrained_steps)
         rows.append(_row(summary, depth, method))
         _write_outputs(rows, out_dir, config, pretrained_steps)  # after each cell: partial results survive a stop
     rows.sort(key=lambda r: (methods.index(r["method"]), r["M"]))
     paths = _write_outputs(rows, out_dir, config, pretrained_steps)
-    return {"rows": rows, **paths, "complete": len(rows) == len(grid) and all(r["eval_loss"] is not None for r in rows)}
+    return {"rows": rows, **paths, "stopped_by": stopped_by, "complete": len(rows) == len(grid) and all(r["eval_loss"] is not None for r in rows)}
 
 
 def _write_outputs(rows, out_dir, config, pretrained_steps) -> dict:
@@ -252,4 +253,8 @@ def main(argv: list[str]) -> int:
         print(f.read())
     for key in ("csv", "md", "png"):
         print(f"{key:>4}: {result[key]}")
-    return 0 if result["complete"] else 1
+    if result["complete"]:
+        return 0
+    from qkvflow.train import stop_status
+
+    return stop_status(result) or 1  # 130 when Ctrl-C stopped a cell

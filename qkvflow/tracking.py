@@ -1,8 +1,9 @@
 """A Levanter tracker that appends every logged metric to `<path>/<run_id>/metrics.jsonl`.
 
 Needs no account or server, survives a crash line by line, and is what `qkvflow` plots loss
-curves from. A resumed run appends to the same file; readers keep the last record of each step
-(`read_metrics`), so steps replayed after a resume replace the ones logged before the stop.
+curves from. A resumed run appends to the same file, after first dropping the records of the steps it
+is about to train again (`drop_steps_from`: the steps a kill lost after the last checkpoint), so each
+step appears once in the file.
 
 YAML: `trainer: {tracker: {type: jsonl, path: runs}}` (a list of trackers combines it with wandb
 or tensorboard).
@@ -23,6 +24,8 @@ class JsonlTracker(Tracker):
 
     def __init__(self, file: str):
         self.file = file
+        self._step: Optional[int] = None  # the step of the last "log" record, and the metrics logged for it
+        self._logged: set = set()
         os.makedirs(os.path.dirname(file), exist_ok=True)
 
     def _write(self, record: dict):
@@ -39,6 +42,11 @@ class JsonlTracker(Tracker):
         self._write({"event": "hparams", "hparams": hparams})
 
     def log(self, metrics: Mapping[str, Any], *, step: Optional[int], commit: Optional[bool] = None):
+        if step != self._step:
+            self._step, self._logged = step, set()
+        elif step is not None and metrics and set(metrics) <= self._logged:
+            return  # Levanter runs its hooks again after the last step: the same metrics of the same step
+        self._logged.update(metrics)
         self._write({"event": "log", "step": step, "metrics": dict(metrics)})
 
     def log_summary(self, metrics: Mapping[str, Any]):
@@ -86,3 +94,34 @@ def read_metrics(file: str) -> dict[int, dict[str, float]]:
             numeric = {k: v for k, v in record["metrics"].items() if isinstance(v, (int, float))}
             steps.setdefault(int(record["step"]), {}).update(numeric)
     return steps
+
+
+def drop_steps_from(file: str, start: int) -> int:
+    """Remove the "log" records of steps >= `start` (0-based, as logged) from `file`, and lines cut
+    short by a kill; keep everything else (hparams, summaries, artifacts). Called by a run that
+    resumes at step `start`, before it logs again. The file is rewritten atomically (a temporary
+    file beside it, then os.replace), so a kill during the rewrite leaves the old or the new file.
+    Returns the number of lines dropped."""
+    if not os.path.exists(file):
+        return 0
+    kept, dropped = [], 0
+    with open(file, "rb") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                dropped += 1
+                continue
+            step = record.get("step") if isinstance(record, dict) else None
+            if isinstance(record, dict) and record.get("event") == "log" and step is not None and int(step) >= start:
+                dropped += 1
+                continue
+            kept.append(line if line.endswith(b"\n") else line + b"\n")
+    if dropped:
+        temporary = f"{file}.{os.getpid()}.tmp"
+        with open(temporary, "wb") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, file)
+    return dropped

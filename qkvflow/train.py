@@ -21,8 +21,10 @@ import itertools
 import logging
 import math
 import os
+import signal
 import sys
 import time
+from typing import Optional
 
 import haliax.partitioning
 import jax
@@ -42,7 +44,8 @@ from qkvflow.config import TrainConfig
 from qkvflow.errors import UserError
 from qkvflow.loss import lm_loss
 from qkvflow.plotting import plot_loss_curve
-from qkvflow.tracking import JsonlTrackerConfig, metrics_file
+from qkvflow.runlock import RunLock
+from qkvflow.tracking import JsonlTrackerConfig, drop_steps_from, metrics_file
 
 logger = logging.getLogger("qkvflow.train")
 
@@ -85,6 +88,17 @@ def _jsonl_tracker(trainer_config):
     trackers = trainer_config.tracker
     trackers = trackers if isinstance(trackers, (list, tuple)) else (trackers,)
     return next((t for t in trackers if isinstance(t, JsonlTrackerConfig)), None)
+
+
+def _drop_replayed_metrics(trainer_config, run_id: str, start: int) -> None:
+    """A run starting at step `start` (0 when a kill came before the first checkpoint) trains again
+    the steps a kill lost after its last checkpoint: drop their records from metrics.jsonl first
+    (process 0, which alone writes it), so that each step appears once."""
+    jsonl = _jsonl_tracker(trainer_config)
+    if jsonl is not None and jax.process_index() == 0:
+        dropped = drop_steps_from(metrics_file(jsonl.path, run_id), start)
+        if dropped:
+            logger.info(f"Dropped {dropped} metric records of the steps after step {start}: they are trained again")
 
 
 def _eval_hook(trainer, config, eval_sets, tokenizer, summary, preemption):
@@ -210,9 +224,10 @@ def _wait_for_checkpoints(trainer) -> None:
         checkpointer.wait_until_finished()
 
 
-def _initialize(config: TrainConfig) -> None:
+def _initialize(config: TrainConfig) -> Optional[RunLock]:
     """Levanter's initialisation, with the device-dependent checks between `jax.distributed` and
-    Levanter's own validation (which would fail with a traceback on the same problems)."""
+    Levanter's own validation (which would fail with a traceback on the same problems). Takes the
+    run lock (returned; process 0 only) before Levanter opens the run's trackers."""
     t = config.trainer
     for key, value in t.jax_config.items():  # e.g. jax_cpu_collectives_implementation before distributed
         jax.config.update(key, value)
@@ -224,11 +239,18 @@ def _initialize(config: TrainConfig) -> None:
             f"{jax.device_count()} in all",
             flush=True,
         )
-    preflight.check_devices(t)
-    log_dir = str(t.log_dir)
-    before = set(os.listdir(log_dir)) if os.path.isdir(log_dir) else set()
-    levanter.initialize(config)
-    _fix_log_file_name(log_dir, before)
+    lock = _lock_run(t) if t.id is not None else None
+    try:
+        preflight.check_devices(t)
+        log_dir = str(t.log_dir)
+        before = set(os.listdir(log_dir)) if os.path.isdir(log_dir) else set()
+        levanter.initialize(config)
+        _fix_log_file_name(log_dir, before)
+        return lock or _lock_run(t)  # or the id Levanter chose (RUN_ID, wandb's, a random one)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
 
 
 def _fix_log_file_name(log_dir: str, before: set) -> None:
@@ -263,14 +285,26 @@ def _fix_log_file_name(log_dir: str, before: set) -> None:
 
 def train(config: TrainConfig) -> dict:
     """Train; return a summary of the final step (losses, perplexities, where outputs went)."""
-    preemption = faults.Preemption().install()  # from here on, SIGTERM means "stop cleanly"
-    try:
-        return _train(config, preemption)
-    finally:
-        preemption.restore()
+    with contextlib.ExitStack() as cleanup:
+        preemption = cleanup.enter_context(faults.Preemption())  # from here on, SIGTERM and SIGINT mean "stop cleanly"
+        return _train(config, preemption, cleanup)
 
 
-def _train(config: TrainConfig, preemption: faults.Preemption) -> dict:
+def _lock_run(trainer_config) -> Optional[RunLock]:
+    """The run's lock (qkvflow.runlock), taken by process 0 of a run (after `jax.distributed`)."""
+    if jax.process_index() != 0:
+        return None
+    return RunLock(trainer_config.checkpointer.expanded_path(trainer_config.id)).acquire()
+
+
+def initialize(config: TrainConfig, cleanup: contextlib.ExitStack) -> None:
+    """`_initialize`, holding the run lock until `cleanup` closes."""
+    lock = _initialize(config)
+    if lock is not None:
+        cleanup.callback(lock.release)
+
+
+def _train(config: TrainConfig, preemption: faults.Preemption, cleanup: contextlib.ExitStack) -> dict:
     announce_corpus(config)
     config = with_corpus(config)
     preflight.check(config)
@@ -279,7 +313,7 @@ def _train(config: TrainConfig, preemption: faults.Preemption) -> dict:
         inject = faults.Injection.from_env()
     except ValueError as e:
         raise UserError(str(e)) from None
-    _initialize(config)
+    initialize(config, cleanup)
     t = config.trainer
     with haliax.partitioning.set_mesh(t.device_mesh):
         Vocab = round_axis_for_partitioning(Axis("vocab", len(tokenizer)), t.parameter_axis_mapping)
@@ -314,6 +348,7 @@ def _train(config: TrainConfig, preemption: faults.Preemption) -> dict:
         if start > 0:
             logger.info(f"Resuming run {trainer.run_id} from step {start}")
             print(f"resuming run {trainer.run_id} after step {start}", flush=True)
+        _drop_replayed_metrics(t, trainer.run_id, start)
         levanter.tracker.log_summary({"parameter_count": parameter_count(state.model)})
         summary.update(run_id=trainer.run_id, checkpoints=t.checkpointer.expanded_path(trainer.run_id))
         if start >= target:
@@ -346,7 +381,7 @@ def _train(config: TrainConfig, preemption: faults.Preemption) -> dict:
             if not preemption.requested or "No training steps" not in str(e):
                 raise
             print(f"qkvflow train: stopped by {preemption.signal_name} before the first step; nothing to save", file=sys.stderr)
-            summary.update(steps=start, preempted=True)
+            summary.update(steps=start, preempted=True, stopped_by=preemption.signal_name)
             levanter.tracker.current_tracker().finish()
             return summary
         _save_final_checkpoint(trainer, info)
@@ -354,7 +389,7 @@ def _train(config: TrainConfig, preemption: faults.Preemption) -> dict:
         if trainer.skipped_steps:
             summary["skipped_steps"] = list(trainer.skipped_steps)
         if preemption.requested:
-            summary["preempted"] = True
+            summary.update(preempted=True, stopped_by=preemption.signal_name)
             print(
                 f"qkvflow train: stopped by {preemption.signal_name} after step {summary['steps']}/{t.num_train_steps}; "
                 f"checkpoint saved in {summary['checkpoints']}; run the same command to resume",
@@ -385,12 +420,22 @@ def print_summary(summary: dict) -> None:
             print(f"{key:>17}: {summary[key]}")
 
 
-def _run(config: TrainConfig) -> None:
-    print_summary(train(config))
+def _run(config: TrainConfig) -> dict:
+    summary = train(config)
+    print_summary(summary)
+    return summary
 
 
 NONFINITE_EXIT = 3
 """Exit status of a run stopped by a non-finite loss or gradient (bad input is 2)."""
+
+
+def stop_status(summary) -> int:
+    """The exit status of a run that ended without an error: 130 (128 + SIGINT, what a shell reports
+    for Ctrl-C) when Ctrl-C stopped it, so that `qkvflow train && next` does not go on; 0 otherwise,
+    a SIGTERM preemption included (the checkpoint is saved; the scheduler restarts the run)."""
+    stopped_by = summary.get("stopped_by") if isinstance(summary, dict) else None
+    return 128 + signal.SIGINT if stopped_by == "SIGINT" else 0
 
 
 def main(argv: list[str]) -> int:
@@ -400,7 +445,7 @@ def main(argv: list[str]) -> int:
         print(usage.short_help("qkvflow train", TrainConfig, "Pretrain a language model with Levanter's trainer."))
         return 0
     try:
-        levanter.config.main(_run, args=usage.full_listing_args(argv))()
+        summary = levanter.config.main(_run, args=usage.full_listing_args(argv))()
     except faults.NonFiniteError as e:
         print(
             f"qkvflow train: error: {e}. Nothing was saved for this step; the newest checkpoint is from before it. "
@@ -408,4 +453,4 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return NONFINITE_EXIT
-    return 0
+    return stop_status(summary)

@@ -1,5 +1,5 @@
 """Faults during `qkvflow train`: SIGKILL at random moments and during a checkpoint write, SIGTERM
-(preemption), and non-finite steps. See qkvflow/faults.py for what the trainer does about each.
+(preemption), SIGINT (Ctrl-C), and non-finite steps. See qkvflow/faults.py for what the trainer does about each.
 
 Speed: every process here shares one JAX compilation cache (possible because EQX_ON_ERROR=nan turns
 Equinox's runtime checks, host callbacks that would make the step uncacheable, into NaNs; the
@@ -146,9 +146,10 @@ def _kill_during_checkpoint_write(workdir, corpus_root, jax_cache) -> tuple[Run,
 
 
 def test_kills_and_preemption_resume_to_the_uninterrupted_losses(tmp_path, corpus_root, jax_cache, reference):
-    """SIGKILL at a random step, SIGKILL during a checkpoint write, SIGTERM, then a run to the end:
-    the per-step losses equal an uninterrupted run's exactly, each resume loses at most one
-    checkpoint interval, and no half-written checkpoint folder is left."""
+    """SIGKILL at a random step, SIGKILL during a checkpoint write, SIGTERM, SIGINT, then a run to the
+    end: the per-step losses equal an uninterrupted run's exactly, each resume loses at most one
+    checkpoint interval, metrics.jsonl holds each step once, and no half-written checkpoint folder
+    is left."""
     rng = random.Random(1234)
 
     killed, done = _kill_at_random(tmp_path, corpus_root, jax_cache, rng)
@@ -174,11 +175,26 @@ def test_kills_and_preemption_resume_to_the_uninterrupted_losses(tmp_path, corpu
     assert stopped_at < 8, "SIGTERM came too late to test anything"
     assert _step_dirs(tmp_path).get(f"step-{stopped_at - 1}") is True, _step_dirs(tmp_path)
 
+    # Ctrl-C (SIGINT): the same, exiting 130 (128 + SIGINT, as a shell reports Ctrl-C)
+    interrupted = Run(tmp_path, corpus_root, jax_cache)
+    interrupted.wait_for(lambda: interrupted.steps_done() > stopped_at)
+    interrupted.proc.send_signal(signal.SIGINT)
+    assert interrupted.finish(timeout=120) == 130, interrupted.describe()
+    assert _resumed_from(interrupted) == stopped_at  # SIGTERM lost nothing
+    assert "KeyboardInterrupt" not in interrupted.stderr and "Traceback" not in interrupted.stderr
+    assert "stopped by SIGINT after step" in interrupted.stderr, interrupted.describe()
+    stopped_at = interrupted.steps_done()
+    assert stopped_at < 8, "SIGINT came too late to test anything"
+
     final = Run(tmp_path, corpus_root, jax_cache)
     assert final.finish() == 0, final.describe()
-    assert _resumed_from(final) == stopped_at  # SIGTERM lost nothing
+    assert _resumed_from(final) == stopped_at  # SIGINT lost nothing
     assert f"step {stopped_at}/8" not in final.stdout and f"step {stopped_at + 1}/8" in final.stdout
 
+    # each step once in the file itself: a resume drops what it trains again (the SIGKILLs' lost steps)
+    raw = (tmp_path / "runs" / "tiny" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in raw]
+    assert [r["step"] for r in records if r["event"] == "log" and "train/loss" in r["metrics"]] == list(range(8))
     assert losses(tmp_path) == reference
     assert incomplete_checkpoints(str(tmp_path / "checkpoints" / "tiny")) == []
     assert all(_step_dirs(tmp_path).values()), _step_dirs(tmp_path)
@@ -313,3 +329,66 @@ def test_sigterm_requests_a_stop_after_the_current_batch():
         assert preemption.requested and preemption.signal_name == "SIGTERM"
         assert list(batches) == []
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_sigint_requests_a_stop_and_a_second_one_exits_at_once(tmp_path):
+    """Ctrl-C is a preemption too (no KeyboardInterrupt): the first SIGINT asks for a stop after the
+    current step, with a message that says so; a second one ends the process at once."""
+    import subprocess
+    import sys
+
+    from qkvflow.faults import Preemption
+
+    before = signal.getsignal(signal.SIGINT)
+    with Preemption() as preemption:
+        batches = preemption.wrap(iter(range(10)))
+        assert next(batches) == 0
+        os.kill(os.getpid(), signal.SIGINT)
+        assert preemption.requested and preemption.signal_name == "SIGINT" and preemption.exit_status == 130
+        assert list(batches) == []
+    assert signal.getsignal(signal.SIGINT) is before
+
+    twice = (
+        "import os, signal, time\n"
+        "from qkvflow.faults import Preemption\n"
+        "p = Preemption().install()\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "print('first', p.requested, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "time.sleep(30)\n"
+        "print('survived the second', flush=True)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", twice], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGINT and proc.stdout == "first True\n", (proc.returncode, proc.stdout, proc.stderr)
+    assert "SIGINT received: finishing the current step, saving a checkpoint, then exiting (press Ctrl-C again" in proc.stderr
+
+
+def test_a_resume_drops_the_metrics_of_the_steps_it_trains_again(tmp_path):
+    """The file a SIGKILL leaves after step 5 (checkpoint after step 3, a line cut short): resuming at
+    step 3 (0-based) keeps hparams, summaries and steps 0-2; Levanter's rerun of the hooks after the
+    last step writes nothing twice."""
+    from qkvflow.tracking import JsonlTracker, drop_steps_from
+
+    file = tmp_path / "runs" / "tiny" / "metrics.jsonl"
+    tracker = JsonlTracker(str(file))
+    tracker.log_hyperparameters({"lr": 0.1})
+    for step in range(5):
+        tracker.log({"train/loss": 5.0 - step}, step=step)
+        tracker.log({"throughput/hook_time": 0.1}, step=step)
+    tracker.log_summary({"parameter_count": 7})
+    with open(file, "a") as f:
+        f.write('{"event": "log", "step": 5, "metr')  # the kill
+    assert drop_steps_from(str(file), 3) == 5
+    records = [json.loads(line) for line in file.read_text().splitlines()]
+    assert [r["event"] for r in records] == ["hparams"] + ["log"] * 6 + ["summary"]
+    assert [r["step"] for r in records if r["event"] == "log"] == [0, 0, 1, 1, 2, 2]
+    resumed = JsonlTracker(str(file))
+    for step in (3, 4):
+        resumed.log({"train/loss": 1.5, "global_step": step}, step=step)
+        resumed.log({"eval/loss": 2.0}, step=step)
+    resumed.log({"train/loss": 1.5, "global_step": 4}, step=4)  # the hooks again, after the last step
+    resumed.log({"eval/loss": 2.0, "eval/bpb": 1.0}, step=4)  # a new metric of the same step is kept
+    logged = [(r["step"], sorted(r["metrics"])) for r in map(json.loads, file.read_text().splitlines()) if r["event"] == "log"]
+    assert [s for s, m in logged if "train/loss" in m] == [0, 1, 2, 3, 4]
+    assert logged[-1] == (4, ["eval/bpb", "eval/loss"])
+    assert drop_steps_from(str(tmp_path / "missing.jsonl"), 3) == 0

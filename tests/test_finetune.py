@@ -3,7 +3,8 @@
 The end-to-end run here (LoRA at M = 2N, in this process so that the final model can be inspected)
 checks that the loss falls, that the frozen base is bit-identical to the discretised checkpoint and
 the adapters changed, and that the PEFT adapter on the exported base computes the Levanter model's
-logits in torch. Full fine-tuning and M = N/2 run in tests/test_sweep.py (the 2 x 2 grid).
+logits in torch. Full fine-tuning runs at M = N/2 with a stop, a resume and the Hugging Face export;
+the 2 x 2 grid of tests/test_sweep.py (slow) runs both methods at both depths.
 """
 
 import json
@@ -141,6 +142,47 @@ def test_peft_adapter_on_the_exported_base_computes_the_fine_tuned_model(lora_ru
     want = np.asarray(want)[:, : got.shape[-1]]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     assert np.abs(got - without).max() > 1e-3  # the adapter matters
+
+
+def test_full_fine_tune_resumes_and_exports_the_fine_tuned_model(tmp_path, shared):
+    """`finetune: full` end to end in this process, on the sweep's settings (`merged: false`, as in
+    quickstart_lora.yaml, whose sweep runs lora and full): stop after step 1, resume, finish, export.
+    The resumed summary keeps the validation loss measured before fine-tuning; each step's metrics
+    appear once in metrics.jsonl; the Hugging Face export is complete, loads in transformers and
+    computes the fine-tuned JAX model's logits (to float32 round-off)."""
+    import haliax as hax
+    import jax.numpy as jnp
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from qkvflow.finetune import finetune
+
+    corpora, pretrained = shared
+    args = (
+        "--finetune", "full", "--steps", "1", "--trainer.num_train_steps", "2", "--loss_curve", "null",
+        "--export", f"{{hf_dir: {tmp_path / 'hf'}, merged: false}}",
+        "--trainer.log_jaxprs", "false", "--trainer.log_xla_hlo", "false", "--trainer.watch.interval", "0",
+    )  # fmt: skip
+    first = finetune(_parse(tmp_path, corpora, pretrained, *args, "--stop_after", "1"))
+    assert not first["finished"] and first["steps"] == 1 and "hf_dir" not in first
+    summary = finetune(_parse(tmp_path, corpora, pretrained, *args))
+    assert summary["finished"] and summary["steps"] == 2
+    written = json.loads((tmp_path / "checkpoints" / "tiny-ft" / "finetune_summary.json").read_text())
+    for got in (summary, written):  # what `qkvflow sweep` tabulates
+        assert got["initial_eval_loss"] == first["initial_eval_loss"]
+        assert got["train_loss"] == summary["train_loss"] and got["eval_loss"] == summary["eval_loss"]
+
+    records = [json.loads(line) for line in (tmp_path / "runs" / "tiny-ft" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["event"] == "log" and "train/loss" in r["metrics"]] == [0, 1]
+
+    hf = tmp_path / "hf" / "tiny-ft"
+    assert summary["hf_dir"] == str(hf) and (hf / "model.safetensors").is_file()
+    model = AutoModelForCausalLM.from_pretrained(str(hf), trust_remote_code=True).eval()
+    tokens = np.random.default_rng(0).integers(0, 500, size=32)
+    with torch.no_grad():
+        got = model(torch.tensor(tokens)[None]).logits[0].numpy()
+    want = np.asarray(summary["model"](hax.named(jnp.asarray(tokens, dtype=jnp.int32), "position")).array)
+    np.testing.assert_allclose(got, want[:, : got.shape[-1]], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.slow

@@ -124,3 +124,55 @@ def test_load_model_reads_the_trained_weights(reference, corpus_root):
     wrong = draccus.parse(TrainConfig, config_path=TINY, args=args + ["--model.hidden_dim", "64"])
     with pytest.raises(UserError, match="does not hold a DiffEqFormerGpt2Config"):
         load_model(wrong, str(workdir / "checkpoints" / "tiny"))
+
+
+def test_run_lock_refuses_a_second_holder_and_recovers_a_stale_one(tmp_path):
+    import json
+    import socket
+
+    from qkvflow.errors import UserError
+    from qkvflow.runlock import LOCK_FILE, RunLock
+
+    run = tmp_path / "checkpoints" / "tiny"
+    with RunLock(str(run)):
+        holder = json.loads((run / LOCK_FILE).read_text())
+        assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
+        with pytest.raises(UserError) as error:
+            RunLock(str(run)).acquire()
+        message = str(error.value)
+        assert f"in use by process {os.getpid()} on host {socket.gethostname()}" in message
+        assert str(run / LOCK_FILE) in message and "\n" not in message
+    assert not (run / LOCK_FILE).exists()  # released and removed on exit
+    with RunLock(str(run)):
+        pass
+    # a lock file left by a process that died (flock ends with its process): taken over
+    (run / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": 2**22 + 7, "started": "x"}))
+    with RunLock(str(run)):
+        assert json.loads((run / LOCK_FILE).read_text())["pid"] == os.getpid()
+
+
+def test_second_train_of_the_same_run_is_refused_in_one_line(tmp_path, corpus_root):
+    """While another process holds the run (here a tiny holder instead of a whole training run),
+    `qkvflow train` with the same id exits 2 in one line, before writing or removing anything:
+    the holder's checkpoint write in progress (a step folder without metadata yet) survives."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "checkpoints" / "tiny"
+    in_progress = run / "step-3" / "model"
+    in_progress.mkdir(parents=True)
+    hold = "import sys\nfrom qkvflow.runlock import RunLock\nRunLock(sys.argv[1]).acquire()\nprint('held', flush=True)\nsys.stdin.read()\n"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", hold, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        proc = train(tmp_path, corpus_root)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    err = proc.stderr.strip().splitlines()
+    assert err[-1].startswith(f"qkvflow train: error: run folder {run} is in use by process {holder.pid} on host "), err
+    assert "Traceback" not in proc.stderr
+    assert in_progress.is_dir() and not (tmp_path / "runs" / "tiny" / "metrics.jsonl").exists()
