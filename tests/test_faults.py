@@ -348,19 +348,22 @@ def test_sigint_requests_a_stop_and_a_second_one_exits_at_once(tmp_path):
         assert list(batches) == []
     assert signal.getsignal(signal.SIGINT) is before
 
-    twice = (
-        "import os, signal, time\n"
-        "from qkvflow.faults import Preemption\n"
-        "p = Preemption().install()\n"
-        "os.kill(os.getpid(), signal.SIGINT)\n"
-        "print('first', p.requested, flush=True)\n"
-        "os.kill(os.getpid(), signal.SIGINT)\n"
-        "time.sleep(30)\n"
-        "print('survived the second', flush=True)\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", twice], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == -signal.SIGINT and proc.stdout == "first True\n", (proc.returncode, proc.stdout, proc.stderr)
-    assert "SIGINT received: finishing the current step, saving a checkpoint, then exiting (press Ctrl-C again" in proc.stderr
+    # a second SIGINT, and likewise a second SIGTERM, ends the process at once (the README's promise)
+    for sig, again in ((signal.SIGINT, "press Ctrl-C again"), (signal.SIGTERM, "send SIGTERM again")):
+        twice = (
+            "import os, signal, time\n"
+            "from qkvflow.faults import Preemption\n"
+            "p = Preemption().install()\n"
+            f"os.kill(os.getpid(), signal.{sig.name})\n"
+            "print('first', p.requested, flush=True)\n"
+            f"os.kill(os.getpid(), signal.{sig.name})\n"
+            "time.sleep(30)\n"
+            "print('survived the second', flush=True)\n"
+        )
+        proc = subprocess.run([sys.executable, "-c", twice], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == -sig and proc.stdout == "first True\n", (sig, proc.returncode, proc.stdout, proc.stderr)
+        message = f"{sig.name} received: finishing the current step, saving a checkpoint, then exiting ({again}"
+        assert message in proc.stderr
 
 
 def test_a_resume_drops_the_metrics_of_the_steps_it_trains_again(tmp_path):
