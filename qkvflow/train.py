@@ -199,6 +199,7 @@ def train(config: TrainConfig) -> dict:
 
 
 def _train(config: TrainConfig, preemption: faults.Preemption) -> dict:
+    preflight.check_outputs(config)  # before the corpus, the tokenizer and Levanter start
     config = with_corpus(config)
     preflight.check(config)
     tokenizer = preflight.load_tokenizer(config.data)
