@@ -45,7 +45,7 @@ def _output_rules(args) -> dict:
 def check_output(args) -> None:
     """Refuse an --output that cannot be written or must not be replaced, before any work."""
     outputs.check_replaceable(args.output, **_output_rules(args))
-    outputs.check_writable(os.path.dirname(os.path.abspath(args.output)), "--output")
+    outputs.check_writable(args.output, "--output", beside=True)
 
 
 def _train_config(path: str, overrides: list[str]):

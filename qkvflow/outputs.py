@@ -34,12 +34,13 @@ def is_remote(path) -> bool:
     return "://" in str(path)
 
 
-def check_writable(path, key: str) -> None:
-    """Raise `UserError` naming `key` unless a file can be created where `path` is (or would be)."""
+def check_writable(path, key: str, *, beside: bool = False) -> None:
+    """Raise `UserError` naming `key` and `path` unless a file can be created where `path` is (or
+    would be); with `beside`, next to it instead (where `replacing` puts its temporary sibling)."""
     if path is None or is_remote(path):
         return
     target = os.path.abspath(os.path.expanduser(str(path)))
-    existing = target
+    existing = os.path.dirname(target) if beside else target
     while not os.path.exists(existing) and os.path.dirname(existing) != existing:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
