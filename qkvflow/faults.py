@@ -171,15 +171,15 @@ def _read_metadata(fs, path: str) -> Optional[dict]:
         if isinstance(metadata, dict) and "step" in metadata and "timestamp" in metadata:
             return metadata
         problem = "has no `step` and `timestamp`"
-    raise UnreadableCheckpoint(f"checkpoint {path} looks complete but its metadata.json {problem}; it was not removed")
+    raise UnreadableCheckpoint(f"checkpoint {path}: its metadata.json {problem}; its arrays may be complete, so it was not removed")
 
 
 def _resume_hint(error: UnreadableCheckpoint, path: str, protocol: str) -> UnreadableCheckpoint:
     run, name = os.path.split(path.rstrip("/"))
     aside = f"{protocol}{run}.{name}.unreadable"
     return UnreadableCheckpoint(
-        f"{error}: move it out of the run folder (e.g. `mv {protocol}{path} {aside}`) to resume from the newest "
-        f"earlier checkpoint, or pass --trainer.load_checkpoint_path with an earlier step-N folder"
+        f"{error}: move it out of the run folder (e.g. `mv {protocol}{path} {aside}`) and run again to resume "
+        "from the newest earlier checkpoint"
     )
 
 

@@ -296,7 +296,7 @@ def test_unreadable_checkpoint_metadata_stops_and_keeps_the_checkpoint(world, co
     monkeypatch.chdir(world)
     before = _snapshot(tmp_path / "checkpoints")
     rc, err = _run_cli(world, corpus_root, ["--trainer.checkpointer.base_path", str(tmp_path / "checkpoints")], capsys)
-    _assert_refused(rc, err, f"checkpoint {step} looks complete but its metadata.json is not valid JSON")
+    _assert_refused(rc, err, f"checkpoint {step}: its metadata.json is not valid JSON")
     assert f"mv {step} " in err
     assert _snapshot(tmp_path / "checkpoints") == before
 

@@ -315,7 +315,7 @@ def test_unreadable_metadata_stops_the_run_and_removes_nothing(tmp_path, metadat
     with pytest.raises(UserError) as info:
         remove_incomplete_checkpoints(str(run))
     message = str(info.value)
-    assert "\n" not in message and f"checkpoint {run / 'step-8'} looks complete but its metadata.json" in message
+    assert "\n" not in message and f"checkpoint {run / 'step-8'}: its metadata.json" in message
     assert f"mv {run / 'step-8'} {run}.step-8.unreadable" in message and "it was not removed" in message
     assert {str(p): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
     assert sorted(p.name for p in run.iterdir()) == ["step-4", "step-6", "step-8"]
