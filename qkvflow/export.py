@@ -39,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
 def _output_rules(args) -> dict:
     """How --output may be replaced (qkvflow.outputs): never the checkpoint or the config it reads."""
     protect = [("--checkpoint", args.checkpoint), ("--config_path", args.config_path)]
-    return dict(kind=KIND, key="--output", overwrite=args.overwrite, protect=protect)
+    return {"kind": KIND, "key": "--output", "overwrite": args.overwrite, "protect": protect}
 
 
 def check_output(args) -> None:

@@ -23,7 +23,7 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from qkvflow.errors import UserError
 

@@ -220,7 +220,7 @@ def _out_dir_rules(config) -> dict:
         ("pretrained.config_path", config.pretrained.config_path),
         ("trainer.checkpointer.base_path", config.trainer.checkpointer.base_path),
     ]
-    return dict(kind=KIND, key="sweep.out_dir", protect=protect)
+    return {"kind": KIND, "key": "sweep.out_dir", "protect": protect}
 
 
 def _write_outputs(rows, out_dir, config, pretrained_steps) -> dict:

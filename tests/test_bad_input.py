@@ -269,7 +269,7 @@ def test_unwritable_outputs_are_refused_before_any_work(world, corpus_root, caps
     monkeypatch.setattr(qkvflow.train, "with_corpus", tripwire)
     monkeypatch.setattr(qkvflow.train, "_initialize", tripwire)
     monkeypatch.chdir(world)
-    files = lambda: {p: s for p, s in _snapshot(world).items() if not os.path.isdir(p)} | {"all": sorted(world.rglob("*"))}  # noqa: E731
+    files = lambda: {p: s for p, s in _snapshot(world).items() if not os.path.isdir(p)} | {"all": sorted(world.rglob("*"))}
     before = files()  # (the probe changes the mtime of the folder it probes, nothing else)
     rc, err = _run_cli(world, corpus_root, args, capsys)
     _assert_refused(rc, err, _fill(message, world, corpus_root))
@@ -312,8 +312,10 @@ def test_unwritable_checkpoints_end_to_end(tmp_path):
     elapsed = time.monotonic() - start
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert errors == ["qkvflow train: error: trainer.checkpointer.base_path='/proc/qkvflow-test/checkpoints' cannot be "
-                      "written (creating a file in /proc failed: No such file or directory): expected a folder that "
-                      "qkvflow can write to"], proc.stderr[-3000:]
+    expected = (
+        "qkvflow train: error: trainer.checkpointer.base_path='/proc/qkvflow-test/checkpoints' cannot be written "
+        "(creating a file in /proc failed: No such file or directory): expected a folder that qkvflow can write to"
+    )
+    assert errors == [expected], proc.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no corpus, no metrics, no logs
     assert elapsed < 180, elapsed  # imports only; the empty folder above is the real proof

@@ -61,11 +61,10 @@ def test_protected_folders_are_refused_and_left_alone(world, tmp_path):
     }
     for path, reason in cases.items():
         for overwrite in (True, False):
-            _refusal(lambda: check_replaceable(path, kind="hf_export", key="--output", overwrite=overwrite, protect=protect),
+            _refusal(lambda p=path, o=overwrite: check_replaceable(p, kind="hf_export", key="--output", overwrite=o, protect=protect),
                      f"--output={path!r}", reason)
-            with pytest.raises(UserError):
-                with replacing(path, kind="hf_export", key="--output", protect=protect):
-                    raise AssertionError("the writer must not run")
+            with pytest.raises(UserError), replacing(path, kind="hf_export", key="--output", protect=protect):
+                raise AssertionError("the writer must not run")
     assert _tree(tmp_path) == before
     assert sorted(p.name for p in world.iterdir()) == ["checkpoints", "configs", "here"]  # no temporary sibling
 
@@ -120,10 +119,9 @@ def test_a_failing_writer_leaves_the_earlier_output_as_it_was(world):
     with replacing(str(out), kind="hf_export", key="--output") as folder:
         _write(folder, **{"model.safetensors": "good"})
     before = _tree(out)
-    with pytest.raises(ZeroDivisionError):
-        with replacing(str(out), kind="hf_export", key="--output") as folder:
-            _write(folder, **{"model.safetensors": "half"})
-            1 / 0
+    with pytest.raises(OSError, match="disk full"), replacing(str(out), kind="hf_export", key="--output") as folder:
+        _write(folder, **{"model.safetensors": "half"})
+        raise OSError("disk full")
     assert _tree(out) == before
     assert sorted(p.name for p in world.iterdir()) == ["checkpoints", "configs", "export", "here"]
 
