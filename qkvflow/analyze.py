@@ -14,6 +14,7 @@ import argparse
 import json
 
 from qkvflow.errors import UserError
+from qkvflow.outputs import check_writable
 
 DEFAULT_OUTPUT = "runs/analysis/{analysis}"
 
@@ -100,5 +101,6 @@ def main(argv: list[str]) -> int:
     args, overrides = _parser().parse_known_args(argv)
     if args.output is None:
         args.output = DEFAULT_OUTPUT.format(analysis=args.analysis)
+    check_writable(args.output, "--output")  # before loading a model or running an analysis
     print(json.dumps(ANALYSES[args.analysis](args, overrides), indent=2))
     return 0

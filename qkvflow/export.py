@@ -7,33 +7,45 @@ ode.num_steps, where the export computes exactly the model's Euler solve) and wr
 transformers folder (`qkvflow.hf_folder`) with the run's tokenizer. `--ode` also writes the full
 ODE model to OUT/ode (`qkvflow.ode_export`). Further `--dotted.key value` arguments override the
 config as in `qkvflow train` (e.g. `--corpus.root`). Prints a JSON summary. See docs/export.md.
+
+OUT is written into a temporary sibling and swapped in when complete (`qkvflow.outputs`); it must
+be absent, empty, or (with --overwrite) an earlier export holding only the files that export listed
+in its `qkvflow_output.json`. The current folder, its ancestors, the home folder and any folder
+holding the checkpoint or the config are never replaced.
 """
 
 import argparse
 import json
 import os
-import shutil
 
+from qkvflow import outputs
 from qkvflow.errors import UserError
+
+KIND = "hf_export"
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qkvflow export", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, help="checkpoints/<run_id> or one of its step-N folders")
     parser.add_argument("--config_path", required=True, help="the run's training config (YAML)")
-    parser.add_argument("--output", required=True, help="folder to write (must be empty or absent)")
+    parser.add_argument("--output", required=True, help="folder to write (absent, empty, or an earlier export with --overwrite)")
     parser.add_argument("--steps", type=int, default=None, help="M, the number of layers (default: ode.num_steps)")
     parser.add_argument("--solver", default="euler", help="discretisation: euler (the only one that maps to blocks)")
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output folder")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier `qkvflow export` in --output")
     parser.add_argument("--ode", action="store_true", help="also write the full ODE model to OUTPUT/ode")
     return parser
 
 
-def check_output(path: str, overwrite: bool) -> None:
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise UserError(f"export: --output {path} is a file: expected a folder (absent or empty)")
-    if os.path.isdir(path) and os.listdir(path) and not overwrite:
-        raise UserError(f"export: --output {path} exists and is not empty: expected an empty folder, or --overwrite")
+def _output_rules(args) -> dict:
+    """How --output may be replaced (qkvflow.outputs): never the checkpoint or the config it reads."""
+    protect = [("--checkpoint", args.checkpoint), ("--config_path", args.config_path)]
+    return {"kind": KIND, "key": "--output", "overwrite": args.overwrite, "protect": protect}
+
+
+def check_output(args) -> None:
+    """Refuse an --output that cannot be written or must not be replaced, before any work."""
+    outputs.check_replaceable(args.output, **_output_rules(args))
+    outputs.check_writable(args.output, "--output", beside=True)
 
 
 def _train_config(path: str, overrides: list[str]):
@@ -59,7 +71,7 @@ def export(args, overrides: list[str]) -> dict:
         raise UserError(f"export: --steps {args.steps} is invalid: expected an integer >= 1 (the number of layers)")
     if args.solver not in SOLVERS:
         raise UserError(f"export: --solver {args.solver} is invalid: expected one of {list(SOLVERS)}")
-    check_output(args.output, args.overwrite)
+    check_output(args)
     config = _train_config(args.config_path, overrides)
 
     from qkvflow.checkpoints import load_model
@@ -69,12 +81,11 @@ def export(args, overrides: list[str]) -> dict:
     model, tokenizer = load_model(config, args.checkpoint)
     steps = args.steps or config.model.ode.num_steps
     discrete = discretise(model, steps, args.solver)
-    if os.path.isdir(args.output):
-        shutil.rmtree(args.output)
-    os.makedirs(args.output)
-    files = save_hf_folder(discrete, args.output, tokenizer=tokenizer, ode_steps=config.model.ode.num_steps)
-    if args.ode:
-        files += save_ode_export(model, os.path.join(args.output, "ode"))
+    with outputs.replacing(args.output, **_output_rules(args)) as folder:  # swapped in only when complete
+        files = save_hf_folder(discrete, folder, tokenizer=tokenizer, ode_steps=config.model.ode.num_steps)
+        if args.ode:
+            files += save_ode_export(model, os.path.join(folder, "ode"))
+        files = [os.path.join(args.output, os.path.relpath(f, folder)) for f in files]
     exact = steps == config.model.ode.num_steps and config.model.ode.solver == "euler"
     return {
         "output": args.output,

@@ -9,10 +9,12 @@
   them); a SIGINT is passed on to that notifier as a SIGTERM, so Ctrl-C stops them alike.
 * **Interrupted checkpoint writes** (`remove_incomplete_checkpoints`): Levanter writes a checkpoint's
   arrays first and its `metadata.json` last (after every process has committed its shards), and only
-  folders with a readable `metadata.json` count as checkpoints. A process killed during a write leaves a
-  `step-N` folder without one (or with a truncated one); such folders are removed before training
-  starts, so resuming always loads the newest complete checkpoint and a later save into the same
-  folder starts from scratch.
+  folders with a `metadata.json` count as checkpoints. A process killed during a write leaves a
+  `step-N` folder without one; such folders, and only those, are removed before training starts, so
+  resuming always loads the newest complete checkpoint and a later save into the same folder starts
+  from scratch. A `step-N` folder whose `metadata.json` exists but cannot be read (or lacks `step` or
+  `timestamp`) is not provably an interrupted write (its arrays may be complete): the run stops with one
+  line naming the folder and how to resume from an earlier step, and nothing is removed.
 * **Non-finite steps** (`GuardedTrainer`): every step computes one fused "is everything finite"
   reduction over the loss and the gradients, inside the compiled step. A non-finite step never changes
   the model or the optimizer state. With `nonfinite: stop` (the default) the run ends with
@@ -49,6 +51,8 @@ from levanter.tracker import capture_time
 from levanter.trainer import Trainer, TrainStepResult
 from levanter.trainer_state import InsideJitInfo
 from levanter.utils.tree_utils import inference_mode
+
+from qkvflow.errors import UserError
 
 logger = logging.getLogger("qkvflow.faults")
 
@@ -162,47 +166,88 @@ def _distributed_client():
 _STEP_DIR = re.compile(r"^step-\d+$")
 
 
+class UnreadableCheckpoint(UserError):
+    """A `step-N` folder with a `metadata.json` that cannot be read: it is not removed."""
+
+
 def _read_metadata(fs, path: str) -> Optional[dict]:
+    """The checkpoint's metadata; None if it has no `metadata.json` (an interrupted write);
+    `UnreadableCheckpoint` if the file is there but unreadable or lacks `step`/`timestamp`."""
+    file = os.path.join(path, "metadata.json")
     try:
-        with fs.open(os.path.join(path, "metadata.json")) as f:
+        with fs.open(file) as f:
             metadata = json.load(f)
-    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError, OSError):
-        return None
-    if not isinstance(metadata, dict) or "step" not in metadata or "timestamp" not in metadata:
-        return None
-    return metadata
+    except FileNotFoundError:
+        if fs.exists(file):  # e.g. a dangling link: the file is there but cannot be opened
+            problem = "cannot be opened"
+        else:
+            return None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        problem = f"is not valid JSON ({e})"
+    except OSError as e:
+        problem = f"cannot be read ({e.strerror or e})"
+    else:
+        if isinstance(metadata, dict) and "step" in metadata and "timestamp" in metadata:
+            return metadata
+        problem = "has no `step` and `timestamp`"
+    raise UnreadableCheckpoint(f"checkpoint {path}: its metadata.json {problem}; its arrays may be complete, so it was not removed")
+
+
+def _resume_hint(error: UnreadableCheckpoint, path: str, protocol: str) -> UnreadableCheckpoint:
+    run, name = os.path.split(path.rstrip("/"))
+    aside = f"{protocol}{run}.{name}.unreadable"
+    return UnreadableCheckpoint(
+        f"{error}: move it out of the run folder (e.g. `mv {protocol}{path} {aside}`) and run again to resume "
+        "from the newest earlier checkpoint"
+    )
 
 
 def incomplete_checkpoints(run_path: str, superseded_temporary: bool = True) -> list[str]:
-    """`step-N` folders of a run that are not complete checkpoints: no readable `metadata.json`
-    (a write that was interrupted), and with `superseded_temporary` temporary checkpoints older than
-    a complete one (Levanter deletes those after the next save; a deletion can itself be interrupted)."""
+    """`step-N` folders of a run that may be removed: those without `metadata.json` (a write that was
+    interrupted), and with `superseded_temporary` temporary checkpoints older than a complete one.
+
+    Superseded temporary checkpoints: Levanter's checkpointer (with `delete_old_temp_checkpoints`, the
+    default) deletes its previous temporary checkpoint as soon as a newer save has committed; a kill
+    between that commit and the deletion leaves it behind, and nothing would ever delete it (Levanter
+    only remembers the newest checkpoint). Its own `metadata.json` says `is_temporary: true` and a newer
+    complete checkpoint exists, so it is exactly what Levanter had decided to delete, and it is never
+    loaded (resuming takes the newest). `delete_old_temp_checkpoints: false` keeps them.
+
+    Raises `UnreadableCheckpoint` (a `UserError`, one line) if any `step-N` folder has a `metadata.json`
+    that cannot be read: then nothing may be removed."""
     import fsspec
 
     fs, root = fsspec.core.url_to_fs(str(run_path))
+    protocol = str(run_path).split("://", 1)[0] + "://" if "://" in str(run_path) else ""
     if not fs.isdir(root):
         return []
     complete, incomplete = [], []
-    for entry in fs.ls(root, detail=False):
+    for entry in sorted(fs.ls(root, detail=False)):
         if not _STEP_DIR.match(os.path.basename(entry.rstrip("/"))) or not fs.isdir(entry):
             continue
-        metadata = _read_metadata(fs, entry)
+        try:
+            metadata = _read_metadata(fs, entry)
+        except UnreadableCheckpoint as e:
+            raise _resume_hint(e, entry, protocol) from None
         (incomplete if metadata is None else complete).append((entry, metadata))
     incomplete = [path for path, _ in incomplete]
     if complete and superseded_temporary:
         newest = max(complete, key=lambda c: (c[1]["timestamp"], c[1]["step"]))
         incomplete += [p for p, m in complete if m.get("is_temporary") and p != newest[0]]
-    protocol = str(run_path).split("://", 1)[0] + "://" if "://" in str(run_path) else ""
     return sorted(p if p.startswith(protocol) else protocol + p for p in incomplete)
 
 
 def remove_incomplete_checkpoints(run_path: str, superseded_temporary: bool = True) -> list[str]:
-    """Remove what `incomplete_checkpoints` finds (process 0 only; all processes wait for it)."""
+    """Remove what `incomplete_checkpoints` finds. Every process looks (so that an unreadable
+    checkpoint stops all of them alike, instead of leaving the others waiting for process 0); then
+    process 0 alone removes, and all processes wait for it."""
+    found = incomplete_checkpoints(run_path, superseded_temporary)
+    barrier("qkvflow_find_incomplete_checkpoints")
     removed: list[str] = []
     if jax.process_index() == 0:
         import fsspec
 
-        for path in incomplete_checkpoints(run_path, superseded_temporary):
+        for path in found:
             fs, plain = fsspec.core.url_to_fs(path)
             logger.warning(f"Removing incomplete checkpoint {path} (its write was interrupted)")
             print(f"qkvflow train: removing incomplete checkpoint {path} (its write was interrupted)", file=sys.stderr)

@@ -18,7 +18,9 @@ and resuming are `qkvflow train`'s: run the same command with the same `trainer.
 At the end, `export:` optionally writes the model in Hugging Face format (`hf_dir`: the merged
 model, or with `merged: false` the un-fine-tuned discretised base) and the adapter in PEFT format
 (`peft_dir`, LoRA only), each into `<dir>/<run_id>`; and `finetune_summary.json` beside the
-checkpoints, which `qkvflow sweep` reads.
+checkpoints, which `qkvflow sweep` reads. The exports replace only earlier exports of qkvflow
+(`qkvflow.outputs`: written into a temporary sibling and swapped in; a folder without qkvflow's marker,
+or holding the pretrained checkpoint, its config or this run's checkpoints, is refused before training).
 """
 
 import contextlib
@@ -29,7 +31,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -50,7 +51,7 @@ from levanter.lora import LoraConfig, loraize, lora_trainable_params_filter, mer
 from levanter.models.lm_model import LmConfig
 from levanter.utils.jax_utils import parameter_count
 
-from qkvflow import faults, preflight
+from qkvflow import faults, outputs, preflight
 from qkvflow.config import TrainConfig
 from qkvflow.errors import UserError
 from qkvflow.loss import lm_loss
@@ -325,6 +326,8 @@ def _finetune(config: FinetuneConfig, preemption: faults.Preemption, cleanup: co
         with_corpus,
     )
 
+    preflight.check_outputs(config)  # the write probes first: before any work
+    check_exports(config)
     check_values(config)
     pretrained = load_pretrained_config(config)
     check_pretrained_checkpoint(config, pretrained)
@@ -538,21 +541,56 @@ PEFT_PREFIX = "base_model.model"
 """Where the torch model's state dict sits inside a PEFT model (see qkvflow.models.discrete.model)."""
 
 
+HF_KIND, PEFT_KIND = "hf_export", "peft_adapter"
+
+
+def _export_targets(config: FinetuneConfig, run_id: str) -> list[tuple[str, str, str]]:
+    """(config key, folder, kind) of each export this run writes."""
+    e, targets = config.export, []
+    if e.hf_dir is not None:
+        targets.append(("export.hf_dir", os.path.join(e.hf_dir, run_id), HF_KIND))
+    if e.peft_dir is not None and config.finetune == "lora":
+        targets.append(("export.peft_dir", os.path.join(e.peft_dir, run_id), PEFT_KIND))
+    return targets
+
+
+def _protected(config: FinetuneConfig, run_id: str) -> list[tuple[str, str]]:
+    p, t = config.pretrained, config.trainer
+    return [
+        ("pretrained.checkpoint", p.checkpoint),
+        ("pretrained.config_path", p.config_path),
+        ("the run's checkpoints", t.checkpointer.expanded_path(run_id)),
+    ]
+
+
+def check_exports(config: FinetuneConfig) -> None:
+    """Before training: each export folder can be written and, if it exists, is an earlier export of
+    qkvflow (`qkvflow.outputs.check_replaceable`), so that hours of fine-tuning never end in a refusal."""
+    e = config.export
+    run_id = config.trainer.id
+    if run_id is None:  # Levanter picks one at start-up: only the parent folders are known
+        for key, folder in (("export.hf_dir", e.hf_dir), ("export.peft_dir", e.peft_dir)):
+            outputs.check_writable(folder, key)
+        return
+    for key, folder, kind in _export_targets(config, run_id):
+        outputs.check_replaceable(folder, kind=kind, key=key, protect=_protected(config, run_id))
+        outputs.check_writable(folder, key, beside=True)
+
+
 def export(config: FinetuneConfig, model, base, tokenizer, run_id: str, summary: dict) -> None:
     from qkvflow.hf_folder import save_hf_folder
 
     e = config.export
     ode_steps = summary.get("pretrained_steps_N")
+    protect = _protected(config, run_id)
     if e.hf_dir is not None:
         path = os.path.join(e.hf_dir, run_id)
         # full fine-tuning has no base/adapter split: `merged` does not apply, the fine-tuned model is
         # written (and `base` may hold buffers the trainer donated to the train step)
         lora = config.finetune == "lora"
         out = base if lora and not e.merged else merged_model(model, base, config.lora, config.lora_seed)
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        os.makedirs(path)
-        save_hf_folder(out, path, tokenizer=tokenizer, ode_steps=ode_steps)
+        with outputs.replacing(path, kind=HF_KIND, key="export.hf_dir", protect=protect) as folder:
+            save_hf_folder(out, folder, tokenizer=tokenizer, ode_steps=ode_steps)
         summary["hf_dir"] = path
         what = "the discretised base model" if lora and not e.merged else "the fine-tuned model" + (" (merged)" if lora else "")
         print(f"wrote {what} (Hugging Face format) to {path}", flush=True)
@@ -566,7 +604,8 @@ def export(config: FinetuneConfig, model, base, tokenizer, run_id: str, summary:
         path = os.path.join(e.peft_dir, run_id)
         base_path = os.path.abspath(os.path.join(e.hf_dir, run_id)) if (e.hf_dir and not e.merged) else None
         lora = dataclasses.replace(config.lora, target_modules=peft_target_modules(model))
-        save_peft_pretrained(model, lora, base_path, path, prompt_tokenizer(tokenizer), prefix=PEFT_PREFIX)
+        with outputs.replacing(path, kind=PEFT_KIND, key="export.peft_dir", protect=protect) as folder:
+            save_peft_pretrained(model, lora, base_path, folder, prompt_tokenizer(tokenizer), prefix=PEFT_PREFIX)
         summary["peft_dir"] = path
         print(f"wrote the LoRA adapter (PEFT) to {path}", flush=True)
 

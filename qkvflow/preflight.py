@@ -3,7 +3,9 @@
 Each raises `UserError` naming the config key or file and what was expected; none writes anything,
 so a failed start never touches an existing checkpoint.
 
-* `check` runs first and needs no accelerator: values, files, the checkpoint path. Nothing here may
+* `check_outputs` runs before anything else: every folder the run writes to (checkpoints, tracker,
+  logs) gets a probe file created and removed, so an unwritable location fails now, not at the first save.
+* `check` runs next and needs no accelerator: values, files, the checkpoint path. Nothing here may
   start JAX's backend, which must stay untouched until `jax.distributed.initialize` (multi-process).
 * `check_devices` runs after Levanter's initialisation: sizes that depend on the device count.
 * `check_resume` runs before the trainer loads a checkpoint: every array the config's model has must be
@@ -413,6 +415,32 @@ def _shape_hint(leaf, stored, Vocab) -> str:
         f"{a.name}={n} in the checkpoint vs {a.size} here" + (f" (set by {AXIS_KEYS[a.name]})" if a.name in AXIS_KEYS else "")
         for a, n in differ
     )
+
+
+def _trackers(trainer_config) -> list:
+    trackers = trainer_config.tracker
+    return list(trackers) if isinstance(trackers, (list, tuple)) else [trackers]
+
+
+def check_outputs(config) -> None:
+    """Probe (`qkvflow.outputs.check_writable`) every local folder the run will write to:
+    `trainer.checkpointer.base_path`, the jsonl tracker's `path`, a tensorboard tracker's `logdir` and
+    `trainer.log_dir`. Runs before the corpus, the tokenizer and Levanter's initialisation."""
+    from levanter.tracker.tensorboard import TensorboardConfig
+
+    from qkvflow.outputs import check_writable
+    from qkvflow.tracking import JsonlTrackerConfig
+
+    t = config.trainer
+    check_writable(t.checkpointer.base_path, "trainer.checkpointer.base_path")
+    trackers = _trackers(t)
+    for i, tracker in enumerate(trackers):
+        where = f"trainer.tracker[{i}]" if isinstance(t.tracker, (list, tuple)) else "trainer.tracker"
+        if isinstance(tracker, JsonlTrackerConfig):
+            check_writable(tracker.path, f"{where}.path")
+        elif isinstance(tracker, TensorboardConfig):
+            check_writable(tracker.logdir, f"{where}.logdir")
+    check_writable(t.log_dir, "trainer.log_dir")
 
 
 def check(config) -> None:

@@ -12,6 +12,9 @@ Outputs in `sweep.out_dir` (default `sweeps/<trainer.id>`): `sweep.csv` and `swe
 cell: M, method, trainable and total parameters, validation loss of the discretised model before
 fine-tuning, final train loss, validation loss and perplexity after) and
 `sweep.png`, validation perplexity against M with one line per method (the paper's Fig. 6).
+`sweep.out_dir` is qkvflow's own folder: it is rewritten whole after each cell (`qkvflow.outputs`:
+a temporary sibling swapped in), so it must be absent, empty or an earlier sweep's output; that and
+every cell's exports are checked before the first cell trains.
 """
 
 import csv
@@ -19,7 +22,10 @@ import dataclasses
 import os
 import sys
 
+from qkvflow import outputs
 from qkvflow.errors import UserError
+
+KIND = "sweep"
 
 COLUMNS = (
     "M", "method", "trainable_params", "total_params", "initial_eval_loss", "train_loss", "eval_loss", "eval_perplexity",
@@ -171,15 +177,21 @@ def plot_sweep(rows: list[dict], out_png: str, pretrained_steps=None, title: str
 
 
 def sweep(config, depths: list[int], methods: list[str]) -> dict:
-    from qkvflow.finetune import check_values, finetune, read_summary
+    from qkvflow import preflight
+    from qkvflow.finetune import check_exports, check_values, finetune, read_summary
 
     if not config.trainer.id:
         raise UserError("trainer.id is missing: the sweep names its runs <trainer.id>-<method>-M<depth>")
     out_dir = config.sweep.out_dir or os.path.join("sweeps", config.trainer.id)
+    outputs.check_replaceable(out_dir, **_out_dir_rules(config))
+    outputs.check_writable(out_dir, "sweep.out_dir", beside=True)
     rows, pretrained_steps, stopped_by = [], None, None
     grid = [(d, m) for m in methods for d in depths]
     for d, m in grid:  # check every cell before training any
-        check_values(cell_config(config, d, m))
+        cell = cell_config(config, d, m)
+        check_values(cell)
+        preflight.check_outputs(cell)
+        check_exports(cell)
     for i, (depth, method) in enumerate(grid, 1):
         cell = cell_config(config, depth, method)
         done = read_summary(cell.trainer, cell.trainer.id)
@@ -203,11 +215,22 @@ def sweep(config, depths: list[int], methods: list[str]) -> dict:
     return {"rows": rows, **paths, "stopped_by": stopped_by, "complete": len(rows) == len(grid) and all(r["eval_loss"] is not None for r in rows)}
 
 
+def _out_dir_rules(config) -> dict:
+    protect = [
+        ("pretrained.checkpoint", config.pretrained.checkpoint),
+        ("pretrained.config_path", config.pretrained.config_path),
+        ("trainer.checkpointer.base_path", config.trainer.checkpointer.base_path),
+    ]
+    return {"kind": KIND, "key": "sweep.out_dir", "protect": protect}
+
+
 def _write_outputs(rows, out_dir, config, pretrained_steps) -> dict:
+    """Rewrite `out_dir` whole (swapped in when complete) with the table and the figure."""
     title = f"{config.trainer.id}: fine-tuning the discretised ODE model"
-    csv_path, md_path = write_table(rows, out_dir, title)
-    png = plot_sweep(rows, os.path.join(out_dir, "sweep.png"), pretrained_steps, title=config.trainer.id)
-    return {"csv": csv_path, "md": md_path, "png": png}
+    with outputs.replacing(out_dir, **_out_dir_rules(config)) as folder:
+        write_table(rows, folder, title)
+        plot_sweep(rows, os.path.join(folder, "sweep.png"), pretrained_steps, title=config.trainer.id)
+    return {name: os.path.join(out_dir, f"sweep.{name}") for name in ("csv", "md", "png")}
 
 
 def main(argv: list[str]) -> int:

@@ -305,6 +305,7 @@ def initialize(config: TrainConfig, cleanup: contextlib.ExitStack) -> None:
 
 
 def _train(config: TrainConfig, preemption: faults.Preemption, cleanup: contextlib.ExitStack) -> dict:
+    preflight.check_outputs(config)  # before the corpus, the tokenizer and Levanter start
     announce_corpus(config)
     config = with_corpus(config)
     preflight.check(config)

@@ -341,3 +341,80 @@ def test_shipped_configs_pass_the_value_checks(path):
 
     preflight.check_config_file(str(ROOT / path))
     preflight.check_values(draccus.parse(config_class(ROOT / path), config_path=str(ROOT / path), args=[]))
+
+
+# Output locations that cannot be written: refused by the write probe before the corpus, the
+# tokenizer or Levanter's initialisation (both replaced by tripwires here).
+UNWRITABLE = [
+    ("checkpoints-under-proc", ["--trainer.checkpointer.base_path", "/proc/qkvflow-test/checkpoints"],
+     "trainer.checkpointer.base_path='/proc/qkvflow-test/checkpoints' cannot be written"),
+    ("checkpoints-is-a-file", ["--trainer.checkpointer.base_path", "{w}/base.yaml"],
+     "trainer.checkpointer.base_path='{w}/base.yaml' is a file"),
+    ("tracker-inside-a-file", ["--trainer.tracker", "{type: jsonl, path: {w}/base.yaml/runs}"],
+     "trainer.tracker.path='{w}/base.yaml/runs' is inside {w}/base.yaml, which is a file"),
+    ("tensorboard-under-proc", ["--trainer.tracker", "[{type: jsonl, path: {w}/runs}, {type: tensorboard, logdir: /proc/qkvflow-test/tb}]"],
+     "trainer.tracker[1].logdir='/proc/qkvflow-test/tb' cannot be written"),
+    ("log-dir-under-proc", ["--trainer.log_dir", "/proc/qkvflow-test/logs"], "trainer.log_dir='/proc/qkvflow-test/logs' cannot be written"),
+]
+
+
+@pytest.mark.parametrize("args,message", [c[1:] for c in UNWRITABLE], ids=[c[0] for c in UNWRITABLE])
+def test_unwritable_outputs_are_refused_before_any_work(world, corpus_root, capsys, monkeypatch, args, message):
+    import qkvflow.train
+
+    def tripwire(config):
+        raise Tripwire("an unwritable output reached the corpus or JAX's initialisation")
+
+    monkeypatch.setattr(qkvflow.train, "with_corpus", tripwire)
+    monkeypatch.setattr(qkvflow.train, "_initialize", tripwire)
+    monkeypatch.chdir(world)
+    files = lambda: {p: s for p, s in _snapshot(world).items() if not os.path.isdir(p)} | {"all": sorted(world.rglob("*"))}
+    before = files()  # (the probe changes the mtime of the folder it probes, nothing else)
+    rc, err = _run_cli(world, corpus_root, args, capsys)
+    _assert_refused(rc, err, _fill(message, world, corpus_root))
+    assert files() == before
+
+
+def test_unreadable_checkpoint_metadata_stops_and_keeps_the_checkpoint(world, corpus_root, capsys, monkeypatch, tmp_path):
+    """metadata.json of the newest checkpoint corrupted: one line naming the folder and how to resume;
+    the folder is not deleted and training does not restart from step 0."""
+    import shutil
+
+    import qkvflow.faults
+    import qkvflow.train
+    from qkvflow import preflight
+
+    def trainer_tripwire(*args, **kwargs):
+        raise Tripwire("a run with an unreadable checkpoint reached the trainer")
+
+    shutil.copytree(world / "checkpoints" / "tiny", tmp_path / "checkpoints" / "tiny")
+    step = tmp_path / "checkpoints" / "tiny" / "step-5"
+    (step / "metadata.json").write_text('{"step": garbage')
+    monkeypatch.setattr(qkvflow.train, "_initialize", lambda config: preflight.check_devices(config.trainer))
+    monkeypatch.setattr(qkvflow.faults, "GuardedTrainer", trainer_tripwire)
+    monkeypatch.chdir(world)
+    before = _snapshot(tmp_path / "checkpoints")
+    rc, err = _run_cli(world, corpus_root, ["--trainer.checkpointer.base_path", str(tmp_path / "checkpoints")], capsys)
+    _assert_refused(rc, err, f"checkpoint {step}: its metadata.json is not valid JSON")
+    assert f"mv {step} " in err
+    assert _snapshot(tmp_path / "checkpoints") == before
+
+
+def test_unwritable_checkpoints_end_to_end(tmp_path):
+    """The whole command in a subprocess: exit 2 and one line, with no corpus built and nothing trained."""
+    import time
+
+    from tests.train_utils import train
+
+    start = time.monotonic()
+    proc = train(tmp_path, tmp_path / "corpora", "--trainer.checkpointer.base_path", "/proc/qkvflow-test/checkpoints")
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    expected = (
+        "qkvflow train: error: trainer.checkpointer.base_path='/proc/qkvflow-test/checkpoints' cannot be written "
+        "(creating a file in /proc failed: No such file or directory): expected a folder that qkvflow can write to"
+    )
+    assert errors == [expected], proc.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no corpus, no metrics, no logs
+    assert elapsed < 180, elapsed  # imports only; the empty folder above is the real proof

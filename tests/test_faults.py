@@ -284,38 +284,57 @@ def test_injection_spec(monkeypatch):
         Injection.from_env()
 
 
+def _checkpoint_folder(run: Path, name: str, metadata=None) -> None:
+    (run / name / "model").mkdir(parents=True)
+    (run / name / "model" / ".zarray").write_text("{}")
+    if metadata is not None:
+        (run / name / "metadata.json").write_text(metadata)
+
+
+def _meta(step, ts, temporary=False):
+    return json.dumps({"step": step, "timestamp": ts, "is_temporary": temporary})
+
+
 def test_incomplete_checkpoints_are_found_and_removed(tmp_path):
     import levanter.checkpoint
 
     from qkvflow.faults import remove_incomplete_checkpoints
 
     run = tmp_path / "run"
-
-    def folder(name, metadata=None):
-        (run / name / "model").mkdir(parents=True)
-        (run / name / "model" / ".zarray").write_text("{}")
-        if metadata is not None:
-            (run / name / "metadata.json").write_text(metadata)
-
-    def meta(step, ts, temporary=False):
-        return json.dumps({"step": step, "timestamp": ts, "is_temporary": temporary})
-
-    folder("step-2", meta(2, "2025-01-01T00:00:02"))
-    folder("step-3", meta(3, "2025-01-01T00:00:03", temporary=True))  # superseded temporary checkpoint
-    folder("step-4", meta(4, "2025-01-01T00:00:04"))
-    folder("step-6")  # killed before metadata.json
-    folder("step-8", "")  # killed while writing metadata.json
-    folder("notes")  # not Levanter's: left alone
-    expected = [str(run / n) for n in ("step-3", "step-6", "step-8")]
+    _checkpoint_folder(run, "step-2", _meta(2, "2025-01-01T00:00:02"))
+    _checkpoint_folder(run, "step-3", _meta(3, "2025-01-01T00:00:03", temporary=True))  # superseded temporary checkpoint
+    _checkpoint_folder(run, "step-4", _meta(4, "2025-01-01T00:00:04"))
+    _checkpoint_folder(run, "step-6")  # killed before metadata.json
+    _checkpoint_folder(run, "notes")  # not Levanter's: left alone
+    expected = [str(run / n) for n in ("step-3", "step-6")]
     assert incomplete_checkpoints(str(run)) == expected
     assert incomplete_checkpoints(str(run), superseded_temporary=False) == expected[1:]  # delete_old_temp_checkpoints: false
-    # Levanter alone skips step-6 (no metadata.json) but cannot resume past the truncated one
-    with pytest.raises(json.JSONDecodeError):
-        levanter.checkpoint.discover_latest_checkpoint(str(run))
     assert remove_incomplete_checkpoints(str(run)) == expected
     assert sorted(p.name for p in run.iterdir()) == ["notes", "step-2", "step-4"]
     assert levanter.checkpoint.discover_latest_checkpoint(str(run)) == str(run / "step-4")
     assert incomplete_checkpoints(str(tmp_path / "missing")) == []
+
+
+@pytest.mark.parametrize("metadata", ['{"step": garbage', "", '{"step": 8}', "[8]", b"\xff\xfe"], ids=["truncated", "empty", "no-timestamp", "not-a-dict", "binary"])
+def test_unreadable_metadata_stops_the_run_and_removes_nothing(tmp_path, metadata):
+    """A step-N folder whose metadata.json exists but cannot be read may hold a complete checkpoint:
+    one line naming it and how to resume, and nothing removed (not even the interrupted step-6)."""
+    from qkvflow.errors import UserError
+    from qkvflow.faults import remove_incomplete_checkpoints
+
+    run = tmp_path / "run"
+    _checkpoint_folder(run, "step-4", _meta(4, "2025-01-01T00:00:04"))
+    _checkpoint_folder(run, "step-6")
+    _checkpoint_folder(run, "step-8")
+    (run / "step-8" / "metadata.json").write_bytes(metadata.encode() if isinstance(metadata, str) else metadata)
+    before = {str(p): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    with pytest.raises(UserError) as info:
+        remove_incomplete_checkpoints(str(run))
+    message = str(info.value)
+    assert "\n" not in message and f"checkpoint {run / 'step-8'}: its metadata.json" in message
+    assert f"mv {run / 'step-8'} {run}.step-8.unreadable" in message and "it was not removed" in message
+    assert {str(p): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in run.iterdir()) == ["step-4", "step-6", "step-8"]
 
 
 def test_sigterm_requests_a_stop_after_the_current_batch():

@@ -128,3 +128,32 @@ def test_two_by_two_grid_end_to_end_and_rerun(tmp_path, shared):
     print(open(tmp_path / "sweeps" / "tiny-ft" / "sweep.md").read())
     again = run_cli("sweep", tmp_path, *args)
     assert again.returncode == 0 and again.stdout.count("finished before, skipped") == 4, again.stderr[-2000:]
+
+
+def test_outputs_that_are_not_qkvflows_are_refused_before_any_training(tmp_path, capsys, monkeypatch):
+    """sweep.out_dir and the fine-tune exports replace only qkvflow's own earlier outputs; both are
+    checked before anything trains (no pretrained checkpoint is even needed to get there)."""
+    import qkvflow.finetune
+
+    monkeypatch.setattr(qkvflow.finetune, "check_values", lambda config: pytest.fail("got past the output checks"))
+    monkeypatch.chdir(tmp_path)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "results.csv").write_text("mine")
+    (theirs / "tiny-ft").mkdir()
+    (theirs / "tiny-ft" / "weights.bin").write_text("mine too")
+    args = base_args(tmp_path, tmp_path / "corpora", tmp_path / "no-checkpoint")
+    cases = [
+        ("sweep", ["--sweep.out_dir", str(theirs)], f"sweep.out_dir={str(theirs)!r} is not empty and was not written by qkvflow"),
+        ("sweep", ["--sweep.out_dir", "."], "sweep.out_dir='.' is or holds the current folder"),
+        ("sweep", ["--sweep.out_dir", "/proc/qkvflow-test/sweep"], "sweep.out_dir='/proc/qkvflow-test/sweep' cannot be written"),
+        ("finetune", ["--export.hf_dir", str(theirs)], f"export.hf_dir={str(theirs / 'tiny-ft')!r} is not empty and was not written"),
+        ("finetune", ["--export.peft_dir", str(theirs / "results.csv")], "export.peft_dir=" + repr(str(theirs / "results.csv" / "tiny-ft")) + " is inside"),
+        ("finetune", ["--trainer.log_dir", "/proc/qkvflow-test/logs"], "trainer.log_dir='/proc/qkvflow-test/logs' cannot be written"),
+    ]
+    for verb, extra, message in cases:
+        assert cli_main([verb, *args, *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err and "Traceback" not in err, err
+    assert (theirs / "results.csv").read_text() == "mine" and (theirs / "tiny-ft" / "weights.bin").read_text() == "mine too"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["theirs"]

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 from qkvflow.errors import UserError
+from qkvflow.outputs import check_writable
 from qkvflow.tracking import metrics_file, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,11 +54,27 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _run_id(name: str, learning_rate: Optional[float]) -> str:
+    return f"quality_{name}" if learning_rate is None else f"quality_{name}_lr{learning_rate:g}"
+
+
+def check_fresh(workdir: Path, run_id: str) -> None:
+    """The run's checkpoint folder must not exist yet: the benchmark removes it after the run, which is
+    safe only for a folder this run created (an existing one would also be resumed, not trained afresh)."""
+    checkpoints = Path(workdir) / "checkpoints" / run_id
+    if os.path.lexists(checkpoints):
+        raise UserError(
+            f"bench quality: --workdir {workdir} already holds {checkpoints}: the benchmark trains afresh and "
+            "removes its checkpoints afterwards; choose a new --workdir (or none, for a fresh temporary folder)"
+        )
+
+
 def train_one(name: str, args, workdir: Path, learning_rate: Optional[float] = None) -> dict:
     config = Path(args.configs_dir) / f"quality_{name}.yaml"
     if not config.is_file():
         raise UserError(f"bench quality: config {config} not found")
-    run_id = f"quality_{name}" if learning_rate is None else f"quality_{name}_lr{learning_rate:g}"
+    run_id = _run_id(name, learning_rate)
+    check_fresh(workdir, run_id)
     cmd = [
         sys.executable, "-m", "qkvflow", "train", "--config_path", str(config),
         "--corpus.root", args.corpus_root,
@@ -91,7 +108,7 @@ def train_one(name: str, args, workdir: Path, learning_rate: Optional[float] = N
             record = json.loads(line)
             if record.get("event") == "summary" and "parameter_count" in record.get("metrics", {}):
                 params = int(record["metrics"]["parameter_count"])
-    shutil.rmtree(workdir / "checkpoints" / run_id, ignore_errors=True)
+    shutil.rmtree(workdir / "checkpoints" / run_id, ignore_errors=True)  # written by this run alone (check_fresh)
     return {
         "label": LABELS[name],
         "config": os.path.relpath(config, ROOT),
@@ -166,6 +183,11 @@ def main(argv: list[str]) -> int:
         )
     learning_rates = _learning_rates(args.learning_rates)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="qkvflow-quality-"))
+    for name in names:  # before any training: no run may find (and later remove) an existing checkpoint
+        for lr in learning_rates or [None]:
+            check_fresh(workdir, _run_id(name, lr))
+    check_writable(str(workdir), "--workdir")
+    check_writable(args.out_dir, "--out_dir")
     workdir.mkdir(parents=True, exist_ok=True)
     result = {"iters": args.iters, "max_eval_batches": args.max_eval_batches, "workdir": str(workdir),
               "learning_rates": learning_rates, "reference_nanogpt_val_loss": NANOGPT_VAL_LOSS, "models": {}}

@@ -83,6 +83,8 @@ def prepare_corpus(
 
     Reuses existing output when ``manifest.json`` matches (source sha256, vocab size, format version);
     otherwise builds in a temporary directory and renames it into place, so a partial build is never used.
+    An existing ``<root>/<name>`` is replaced only if it is an earlier build of this corpus (its
+    ``manifest.json`` names it); any other folder there raises ``UserError`` and is left alone.
     """
     vocab = corpus_vocab_size(name, vocab_size=vocab_size, shared_dir=shared_dir)
     if name == "pydoc":
@@ -95,6 +97,7 @@ def prepare_corpus(
     out = Path(root).resolve() / name
     key = {"name": name, "format_version": _FORMAT_VERSION, "source_sha256": digest, "vocab_size": vocab}
     if not _is_cached(out, key):
+        _check_replaceable(out, name)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=out.parent))
         tmp.chmod(0o755)  # mkdtemp makes it private
@@ -108,7 +111,7 @@ def prepare_corpus(
             manifest = {**key, "train_docs": len(train), "validation_docs": len(validation)}
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")  # written last
             try:
-                _publish(tmp, out)
+                _publish(tmp, out, name)
             except OSError:
                 if not _is_cached(out, key):  # else a concurrent identical build published first
                     raise
@@ -216,8 +219,28 @@ def _is_cached(out: Path, key: dict[str, Any]) -> bool:
     return all(manifest.get(k) == v for k, v in key.items()) and all((out / f).is_file() for f in files)
 
 
-def _publish(tmp: Path, out: Path) -> None:
-    """Swap the finished ``tmp`` directory in for ``out`` using directory renames."""
+def _check_replaceable(out: Path, name: str) -> None:
+    """``out`` may be replaced only if it is absent or an earlier build of corpus ``name`` (what
+    ``prepare_corpus`` writes: a ``manifest.json`` naming the corpus, written last)."""
+    if not os.path.lexists(out):
+        return
+    try:
+        manifest = json.loads((out / "manifest.json").read_text())
+    except (OSError, ValueError):
+        manifest = None
+    if os.path.islink(out) or not isinstance(manifest, dict) or manifest.get("name") != name or "format_version" not in manifest:
+        from qkvflow.errors import UserError
+
+        raise UserError(
+            f"corpus: {out} exists but is not a qkvflow build of the {name} corpus (no manifest.json naming it): "
+            "refusing to replace it; move it away or choose another corpus.root"
+        )
+
+
+def _publish(tmp: Path, out: Path, name: str) -> None:
+    """Swap the finished ``tmp`` directory in for ``out`` using directory renames (``out`` was
+    checked by ``_check_replaceable``, and is checked again here, just before it is moved aside)."""
+    _check_replaceable(out, name)
     if out.exists():
         stale = Path(tempfile.mkdtemp(prefix=f".{out.name}.stale-", dir=out.parent))
         os.replace(out, stale / out.name)

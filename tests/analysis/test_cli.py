@@ -95,3 +95,14 @@ def test_lyapunov_refuses_a_discrete_model_in_one_line(gpt2_run, capsys):
     assert cli.main(["analyze", "lyapunov", "--config_path", config, "--checkpoint", checkpoint, "--text", "x"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("qkvflow analyze: error: lyapunov needs")
+
+
+def test_an_unwritable_output_is_refused_before_the_analysis(tmp_path, capsys, monkeypatch):
+    import qkvflow.analysis.clusters
+
+    monkeypatch.setattr(qkvflow.analysis.clusters, "analyze_clusters", lambda *a, **k: pytest.fail("ran the analysis"))
+    (tmp_path / "file.txt").write_text("x")
+    for output, reason in [("/proc/qkvflow-test/analysis", "cannot be written"), (str(tmp_path / "file.txt"), "is a file")]:
+        assert cli.main(["analyze", "clusters", "--output", output]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"qkvflow analyze: error: --output={output!r} {reason}"), err

@@ -116,6 +116,21 @@ def test_quality_grid_reports_each_models_best_learning_rate(monkeypatch, tmp_pa
     assert "| ode | 2.0000 | 1.9000 |" in table and "| gpt2 | 1.8000 | - |" in table
 
 
+def test_quality_never_reuses_or_removes_an_existing_checkpoint(monkeypatch, tmp_path, capsys):
+    """The benchmark deletes each run's checkpoints afterwards: an existing checkpoint folder in
+    --workdir (which the run would resume, then delete) is refused before anything trains."""
+    run = tmp_path / "work" / "checkpoints" / "quality_gpt2_lr0.002"
+    (run / "step-100").mkdir(parents=True)
+    (run / "step-100" / "metadata.json").write_text("{}")
+    monkeypatch.setattr(quality, "train_one", lambda *a, **k: pytest.fail("trained"))
+    code = cli.main(["bench", "quality", "--models", "ode,gpt2", "--learning_rates", "1e-3,2e-3",
+                     "--out_dir", str(tmp_path), "--workdir", str(tmp_path / "work")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"--workdir {tmp_path / 'work'} already holds {run}" in err
+    assert (run / "step-100" / "metadata.json").read_text() == "{}"
+
+
 @pytest.mark.slow
 def test_quality_trains_each_model_a_few_steps(tmp_path):
     if not (ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt").is_file() and not os.environ.get(

@@ -99,10 +99,27 @@ def test_pydoc_second_call_is_a_cache_hit_and_rebuilds_on_change(
     prepare_corpus("pydoc", str(tmp_path), vocab_size=320)  # different key -> rebuilt
     assert len(AutoTokenizer.from_pretrained(first.tokenizer)) == 320
 
-    (out / "manifest.json").unlink()  # as if a build had died before committing
-    prepare_corpus("pydoc", str(tmp_path), vocab_size=320)
-    assert json.loads((out / "manifest.json").read_text())["vocab_size"] == 320
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pydoc"]  # no temp/stale dirs left
+
+
+def test_a_folder_that_is_not_a_build_of_the_corpus_is_never_replaced(tmp_path: Path) -> None:
+    """A `pydoc` folder without a manifest naming the corpus is not provably ours: refused, untouched."""
+    from qkvflow.errors import UserError
+
+    for manifest in (None, '{"name": "tinyshakespeare", "format_version": 1}', "{not json"):
+        out = tmp_path / "pydoc"
+        out.mkdir()
+        (out / "thesis.tex").write_text("years of work")
+        if manifest is not None:
+            (out / "manifest.json").write_text(manifest)
+        before = {p.name: p.read_bytes() for p in out.iterdir()}
+        with pytest.raises(UserError, match=f"corpus: {out} exists but is not a qkvflow build of the pydoc corpus"):
+            prepare_corpus("pydoc", str(tmp_path), vocab_size=300)
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["pydoc"]
+        for p in out.iterdir():
+            p.unlink()
+        out.rmdir()
 
 
 @needs_shakespeare

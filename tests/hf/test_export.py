@@ -6,6 +6,7 @@ discrete model, and, at M = N Euler steps, vs the ODE model itself.
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -140,13 +141,17 @@ def test_other_depths_match_the_discrete_model_generate_and_overwrite(runs, tmp_
     from transformers import AutoModelForCausalLM
 
     from qkvflow.discretise import discretise
+    from qkvflow.outputs import MARKER
 
     config_path, checkpoint, model = runs["diffeqformer_llama"]
     out = tmp_path / "hf"
-    out.mkdir()
-    (out / "old.txt").write_text("old")
-    summary = _export(capsys, config_path, checkpoint, out, "--steps", "6", "--overwrite")
-    assert not (out / "old.txt").exists() and summary["layers"] == 6 and not summary["equals_ode_solve"]
+    _export(capsys, config_path, checkpoint, out, "--steps", "2")
+    first = json.loads((out / MARKER).read_text())
+    assert first["kind"] == "hf_export" and "model.safetensors" in first["files"]
+    summary = _export(capsys, config_path, checkpoint, out, "--steps", "6", "--overwrite")  # swaps the first out
+    assert summary["layers"] == 6 and not summary["equals_ode_solve"]
+    assert all(f.startswith(str(out) + "/") and os.path.isfile(f) for f in summary["files"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary or old folder left
     torch_logits = _torch_logits(out, trust_remote_code=True)
     assert _relative_error(torch_logits, _jax_logits(discretise(model, 6))) < 1e-4
     hf = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True).eval()
@@ -254,7 +259,7 @@ def test_bad_input_is_refused_with_one_line(runs, tmp_path, capsys, corpus_root)
     full = tmp_path / "full"
     full.mkdir()
     (full / "keep.txt").write_text("mine")
-    assert "exists and is not empty" in _refused(capsys, [*args, "--output", str(full)])
+    assert "is not empty and was not written by qkvflow" in _refused(capsys, [*args, "--output", str(full)])
     assert (full / "keep.txt").read_text() == "mine"
 
     gpt2_config, gpt2_checkpoint, _ = _save_run(tmp_path / "gpt2", corpus_root, GPT2_YAML)
@@ -268,3 +273,63 @@ def test_bad_input_is_refused_with_one_line(runs, tmp_path, capsys, corpus_root)
     err = _refused(capsys, [*args[:2], "--checkpoint", gpt2_checkpoint, "--output", str(tmp_path / "c")])
     assert "does not hold a DiffEqFormerGpt2Config model" in err
     assert not any((tmp_path / name).exists() for name in "abcd")
+
+
+def _snapshot(folder: Path) -> dict:
+    return {str(p): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_overwrite_never_replaces_what_export_did_not_write(runs, tmp_path, capsys, monkeypatch):
+    """--output ., an ancestor of the current folder, the folder holding the checkpoint or the config,
+    and a folder of the user's: exit 2, one line, every file still there (before any model is loaded)."""
+    import qkvflow.checkpoints
+
+    config_path, checkpoint, _ = runs["diffeqformer_gpt2"]
+    work = tmp_path / "work"
+    (work / "here").mkdir(parents=True)
+    (work / "here" / "notes.txt").write_text("mine")
+    (work / "configs").mkdir()
+    own_config = work / "configs" / "run.yaml"
+    own_config.write_text(Path(config_path).read_text())
+    (work / "theirs").mkdir()
+    (work / "theirs" / "thesis.tex").write_text("years of work")
+    monkeypatch.chdir(work / "here")
+    monkeypatch.setattr(qkvflow.checkpoints, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    run_folder = Path(checkpoint).parent  # holds config.yaml and checkpoints/
+    before = _snapshot(tmp_path), _snapshot(run_folder)
+    cases = [
+        (".", config_path, "is or holds the current folder"),
+        (str(work), config_path, "is or holds the current folder"),
+        (str(run_folder), config_path, f"is or holds --checkpoint {checkpoint!r}"),
+        (checkpoint, config_path, f"is or holds --checkpoint {checkpoint!r}"),
+        (str(work / "configs"), str(own_config), f"is or holds --config_path {str(own_config)!r}"),
+        (str(work / "theirs"), config_path, "is not empty and was not written by qkvflow"),
+    ]
+    for output, config, reason in cases:
+        err = _refused(capsys, ["--config_path", config, "--checkpoint", checkpoint, "--output", output, "--overwrite"])
+        assert f"--output={output!r}" in err and reason in err, err
+    assert (_snapshot(tmp_path), _snapshot(run_folder)) == before
+    assert sorted(p.name for p in work.iterdir()) == ["configs", "here", "theirs"]
+
+
+def test_a_failing_export_leaves_the_earlier_one_intact(runs, tmp_path, capsys, monkeypatch):
+    import qkvflow.hf_folder
+
+    config_path, checkpoint, _ = runs["diffeqformer_gpt2"]
+    out = tmp_path / "hf"
+    _export(capsys, config_path, checkpoint, out, "--steps", "2")
+    before = _snapshot(out)
+    real = qkvflow.hf_folder.save_hf_folder
+
+    def dies_midway(model, folder, **kwargs):
+        real(model, folder, **kwargs)
+        Path(folder, "model.safetensors").write_bytes(b"half written")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(qkvflow.hf_folder, "save_hf_folder", dies_midway)
+    from qkvflow.cli import main
+
+    with pytest.raises(OSError, match="disk full"):
+        main(["export", "--config_path", config_path, "--checkpoint", checkpoint, "--output", str(out), "--overwrite"])
+    assert _snapshot(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]

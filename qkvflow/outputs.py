@@ -1,0 +1,164 @@
+"""Output folders: probe that they can be written, and replace them without losing anyone's data.
+
+* `check_writable(path, key)` creates and removes a probe file where `path` will be written (the
+  folder itself, or its nearest existing ancestor when it does not exist yet, so nothing is created).
+  Verbs call it for every output location before any work, so a read-only mount, a path under /proc
+  or a path that is an existing file fails in one line at the start instead of at the first save
+  hours later. Remote URLs (gs://, s3://, ...) are left to the library that writes them.
+* `replacing(path, kind=..., key=...)` writes a whole output folder (an export, an adapter, a sweep
+  table) into a temporary sibling and swaps it in only when the writer has finished, so a failed write
+  never leaves a half-deleted folder. It replaces only what is provably qkvflow's own (`check_replaceable`):
+  an absent or empty folder, or one holding `MARKER` from an earlier write of the same kind and no file
+  that write did not list. It never replaces `/`, the home folder, the current folder, an ancestor of
+  any of them, or a folder that holds a path the caller protects (the checkpoint or config being read).
+
+`MARKER` (`qkvflow_output.json`) names the kind of output, the qkvflow version and every file written;
+`transformers` and PEFT ignore it when they load the folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+
+from qkvflow.errors import UserError
+
+MARKER = "qkvflow_output.json"
+
+
+def is_remote(path) -> bool:
+    return "://" in str(path)
+
+
+def check_writable(path, key: str, *, beside: bool = False) -> None:
+    """Raise `UserError` naming `key` and `path` unless a file can be created where `path` is (or
+    would be); with `beside`, next to it instead (where `replacing` puts its temporary sibling)."""
+    if path is None or is_remote(path):
+        return
+    target = os.path.abspath(os.path.expanduser(str(path)))
+    existing = os.path.dirname(target) if beside else target
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        where = "is a file" if existing == target else f"is inside {existing}, which is a file"
+        raise UserError(f"{key}={str(path)!r} {where}: expected a folder that qkvflow can write to")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".qkvflow-write-probe-", dir=existing)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise UserError(
+            f"{key}={str(path)!r} cannot be written (creating a file in {existing} failed: "
+            f"{e.strerror or e}): expected a folder that qkvflow can write to"
+        ) from None
+
+
+def _contains(folder: str, path: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _files(folder: str) -> list[str]:
+    """Every file (and symbolic link) under `folder`, relative to it, sorted."""
+    found = []
+    for root, dirs, files in os.walk(folder):
+        found += [os.path.relpath(os.path.join(root, f), folder) for f in files]
+        found += [os.path.relpath(os.path.join(root, d), folder) for d in dirs if os.path.islink(os.path.join(root, d))]
+    return sorted(found)
+
+
+def read_marker(folder: str):
+    """The marker of a qkvflow output folder as a dict, or None (absent or unreadable)."""
+    try:
+        with open(os.path.join(folder, MARKER)) as f:
+            marker = json.load(f)
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(marker, dict) and isinstance(marker.get("kind"), str) and isinstance(marker.get("files"), list)
+    return marker if ok else None
+
+
+def write_marker(folder: str, kind: str) -> None:
+    """Record `folder` as a qkvflow output of `kind` with the files it holds now (written last)."""
+    from qkvflow import __version__
+
+    marker = {"kind": kind, "qkvflow_version": __version__, "files": [f for f in _files(folder) if f != MARKER]}
+    with open(os.path.join(folder, MARKER), "w") as f:
+        json.dump(marker, f, indent=1)
+
+
+def check_replaceable(path, *, kind: str, key: str, overwrite: bool = True, protect: Iterable[tuple[str, str]] = ()) -> None:
+    """Raise `UserError` (one line naming `key` and `path`) unless `path` may be replaced by a new
+    output of `kind`. `protect` lists (description, path) pairs that must survive, e.g.
+    ("the checkpoint", "checkpoints/run"); `overwrite=False` refuses an earlier output too."""
+    shown = f"{key}={str(path)!r}"
+    if is_remote(path):
+        raise UserError(f"{shown} is a remote URL: expected a local folder")
+    given = os.path.abspath(os.path.expanduser(str(path)))
+    real = os.path.realpath(given)
+    guarded = [("the current folder", os.getcwd()), ("your home folder", os.path.expanduser("~"))]
+    for what, keep in guarded + [(f"{what} {str(keep)!r}", keep) for what, keep in protect]:
+        if keep is not None and not is_remote(keep) and _contains(real, os.path.realpath(os.path.expanduser(str(keep)))):
+            raise UserError(f"{shown} is or holds {what}: refusing to replace it; choose another {key}")
+    if os.path.islink(given):
+        raise UserError(f"{shown} is a symbolic link: expected a folder (absent, empty, or an earlier qkvflow {kind})")
+    if not os.path.exists(given):
+        return
+    if not os.path.isdir(given):
+        raise UserError(f"{shown} is a file: expected a folder (absent, empty, or an earlier qkvflow {kind})")
+    if not os.listdir(real):
+        return
+    marker = read_marker(real)
+    if marker is None:
+        raise UserError(
+            f"{shown} is not empty and was not written by qkvflow (it has no readable {MARKER}): "
+            f"refusing to replace it; remove it yourself or choose another {key}"
+        )
+    if marker["kind"] != kind:
+        raise UserError(f"{shown} holds a qkvflow {marker['kind']}, not a {kind}: choose another {key}")
+    listed = set(marker["files"]) | {MARKER}
+    foreign = [f for f in _files(real) if f not in listed]
+    if foreign:
+        more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
+        raise UserError(
+            f"{shown} holds {foreign[0]!r}{more}, which qkvflow did not write: refusing to replace it; "
+            f"move it out or choose another {key}"
+        )
+    if not overwrite:
+        raise UserError(f"{shown} holds an earlier qkvflow {kind}: pass --overwrite to replace it")
+
+
+@contextlib.contextmanager
+def replacing(path, *, kind: str, key: str, overwrite: bool = True, protect: Iterable[tuple[str, str]] = ()) -> Iterator[str]:
+    """Yield a fresh temporary sibling of `path` to write the new output into; when the block ends
+    without an error, mark it and swap it in for `path` (the old folder is renamed aside, the new one
+    renamed in, then the old one removed). On an error the temporary folder is removed and `path` is
+    left exactly as it was. `check_replaceable` runs before and again just before the swap."""
+    protect = list(protect)
+    check_replaceable(path, kind=kind, key=key, overwrite=overwrite, protect=protect)
+    target = os.path.abspath(os.path.expanduser(str(path)))
+    parent, name = os.path.split(target)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+    try:
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private
+        yield tmp
+        write_marker(tmp, kind)
+        check_replaceable(path, kind=kind, key=key, overwrite=overwrite, protect=protect)
+        if os.path.lexists(target):
+            aside = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
+            os.replace(target, os.path.join(aside, name))
+            try:
+                os.replace(tmp, target)
+            except OSError:
+                os.replace(os.path.join(aside, name), target)  # put the old one back
+                os.rmdir(aside)
+                raise
+            shutil.rmtree(aside)  # the old output: empty, or every file listed in its marker
+        else:
+            os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already if it was swapped in
