@@ -37,7 +37,13 @@ def load_model(config: TrainConfig, checkpoint: str, *, vocab_size: int | None =
         with jax.set_mesh(mesh):
             model = levanter.checkpoint.load_checkpoint(shape, path, subpath="model", discover_latest=False, mesh=mesh)
     except (KeyError, ValueError, FileNotFoundError) as e:
-        error = restore_error(path, e)
+        absent = missing_arrays(path, e)
+        if absent:  # most likely another model: name it rather than suggest resume options
+            raise UserError(
+                f"checkpoint {path!r} does not hold a {type(config.model).__name__} model as the config describes: "
+                f"it lacks {len(absent)} of its arrays ({name_some(absent)}); expected a checkpoint of this config's run"
+            ) from None
+        error = restore_error(path, e, advice="use an earlier step-N folder of the run")
         if error is not None:
             raise error from None
         raise UserError(
@@ -64,19 +70,31 @@ def name_some(names, shown: int = SHOWN) -> str:
     return head + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
-def restore_error(checkpoint: str, error: BaseException) -> UserError | None:
+def missing_arrays(checkpoint: str, error: BaseException) -> list[str]:
+    """The dotted names of the arrays Levanter's restore reported missing from `checkpoint` (its
+    `FileNotFoundError` lists every path), or [] if `error` is not that."""
+    missing = re.search(r"Missing[^\[]*\[(.*?)\]", str(error), re.DOTALL)
+    if not (isinstance(error, FileNotFoundError) and missing):
+        return []
+    return _names(str(checkpoint), re.findall(r"'([^']+)'", missing.group(1)))
+
+
+TRAIN_ADVICE = "resume from an earlier step-N with trainer.load_checkpoint_path, or use a new trainer.id"
+
+
+def restore_error(checkpoint: str, error: BaseException, advice: str = TRAIN_ADVICE) -> UserError | None:
     """A one-line `UserError` for a checkpoint Levanter could not restore, or None if `error` is not
     about the files of `checkpoint`.
 
     Levanter reports missing arrays as one exception listing every path (170 for a checkpoint
     without optimizer state) and damaged chunks as tensorstore's error with the file's path; this
-    names the checkpoint, the arrays (at most SHOWN) and what the user can do.
+    names the checkpoint, the arrays (at most SHOWN) and what the user can do (`advice`, for a
+    damaged chunk).
     """
     checkpoint = str(checkpoint)
     message = str(error)
-    missing = re.search(r"Missing[^\[]*\[(.*?)\]", message, re.DOTALL)
-    if isinstance(error, FileNotFoundError) and missing:
-        names = _names(checkpoint, re.findall(r"'([^']+)'", missing.group(1)))
+    names = missing_arrays(checkpoint, error)
+    if names:
         absent = sorted({n.split(".")[0] for n in names if not os.path.exists(os.path.join(checkpoint, n.split(".")[0]))})
         whole = f" (no {' or '.join(absent)} at all)" if absent else ""
         return UserError(
@@ -90,7 +108,6 @@ def restore_error(checkpoint: str, error: BaseException) -> UserError | None:
         why = damaged.group(2).strip().splitlines()[0][:160] if damaged.group(2).strip() else type(error).__name__
         return UserError(
             f"checkpoint {checkpoint!r}: array {_names(checkpoint, [array])[0]} cannot be read, its chunk file "
-            f"{chunk!r} is damaged ({why}); resume from an earlier step-N with trainer.load_checkpoint_path, or use a "
-            "new trainer.id"
+            f"{chunk!r} is damaged ({why}); {advice}"
         )
     return None
