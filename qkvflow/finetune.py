@@ -47,7 +47,7 @@ from haliax import Axis
 from haliax.partitioning import round_axis_for_partitioning
 from levanter import callbacks
 from levanter.callbacks import StepInfo
-from levanter.lora import LoraConfig, loraize, lora_trainable_params_filter, merge_lora_modules
+from levanter.lora import LoraConfig, lora_trainable_params_filter, loraize, merge_lora_modules
 from levanter.models.lm_model import LmConfig
 from levanter.utils.jax_utils import parameter_count
 
@@ -316,12 +316,12 @@ def _finetune(config: FinetuneConfig, preemption: faults.Preemption, cleanup: co
         _build_caches,
         _drop_replayed_metrics,
         _eval_hook,
-        initialize,
         _jsonl_tracker,
         _save_final_checkpoint,
         _train_stats_hook,
         _wait_for_checkpoints,
         announce_corpus,
+        initialize,
         say,
         with_corpus,
     )

@@ -370,7 +370,9 @@ def test_unwritable_outputs_are_refused_before_any_work(world, corpus_root, caps
     monkeypatch.setattr(qkvflow.train, "with_corpus", tripwire)
     monkeypatch.setattr(qkvflow.train, "_initialize", tripwire)
     monkeypatch.chdir(world)
-    files = lambda: {p: s for p, s in _snapshot(world).items() if not os.path.isdir(p)} | {"all": sorted(world.rglob("*"))}
+    def files():
+        return {p: s for p, s in _snapshot(world).items() if not os.path.isdir(p)} | {"all": sorted(world.rglob("*"))}
+
     before = files()  # (the probe changes the mtime of the folder it probes, nothing else)
     rc, err = _run_cli(world, corpus_root, args, capsys)
     _assert_refused(rc, err, _fill(message, world, corpus_root))

@@ -15,7 +15,8 @@ from levanter.models.llama import LlamaConfig
 
 from qkvflow.config import TrainConfig
 from qkvflow.data.heldout import HeldOutHfSingleDatasetLMConfig
-from qkvflow.describe import DescribeConfig, describe, main as describe_main
+from qkvflow.describe import DescribeConfig, describe
+from qkvflow.describe import main as describe_main
 from qkvflow.finetune import FinetuneConfig
 from qkvflow.models.config import DiffEqFormerGpt2Config, DiffEqFormerLlamaConfig
 from tests.helpers import config_class

@@ -50,10 +50,10 @@ def test_other_depths_hold_w_at_their_step_times_with_dt_folded(steps):
     block = discrete.model.layers.stacked
     for k, t in enumerate(step_times(steps)):
         w = model.generator(np.float32(t))
-        layer = lambda a: np.asarray(a["layers", k].array)  # noqa: E731
 
-        def same(a, b):
-            np.testing.assert_allclose(layer(a), np.asarray(b.rearrange(a["layers", k].axes).array), atol=1e-6)
+        def same(a, b, k=k):
+            layer = a["layers", k]
+            np.testing.assert_allclose(np.asarray(layer.array), np.asarray(b.rearrange(layer.axes).array), atol=1e-6)
 
         same(block.self_attn.q_proj.weight, w["q"])
         same(block.self_attn.q_proj.bias, w["q_bias"])

@@ -79,9 +79,9 @@ def test_lora_loss_falls_and_summary(lora_run):
 
 
 def test_lora_freezes_the_base_bit_for_bit_and_trains_the_adapters(lora_run, shared):
+    import equinox as eqx
     import jax
     import jax.numpy as jnp
-    import equinox as eqx
     from levanter.lora import partition_lora_params
 
     from qkvflow.finetune import add_lora, load_base, load_pretrained_config

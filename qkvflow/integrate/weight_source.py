@@ -20,6 +20,7 @@ from .config import OdeConfig
 from .solve import build_solver
 from .solvers import stage_offsets
 
+
 def evaluation_times(config: OdeConfig) -> Optional[np.ndarray]:
     """Sorted distinct times at which a fixed-step solve evaluates the field; None if adaptive."""
     if config.is_adaptive:

@@ -83,7 +83,7 @@ class HyperGenerator(eqx.Module):
             if spec.kind != "matrix":
                 continue
             w = weights[name]
-            e = jax.vmap(lambda t: w.coefficients(*self._features(t)).array)(times)
+            e = jax.vmap(lambda t: w.coefficients(*self._features(t)).array)(times)  # noqa: B023 (called here)
             rms = jnp.sqrt(jnp.mean(jnp.square(e)))
             weights[name] = dataclasses.replace(w, proj=w.proj / rms)
         return dataclasses.replace(self, weights=weights)

@@ -98,7 +98,7 @@ def test_llama_grouped_query_heads_are_numbered_as_levanter_flattens_them(scan_l
     lead = (layer,) if scan_layers else ()
     # head 3 = kv group 1, member 1; heads 2 and 3 share K_1 and V_1
     Q, K, V = (np.vstack([m, np.zeros((E, D))]) for m in (Q0, K0, V0))
-    O = np.hstack([O0, np.zeros((D, E))])
+    O = np.hstack([O0, np.zeros((D, E))])  # noqa: E741 (the paper's name for the output map)
     a = attn(model)
     q, k, v, o = a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight
     names = lambda w: [a.name for a in w.axes][len(lead):]  # noqa: E731

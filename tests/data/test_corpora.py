@@ -14,6 +14,7 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 from pydoc_data.topics import topics  # noqa: E402
+
 from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: E402
 
 from qkvflow.data.corpora import EOS, PreparedCorpus, default_shared_dir, prepare_corpus  # noqa: E402
