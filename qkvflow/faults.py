@@ -97,11 +97,6 @@ class Preemption:
     def __exit__(self, *exc):
         self.restore()
 
-    @property
-    def exit_status(self) -> int:
-        """The exit status of a run that stopped cleanly: 130 after SIGINT (Ctrl-C), else 0."""
-        return 128 + signal.SIGINT if self.signal_name == "SIGINT" else 0
-
     def _handle(self, signum, frame):
         name = signal.Signals(signum).name
         if signum == signal.SIGTERM and self._forwarded:  # our own SIGTERM for JAX's notifier: not a second signal
