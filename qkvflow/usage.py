@@ -13,8 +13,8 @@ import typing
 HELP_ALL = "--help-all"
 
 SECTIONS = {
-    "data": "Levanter's data config: train_urls / validation_urls (jsonl with a `text` field, or txt) or a "
-    "Hugging Face dataset `id`; tokenizer, cache_dir",
+    "data": "Levanter's data config: train_urls / validation_urls (.jsonl with a `text` field, .json or .parquet, "
+    "optionally compressed; not .txt) or a Hugging Face dataset `id`; tokenizer, cache_dir",
     "corpus": "build one of qkvflow's offline corpora and point `data` at it: name (pydoc, tinyshakespeare), "
     "root, vocab_size",
     "trainer": "Levanter's trainer: id, num_train_steps, train_batch_size, seed, mp, steps_per_eval, "
