@@ -370,6 +370,7 @@ def test_unwritable_outputs_are_refused_before_any_work(world, corpus_root, caps
     monkeypatch.setattr(qkvflow.train, "with_corpus", tripwire)
     monkeypatch.setattr(qkvflow.train, "_initialize", tripwire)
     monkeypatch.chdir(world)
+
     def files():
         return {p: s for p, s in _snapshot(world).items() if not os.path.isdir(p)} | {"all": sorted(world.rglob("*"))}
 
