@@ -76,7 +76,7 @@ def describe(config: DescribeConfig) -> dict:
         shapes = accounting.model_shapes(model, vocab)
         out["total_params"] = accounting.count(shapes)
         out["hypernetwork_params"] = 0
-    out["forward_flops_per_token"] = model.flops_per_token(vocab)
+    out["forward_flops_per_token"] = model.flops_per_token(vocab, model.max_seq_len)
     return out
 
 

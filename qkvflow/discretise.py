@@ -49,7 +49,7 @@ def step_times(steps: int) -> np.ndarray:
 def discrete_config(config: DiffEqFormerConfig, steps: int, weights: dict) -> ParallelConfig:
     """The parallel config with M = `steps` layers that holds `weights` (the generator's W(t_k))."""
     return PARALLEL_CONFIGS[config.flavour](
-        seq_len=config.seq_len,
+        max_seq_len=config.max_seq_len,
         hidden_dim=config.hidden_dim,
         num_heads=config.num_heads,
         num_layers=steps,
@@ -111,7 +111,7 @@ def discretise(model, steps: int, solver: str = "euler") -> ParallelLMHeadModel:
     weights = generate_batched(model.generator, jnp.asarray(step_times(steps)))
     weights = {name: w.rename({"ode_time": "layers"}) for name, w in weights.items()}
     config = discrete_config(model.config, steps, weights)
-    policy = ScanCheckpointPolicy._mk(config.gradient_checkpointing)
+    policy = ScanCheckpointPolicy.from_bool_or_str(config.gradient_checkpointing)
     layers = Stacked(_blocks(config, weights, 1.0 / steps), config.Layers, policy)
     transformer = ParallelTransformer(
         config, model.token_embeddings, model.position_embeddings, layers, model.final_norm

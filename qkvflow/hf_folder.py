@@ -102,7 +102,7 @@ def hf_config(model, *, ode_steps=None, tokenizer=None):
         num_attention_heads=config.num_heads,
         num_hidden_layers=config.num_layers,
         intermediate_size=config.mlp_dim,
-        max_position_embeddings=config.seq_len,
+        max_position_embeddings=config.max_seq_len,
         layer_norm_eps=config.layer_norm_epsilon,
         hidden_act="silu" if config.flavour == "llama" else config.activation_function.value,
         attention_bias=config.has_attention_bias,

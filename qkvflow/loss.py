@@ -2,20 +2,30 @@
 
 For a DiffEqFormer the loss also carries the kinetic penalty lambda/2 * E (when lambda > 0) and
 returns the solver's statistics as metrics, which Levanter's trainer logs as `train/ode_*`.
-Other models (Levanter's GPT-2/Llama baselines) go through `compute_next_token_loss` unchanged.
+Other models (Levanter's GPT-2/Llama baselines) go through their own `compute_next_token_loss`.
 """
 
 import jax.numpy as jnp
 from levanter.metrics import Metric, ReductionType
-from levanter.models.lm_model import LmExample, LmHeadModel, compute_next_token_loss
+from levanter.models.lm_model import LmExample, LmHeadModel
 from levanter.models.loss import maybe_fused_next_token_loss
 
 from qkvflow.models.lm import DiffEqFormerLMHeadModel
 
 
 def lm_loss(model: LmHeadModel, example: LmExample, *, key=None, z_loss_weight: float = 0.0):
+    """Mean next-token cross-entropy over `example.loss_weight` (+ z-loss, + the kinetic penalty).
+
+    Levanter computes the loss in the dtype of the weights it is given; an integer weight would give
+    an integer (wrong) loss, so the weight is made float32 here.
+    """
+    weight = example.loss_weight
+    if weight is not None and not jnp.issubdtype(weight.dtype, jnp.floating):
+        weight = weight.astype(jnp.float32)
     if not isinstance(model, DiffEqFormerLMHeadModel):
-        return compute_next_token_loss(model, example, key=key, logsumexp_weight=z_loss_weight)
+        if weight is not example.loss_weight:
+            example = LmExample(tokens=example.tokens, loss_weight=weight, attn_mask=example.attn_mask)
+        return model.compute_next_token_loss(example, key=key, logsumexp_weight=z_loss_weight)
 
     x, energy, stats = model.flow(example.tokens, example.attn_mask)
     loss = maybe_fused_next_token_loss(
@@ -25,7 +35,7 @@ def lm_loss(model: LmHeadModel, example: LmExample, *, key=None, z_loss_weight: 
         model.final_norm(x),
         model.get_lm_head(),
         example.tokens,
-        loss_mask=example.loss_mask,
+        loss_weight=weight,
         logsumexp_weight=z_loss_weight,
         dtype=jnp.float32,
         block_size=model.config.cross_entropy_block_size,

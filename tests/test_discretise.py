@@ -22,7 +22,7 @@ CASES = {
     "llama (untied)": lambda: tiny_config("llama"),
     "llama (bias, tied)": lambda: tiny_config("llama", use_bias=True, tie_word_embeddings=True),
     "shared_ode_llama": lambda: SharedOdeLlamaConfig(
-        seq_len=12, hidden_dim=32, num_heads=4, ode=tiny_config("llama").ode
+        max_seq_len=12, hidden_dim=32, num_heads=4, ode=tiny_config("llama").ode
     ),
 }
 

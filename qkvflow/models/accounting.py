@@ -53,14 +53,16 @@ def nominal_evaluations(config) -> int:
     return int(evaluations(build_solver(config.ode), config.ode.num_steps))
 
 
-def forward_flops_per_token(config, vocab_size: int) -> float:
+def forward_flops_per_token(config, vocab_size: int, context_length: int | None = None) -> float:
+    """Per-token forward FLOPs at `context_length` tokens of context (default: the config's max_seq_len);
+    attention's share grows with it, as in Levanter's `LmConfig.flops_per_token(vocab, context_length)`."""
     return lm_flops_per_token(
         hidden_dim=config.hidden_dim,
         intermediate_dim=config.mlp_dim,
         num_layers=nominal_evaluations(config),
         num_kv_heads=config.num_heads,
         num_heads=config.num_heads,
-        seq_len=config.seq_len,
+        seq_len=config.max_seq_len if context_length is None else context_length,
         vocab_size=vocab_size,
         glu=config.flavour == "llama",
     )

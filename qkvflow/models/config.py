@@ -29,7 +29,7 @@ class DiffEqFormerConfig(LmConfig):
     flavour: ClassVar[str] = "gpt2"
     generator: ClassVar[str] = "hyper"
 
-    seq_len: int = 1024
+    max_seq_len: int = 1024
     hidden_dim: int = 768
     num_heads: int = 12
     intermediate_dim: Optional[int] = None
@@ -63,9 +63,12 @@ class DiffEqFormerConfig(LmConfig):
     rope: RotaryEmbeddingsConfig = dataclasses.field(default_factory=DefaultRotaryEmbeddingsConfig)
     attn_backend: Optional[AttentionBackend] = None
     flash_attention_block_size: Optional[int] = None
+    cross_entropy_block_size: Optional[int] = None
+    """Vocabulary block of qkvflow's fused training loss (qkvflow.loss); None: the whole vocabulary at once.
+    (Levanter 1.2's LmConfig had this field; marin-levanter's has not, so DiffEqFormer configs keep it.)"""
 
     def __post_init__(self):
-        for name in ("seq_len", "hidden_dim", "num_heads", "num_frequencies"):
+        for name in ("max_seq_len", "hidden_dim", "num_heads", "num_frequencies"):
             _check(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
         _check(self.time_embed_dim >= 1, "time_embed_dim", self.time_embed_dim, "an integer >= 1 (d_emb)")
         _check(
@@ -98,9 +101,7 @@ class DiffEqFormerConfig(LmConfig):
     def tied_embeddings(self) -> bool:
         return self.flavour == "gpt2" if self.tie_word_embeddings is None else self.tie_word_embeddings
 
-    # --- named axes ------------------------------------------------------------------------------
-    Pos = property(lambda self: Axis("position", self.seq_len))
-    KeyPos = property(lambda self: self.Pos.alias("key_position"))
+    # --- named axes (positions: Levanter's `max_Pos` and `KeyPos`) --------------------------------
     Embed = property(lambda self: Axis("embed", self.hidden_dim))
     Heads = property(lambda self: Axis("heads", self.num_heads))
     HeadSize = property(lambda self: Axis("head_size", self.hidden_dim // self.num_heads))
@@ -112,10 +113,10 @@ class DiffEqFormerConfig(LmConfig):
 
         return DiffEqFormerLMHeadModel
 
-    def flops_per_token(self, vocab_size: int) -> Optional[float]:
+    def flops_per_token(self, vocab_size: int, context_length: int) -> Optional[float]:
         from qkvflow.models.accounting import forward_flops_per_token
 
-        return forward_flops_per_token(self, vocab_size)
+        return forward_flops_per_token(self, vocab_size, context_length)
 
 
 @LmConfig.register_subclass("diffeqformer_gpt2")

@@ -59,7 +59,7 @@ class DiffEqFormerLMHeadModel(LmHeadModel[DiffEqFormerConfig]):
         tokens = hnn.Embedding.init(Vocab, Embed, key=k_tok, initializer_range=std)
         positions = None
         if config.flavour == "gpt2":
-            positions = hnn.Embedding.init(config.Pos, Embed, key=k_pos, initializer_range=std / 2)
+            positions = hnn.Embedding.init(config.max_Pos, Embed, key=k_pos, initializer_range=std / 2)
         specs = FIELDS[config.flavour].weight_specs(config)
         generator = GENERATORS[config.generator].init(specs, config, key=k_gen)
         if config.flavour == "gpt2":

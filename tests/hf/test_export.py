@@ -21,7 +21,7 @@ N = 4  # ode.num_steps of the tiny models
 MODEL_YAML = """
 model:
   type: {type}
-  seq_len: 12
+  max_seq_len: 12
   hidden_dim: 32
   num_heads: 4
   time_embed_dim: 8
@@ -29,7 +29,7 @@ model:
   ode:
     num_steps: 4
 """
-GPT2_YAML = "model:\n  type: gpt2\n  seq_len: 12\n  hidden_dim: 32\n  num_heads: 4\n  num_layers: 2\n"
+GPT2_YAML = "model:\n  type: gpt2\n  max_seq_len: 12\n  hidden_dim: 32\n  num_heads: 4\n  num_layers: 2\n"
 TOKENS = np.array([[5, 17, 300, 42, 9, 1000, 7, 7, 123, 64, 2, 88], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]])
 
 

@@ -27,7 +27,7 @@ def test_bad_ode_config_names_field(kwargs, field):
     [
         (dict(hidden_dim=30, num_heads=4), "num_heads", "divisor of hidden_dim=30"),
         (dict(time_embed_dim=0), "time_embed_dim", ">= 1"),
-        (dict(seq_len=0), "seq_len", ">= 1"),
+        (dict(max_seq_len=0), "max_seq_len", ">= 1"),
         (dict(kinetic_weight=-1.0), "kinetic_weight", ">= 0"),
     ],
 )

@@ -132,7 +132,7 @@ def test_flavour_defaults_are_pinned():
 def test_logits_equal_the_equations(flavour):
     # initializer_range 0.2 makes every term matter: a field with ReLU for GELU, or without an epsilon,
     # or with another rotary convention moves the logits by far more than the tolerance.
-    config = tiny_config(flavour, ode=OdeConfig(num_steps=N), initializer_range=0.2, seq_len=12)
+    config = tiny_config(flavour, ode=OdeConfig(num_steps=N), initializer_range=0.2, max_seq_len=12)
     model = tiny_model(config)
     ids = random_tokens(config)["batch", 0]
     ours = np.asarray(model(ids).rearrange(("position", "vocab")).array, dtype=np.float64)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from levanter.layers.attention import AttentionMask
-from levanter.models.lm_model import LmExample, compute_next_token_loss
+from levanter.models.lm_model import LmExample
 
 from qkvflow.integrate.config import OdeConfig
 from tests.helpers import Vocab, random_tokens, smooth_model, tiny_config, tiny_model
@@ -23,7 +23,7 @@ def test_euler_equals_explicit_loop(flavour, weight_cache):
     config = tiny_config(flavour, ode=OdeConfig(num_steps=n, weight_cache=weight_cache), initializer_range=0.2)
     model = tiny_model(config)
     ids = random_tokens(config)
-    pos = hax.arange(config.Pos)
+    pos = hax.arange(config.max_Pos)
     x = model.embed(ids, pos)
     for k in range(n):
         w = model.generator(k / n)
@@ -41,10 +41,10 @@ def test_logits_are_causal(flavour):
     model = tiny_model(config)
     ids = random_tokens(config)
     i = 5
-    changed = ids.at[config.Pos, i + 1 :].set((ids[config.Pos, i + 1 :] + 7) % Vocab.size)
+    changed = ids.at[config.max_Pos, i + 1 :].set((ids[config.max_Pos, i + 1 :] + 7) % Vocab.size)
     a, b = model(ids), model(changed)
-    np.testing.assert_allclose(a[config.Pos, : i + 1].array, b[config.Pos, : i + 1].array, rtol=1e-6, atol=1e-6)
-    assert not np.allclose(a[config.Pos, i + 1 :].array, b[config.Pos, i + 1 :].array, atol=1e-4)
+    np.testing.assert_allclose(a[config.max_Pos, : i + 1].array, b[config.max_Pos, : i + 1].array, rtol=1e-6, atol=1e-6)
+    assert not np.allclose(a[config.max_Pos, i + 1 :].array, b[config.max_Pos, i + 1 :].array, atol=1e-4)
 
 
 def _final_state(config, model, ids):
@@ -90,7 +90,7 @@ def _grads(model, ids):
     example = LmExample.causal(ids["batch", 0])
 
     def loss(m):
-        return compute_next_token_loss(m, example).scalar()
+        return m.compute_next_token_loss(example).scalar()
 
     return eqx.filter_grad(loss)(model)
 
@@ -131,7 +131,7 @@ def test_kinetic_energy_is_integral_of_squared_speed():
     config = tiny_config("gpt2", ode=OdeConfig(n), kinetic_weight=0.5, initializer_range=0.2)
     model = tiny_model(config)
     ids = random_tokens(config)
-    pos = hax.arange(config.Pos)
+    pos = hax.arange(config.max_Pos)
     x, energy = model.embed(ids, pos), 0.0
     tokens = x.size // config.hidden_dim
     for k in range(n):
@@ -144,7 +144,7 @@ def test_kinetic_energy_is_integral_of_squared_speed():
     # the training loss adds lambda/2 * E; the plain LM loss (what evaluation sees) does not
     example = LmExample.causal(ids["batch", 0])
     with_penalty, metrics = lm_loss(model, example)
-    plain = compute_next_token_loss(model, example).scalar()
+    plain = model.compute_next_token_loss(example).scalar()
     _, energy0, _ = model.flow(example.tokens)
     np.testing.assert_allclose(float(with_penalty), float(plain) + 0.25 * float(energy0), rtol=1e-5)
     assert float(metrics["ode_nfe"].value()) == n
@@ -153,7 +153,7 @@ def test_kinetic_energy_is_integral_of_squared_speed():
 def test_shared_generator_is_constant_plus_linear_bias():
     from qkvflow.models.config import SharedOdeLlamaConfig
 
-    config = SharedOdeLlamaConfig(seq_len=8, hidden_dim=16, num_heads=2, ode=OdeConfig(3))
+    config = SharedOdeLlamaConfig(max_seq_len=8, hidden_dim=16, num_heads=2, ode=OdeConfig(3))
     model = config.build(Vocab, key=jax.random.PRNGKey(0))
     gen = model.generator
     gen = dataclasses.replace(gen, time_bias={k: v + 1.0 for k, v in gen.time_bias.items()})
@@ -172,7 +172,7 @@ def test_matrix_init_fan_in_matches_levanter_linear(generator):
     from levanter.models.lm_model import LmConfig
 
     cls = LmConfig.get_choice_class(generator)
-    base = dict(seq_len=12, hidden_dim=64, num_heads=4, time_embed_dim=16, num_frequencies=16)
+    base = dict(max_seq_len=12, hidden_dim=64, num_heads=4, time_embed_dim=16, num_frequencies=16)
     for init, q_std, w2_std in (("fan_in", 64**-0.5, 256**-0.5), ("normal", 0.02, 0.02)):
         model = tiny_model(cls(matrix_init=init, **base))
         ws = [model.generator(t) for t in np.linspace(0.0, 1.0, 9)]  # the init normalises over these times

@@ -27,7 +27,7 @@ from qkvflow.errors import check as _check
 class ParallelConfig(LmConfig):
     flavour: ClassVar[str] = "gpt2"
 
-    seq_len: int = 1024
+    max_seq_len: int = 1024
     hidden_dim: int = 768
     num_heads: int = 12
     num_layers: int = 12
@@ -50,7 +50,7 @@ class ParallelConfig(LmConfig):
     gradient_checkpointing: bool = True
 
     def __post_init__(self):
-        for name in ("seq_len", "hidden_dim", "num_heads", "num_layers"):
+        for name in ("max_seq_len", "hidden_dim", "num_heads", "num_layers"):
             _check(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
         divides = self.hidden_dim % self.num_heads == 0
         _check(divides, "num_heads", self.num_heads, f"a divisor of hidden_dim={self.hidden_dim}")
@@ -74,8 +74,7 @@ class ParallelConfig(LmConfig):
     tied_embeddings = property(lambda self: self._flavour_default(self.tie_word_embeddings))
 
     # --- named axes: the same names as the ODE models', so weights move between them by name ------
-    Pos = property(lambda self: Axis("position", self.seq_len))
-    KeyPos = property(lambda self: self.Pos.alias("key_position"))
+    # (positions: Levanter's `max_Pos` and `KeyPos`)
     Embed = property(lambda self: Axis("embed", self.hidden_dim))
     Heads = property(lambda self: Axis("heads", self.num_heads))
     HeadSize = property(lambda self: Axis("head_size", self.hidden_dim // self.num_heads))
@@ -88,7 +87,7 @@ class ParallelConfig(LmConfig):
 
         return ParallelLMHeadModel
 
-    def flops_per_token(self, vocab_size: int) -> Optional[float]:
+    def flops_per_token(self, vocab_size: int, context_length: int) -> Optional[float]:
         from levanter.utils.flop_utils import lm_flops_per_token
 
         return lm_flops_per_token(
@@ -97,7 +96,7 @@ class ParallelConfig(LmConfig):
             num_layers=self.num_layers,
             num_kv_heads=self.num_heads,
             num_heads=self.num_heads,
-            seq_len=self.seq_len,
+            seq_len=context_length,
             vocab_size=vocab_size,
             glu=self.flavour == "llama",
         )

@@ -46,7 +46,7 @@ class ParallelTransformer(ModuleWithStateDictSerialization):
         tokens = hnn.Embedding.init(Vocab, config.Embed, key=k_tok, initializer_range=std)
         positions = None
         if config.flavour == "gpt2":
-            positions = hnn.Embedding.init(config.Pos, config.Embed, key=k_pos, initializer_range=std / 2)
+            positions = hnn.Embedding.init(config.max_Pos, config.Embed, key=k_pos, initializer_range=std / 2)
         layers = Stacked.init(config.Layers, ParallelBlock, gradient_checkpointing=config.gradient_checkpointing)(
             config, key=jrandom.split(k_layers, config.num_layers)
         )
@@ -54,7 +54,7 @@ class ParallelTransformer(ModuleWithStateDictSerialization):
 
     def __call__(self, input_ids: NamedArray, mask, pos_ids: Optional[NamedArray]) -> NamedArray:
         if pos_ids is None:
-            pos_ids = hax.arange(input_ids.resolve_axis(self.config.Pos.name), dtype=jnp.int32)
+            pos_ids = hax.arange(input_ids.resolve_axis(self.config.max_Pos.name), dtype=jnp.int32)
         x = self.embed_tokens(input_ids)
         if self.embed_positions is not None:
             x = x + self.embed_positions.embed(pos_ids)

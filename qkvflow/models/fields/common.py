@@ -50,10 +50,10 @@ def self_attention(
 def attend(q: NamedArray, k: NamedArray, v: NamedArray, config, mask) -> NamedArray:
     """softmax(q k^T / sqrt(head_size)) v over positions, by Levanter's attention kernels; shared by the
     ODE fields and the discretised blocks (qkvflow.models.discrete), so both compute the same thing."""
-    k = k.rename({config.Pos.name: config.KeyPos.name})
-    v = v.rename({config.Pos.name: config.KeyPos.name})
+    k = k.rename({config.max_Pos.name: config.KeyPos.name})
+    v = v.rename({config.max_Pos.name: config.KeyPos.name})
     return dot_product_attention(
-        config.Pos.name,
+        config.max_Pos.name,
         config.KeyPos.name,
         config.HeadSize.name,
         q,
