@@ -7,9 +7,9 @@ qkvflow's ODE models (see qkvflow.models.config), their discretised parallel-blo
 """
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Optional
 
-from levanter.data.text import HfSingleDatasetLMConfig, LMMixtureDatasetConfig, UrlSingleDatasetLMConfig
+from levanter.data.text import LmDataConfig
 from levanter.models.lm_model import LmConfig
 from levanter.optim import AdamConfig, OptimizerConfig
 from levanter.trainer import TrainerConfig
@@ -17,7 +17,7 @@ from levanter.trainer import TrainerConfig
 import qkvflow.models.config  # noqa: F401  (registers the model types with Levanter)
 import qkvflow.models.discrete  # noqa: F401  (registers parallel_gpt2 / parallel_llama: discretised models)
 import qkvflow.tracking  # noqa: F401  (registers the jsonl tracker, so that any verb parses `type: jsonl`)
-from qkvflow.data.heldout import HeldOutHfSingleDatasetLMConfig
+import qkvflow.data.heldout  # noqa: F401  (registers the `hf_heldout` data source)
 from qkvflow.models.config import DiffEqFormerGpt2Config
 
 
@@ -33,12 +33,10 @@ class CorpusConfig:
 
 @dataclass
 class TrainConfig:
-    # draccus decodes a Union with its first member that accepts the YAML: `id:` selects the held-out
-    # HF config (a superset of Levanter's HfSingleDatasetLMConfig, so it must come before it);
-    # `train_urls:` / `validation_urls:` fail on it (`id` is required) and select the URL config.
-    data: Union[
-        HeldOutHfSingleDatasetLMConfig, UrlSingleDatasetLMConfig, HfSingleDatasetLMConfig, LMMixtureDatasetConfig
-    ] = field(default_factory=UrlSingleDatasetLMConfig)
+    data: LmDataConfig = field(default_factory=LmDataConfig)
+    """Levanter's data config: `tokenizer`, `cache_dir` and `components` (each a `source` of type `url`
+    (train_urls, validation_urls), `hf` (a Hugging Face dataset) or `hf_heldout` (qkvflow.data.heldout:
+    a validation split held out of a train-only dataset)). A `corpus:` section fills it."""
     corpus: Optional[CorpusConfig] = None
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     model: LmConfig = field(default_factory=DiffEqFormerGpt2Config)
@@ -58,6 +56,8 @@ class TrainConfig:
     step and where the values first appeared; nothing is saved for that step), `skip` leaves the model
     and optimizer state unchanged and goes on."""
     data_seed: Optional[int] = None
+    verbose: bool = False
+    """Show Levanter's log lines on the terminal too (they always go to `<trainer.log_dir>/<run_id>.log`)."""
     loss_curve: Optional[str] = "loss_curve.png"
     """File name of the loss-curve PNG, written beside the jsonl tracker's metrics.jsonl
     (runs/<run_id>/ by default) at the end of training; null to skip."""

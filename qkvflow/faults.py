@@ -37,28 +37,20 @@ import os
 import re
 import signal
 import sys
-from typing import Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, NamedTuple, Optional
 
 import equinox as eqx
-import haliax as hax
 import jax
 import jax.numpy as jnp
 import levanter.tracker
 import numpy as np
-from levanter.callbacks import StepInfo
-from levanter.metrics import unwrap_metrics
-from levanter.tracker import capture_time
-from levanter.trainer import Trainer, TrainStepResult
-from levanter.trainer_state import InsideJitInfo
-from levanter.utils.tree_utils import inference_mode
+import optax
 
 from qkvflow.errors import UserError
 
 logger = logging.getLogger("qkvflow.faults")
 
 INJECT_ENV = "QKVFLOW_TEST_INJECT_NONFINITE"
-_FINITE = "qkvflow/finite"
-_GRADS_FINITE = "qkvflow/grads_finite"
 NONFINITE_MODES = ("stop", "skip")
 
 
@@ -303,17 +295,11 @@ def _gradient_paths(model) -> list[str]:
     return leaf_paths(eqx.filter(model, eqx.is_inexact_array))
 
 
-def _poison(tree, names: list[str], match, when):
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    out = [jnp.where(when, jnp.nan, 1.0).astype(x.dtype) * x if match(n) else x for n, x in zip(names, leaves)]
-    return jax.tree_util.tree_unflatten(treedef, out)
-
-
 def _format(value: float) -> str:
     return f"{value:.4f}" if np.isfinite(value) else str(value)
 
 
-def describe_nonfinite(model, loss: float, grads_finite, step: int, total: int) -> str:
+def describe_nonfinite(model, loss: float, grads_finite, step: int, total: int, names: Optional[list[str]] = None) -> str:
     """One line: which step, and where the non-finite values first appeared (parameters, then the
     loss, then the gradients). Run only when a step fired: it reads every parameter once."""
     where = f"step {step}/{total}"
@@ -322,7 +308,7 @@ def describe_nonfinite(model, loss: float, grads_finite, step: int, total: int) 
         for name, leaf in zip(leaf_paths(model), jax.tree_util.tree_leaves(model))
         if eqx.is_inexact_array(leaf) and not bool(jnp.all(jnp.isfinite(leaf)))
     ]
-    names = _gradient_paths(model)
+    names = _gradient_paths(model) if names is None else names
     grads_finite = np.asarray(grads_finite).reshape(-1)
     if len(names) != grads_finite.size:  # cannot happen with Levanter's grads; be safe anyway
         names = [f"#{i}" for i in range(grads_finite.size)]
@@ -344,109 +330,108 @@ def describe_nonfinite(model, loss: float, grads_finite, step: int, total: int) 
     return f"non-finite values at {where}: {first}"
 
 
-class GuardedTrainer(Trainer):
-    """Levanter's Trainer with a non-finite guard around each step.
+class GuardState(NamedTuple):
+    """The optimizer state of `guard_nonfinite`: the wrapped optimizer's state and what the guard saw
+    at the last update (all arrays, so it lives in `TrainerState.opt_state` and is checkpointed)."""
 
-    `_train_step` and `train_step` follow Levanter 1.2.dev1644's (pinned in pyproject.toml) with
-    three additions: the fused finiteness check and per-array gradient flags inside the step, the
-    non-finite step keeping the previous model and optimizer state, and the check of the flags
-    before any hook runs.
+    inner: Any
+    finite: jax.Array  # bool: the last update's loss and gradients were all finite
+    grads_finite: jax.Array  # bool[number of gradient arrays]: which gradient arrays were finite
+    skipped: jax.Array  # int32: updates skipped so far
+    count: jax.Array  # int32: updates seen (the step the next update makes, 0-based)
+
+    @property
+    def hyperparams(self) -> dict:
+        """The wrapped optimizer's injected hyperparameters (Levanter logs them, e.g. the learning rate)."""
+        return getattr(self.inner, "hyperparams", {})
+
+
+def guard_nonfinite(inner: optax.GradientTransformation, inject: Optional[Injection] = None):
+    """`inner`, but an update whose loss or gradients are not all finite changes nothing.
+
+    Such an update returns zero updates and keeps `inner`'s state (its step count and moments
+    included), as `optax.apply_if_finite` does; unlike it, the guard never gives up after a number
+    of bad steps, checks the loss as well (Levanter passes it to `update` as `loss=`), and records a
+    flag per gradient array so that a report can name where the values appeared. The flags and the
+    overall verdict are computed in one fused pass inside the compiled step; the host reads them from
+    the new optimizer state (`NonFiniteGuard`).
+
+    `inject` (tests only) makes the gradients of the matching parameters NaN at one step.
     """
+    inner = optax.with_extra_args_support(inner)
+    names: list[str] = []  # dotted paths of the gradient arrays, filled when the state is built
 
-    def __init__(self, config, optimizer, loss_fn, *, nonfinite: str = "stop", inject: Optional[Injection] = None, **kwargs):
-        if nonfinite not in NONFINITE_MODES:
-            raise ValueError(f"nonfinite={nonfinite!r}: expected one of {NONFINITE_MODES}")
-        self.nonfinite = nonfinite
-        self.inject = inject
-        self.skipped_steps: list[int] = []
-        super().__init__(config, optimizer, loss_fn, **kwargs)
+    def init(params):
+        names[:] = leaf_paths(params)
+        flags = jnp.ones((len(names),), dtype=bool)
+        zero = jnp.zeros((), dtype=jnp.int32)
+        return GuardState(inner.init(params), jnp.array(True), flags, zero, zero)
 
-    def _train_step(self, state, batch, batch_kwargs, _no_hooks=False):
-        key, new_key = jax.random.split(state.training_key)
-        model = inference_mode(state.model, False)
-        inject = self.inject
-        when = None
-        if inject is not None:
-            when = state.step == inject.step - 1
-            if inject.target == "loss":  # NaN in the first floating parameter, for this step's forward pass only
-                names = _gradient_paths(model)
-                first = names[0]
-                model = eqx.combine(_poison(eqx.filter(model, eqx.is_inexact_array), names, lambda n: n == first, when), model)
-
-        loss, grads, wrapped_metrics = self._compute_gradients_microbatched(
-            self.loss_fn, model, *batch, **batch_kwargs, key=key
-        )
-        grad_leaves = jax.tree_util.tree_leaves(grads)
+    def update(grads, state: GuardState, params=None, **extra):
         if inject is not None and inject.target != "loss":
-            names = _gradient_paths(model)
-            grads = _poison(grads, names, lambda n: inject.target in n, when)
-            grad_leaves = jax.tree_util.tree_leaves(grads)
+            when = state.count == inject.step - 1
+            leaves, treedef = jax.tree_util.tree_flatten(grads)
+            leaves = [jnp.where(when & (inject.target in n), jnp.nan, 1.0).astype(g.dtype) * g for n, g in zip(names, leaves)]
+            grads = jax.tree_util.tree_unflatten(treedef, leaves)
+        flags = jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree_util.tree_leaves(grads)])
+        finite = jnp.all(flags)
+        loss = extra.get("loss")
+        if loss is not None:
+            finite = finite & jnp.all(jnp.isfinite(loss))
+        updates, new_inner = inner.update(grads, state.inner, params, **extra)
+        updates = jax.tree_util.tree_map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), updates)
+        kept = jax.tree_util.tree_map(lambda new, old: jnp.where(finite, new, old), new_inner, state.inner)
+        skipped = state.skipped + jnp.logical_not(finite).astype(jnp.int32)
+        return updates, GuardState(kept, finite, flags, skipped, state.count + 1)
 
-        # one fused reduction: a flag per gradient array (for the report) and their conjunction
-        grads_finite = jnp.stack([jnp.all(jnp.isfinite(g)) for g in grad_leaves])
-        finite = jnp.logical_and(jnp.isfinite(loss), jnp.all(grads_finite))
+    transform = optax.GradientTransformationExtraArgs(init, update)
+    transform.gradient_names = names  # type: ignore[attr-defined]  (read by NonFiniteGuard)
+    return transform
 
-        def obj_fun(trainable_model):
-            model = eqx.combine(trainable_model, state.model)
-            with hax.axis_mapping(self.compute_axis_mapping):
-                model = self.mp.cast_to_compute(model)
-                loss_for_opt, _metrics = self._raw_loss_function(model, *batch, **batch_kwargs, key=key)
-                return loss_for_opt.scalar()
 
-        new_state, updates = state.take_step(grads, obj_fun=obj_fun, loss=loss, key=new_key)
-        # a non-finite step advances the step counter and the key, and changes nothing else
-        kept = dataclasses.replace(
-            new_state, model=state.model, opt_state=state.opt_state, model_averaging=state.model_averaging
-        )
-        new_state = jax.tree_util.tree_map(
-            lambda a, b: jnp.where(finite, a, b) if eqx.is_array(a) else a, new_state, kept
-        )
-        new_state = hax.shard(new_state, self.parameter_axis_mapping)
+class NonFiniteGuard:
+    """The host side of `guard_nonfinite`: after each step, reads the verdict from the optimizer state
+    and either stops the run (`nonfinite: stop`, raising `NonFiniteError` naming the step and where
+    the values first appeared) or records the skipped step (`nonfinite: skip`).
 
-        hook_infos = None
-        if not _no_hooks:
-            with hax.axis_mapping(self.parameter_axis_mapping):
-                jit_info = InsideJitInfo(grads=grads, updates=updates)
-                hook_infos = self.hooks.run_jit_hooks(state, jit_info, force=False)
+    Register `on_step` as the trainer's FIRST hook so that it runs before the checkpointer (nothing is
+    saved for a bad step), and call `check` on every `StepInfo` the training loop yields (Levanter runs
+    hooks only from its third step on)."""
 
-        plain_metrics = unwrap_metrics(wrapped_metrics)
-        train_metrics = {f"train/{k}": v for k, v in plain_metrics.items()}
-        train_metrics[_FINITE] = finite
-        train_metrics[_GRADS_FINITE] = grads_finite
-        result = TrainStepResult(loss=loss, new_state=new_state, loss_metrics=train_metrics, hook_infos=hook_infos)
-        return hax.shard_with_axis_mapping(result, self.parameter_axis_mapping)
+    def __init__(self, optimizer, mode: str, total_steps: int, verb: str = "qkvflow train"):
+        if mode not in NONFINITE_MODES:
+            raise ValueError(f"nonfinite={mode!r}: expected one of {NONFINITE_MODES}")
+        self.names = optimizer.gradient_names
+        self.mode, self.total_steps, self.verb = mode, total_steps, verb
+        self.skipped_steps: list[int] = []
+        self._checked = -1
 
-    def train_step(self, state, *batch, **batch_kwargs):
-        hooks_this_time = any(state.step % h.every == 0 for h in self.hooks.jit_hooks)
+    def check(self, info) -> None:
+        step = int(info.step) + 1  # 1-based: the update just made
+        if step <= self._checked:
+            return
+        self._checked = step
+        state: GuardState = info.state.opt_state
+        if bool(state.finite):
+            return
+        flags = np.asarray(state.grads_finite)
+        names = self.names if len(self.names) == flags.size else [f"#{i}" for i in range(flags.size)]
+        report = describe_nonfinite(info.state.model, float(info.loss), flags, step, self.total_steps, names=names)
+        if self.mode == "stop":
+            raise NonFiniteError(report)
+        self.skipped_steps.append(step)
+        print(f"{self.verb}: skipped step {step}: {report}", file=sys.stderr, flush=True)
+        logger.warning(f"Skipped step {step}: {report}")
+        levanter.tracker.log({"train/skipped_steps": len(self.skipped_steps)}, step=info.step)
 
-        with capture_time() as step_time:
-            if hooks_this_time:
-                result = self._maybe_save_jaxpr("train_step", self._jit_train_step_fn, state, batch, batch_kwargs)
-            else:
-                result = self._maybe_save_jaxpr(
-                    "train_step_hooks", self._jit_train_step_fn_no_hook, state, batch, batch_kwargs
-                )
-            loss = result.loss.item()
-            metrics = dict(result.loss_metrics)
-            finite = bool(metrics.pop(_FINITE))
-            grads_finite = metrics.pop(_GRADS_FINITE)
-            step = int(result.new_state.step)  # 1-based: the update just made
-            if not finite:
-                report = describe_nonfinite(result.new_state.model, loss, grads_finite, step, self.num_train_steps)
-                if self.nonfinite == "stop":
-                    raise NonFiniteError(report)
-                self.skipped_steps.append(step)
-                print(f"qkvflow train: skipped step {step}: {report}", file=sys.stderr, flush=True)
-                logger.warning(f"Skipped step {step}: {report}")
-                metrics["train/skipped_steps"] = len(self.skipped_steps)
+    def on_step(self, info, force: bool = False) -> None:
+        self.check(info)
 
-            info = StepInfo(result.new_state, loss, step_time())
 
-            with capture_time() as hook_time:
-                self.run_hooks(info)
-                if hooks_this_time:
-                    self.hooks.run_jit_hooks_outside_step(info, result.hook_infos)
-
-            levanter.tracker.log({**metrics, "throughput/hook_time": hook_time()}, step=info.step)
-
-        return info
+def poison_loss(loader: Iterable, start: int, inject: Optional[Injection]) -> Iterator:
+    """Tests only: the batches of `loader` (the first for step `start`, 0-based), with the loss weights
+    of step `inject.step` (1-based) made NaN, so that this step's forward pass gives a NaN loss."""
+    for step, batch in enumerate(loader, start=start):
+        if inject is not None and inject.target == "loss" and step == inject.step - 1:
+            batch = dataclasses.replace(batch, loss_weight=batch.loss_weight * jnp.nan)
+        yield batch

@@ -180,21 +180,23 @@ def _is_jsonl(path: str) -> bool:
     return first_two[:1] == b"{" and first_two not in (b"{\n", b"{\r")
 
 
-def _cached(data, split: str) -> bool:
-    """Whether Levanter's finished cache of `split` exists (then it reads the cache, not the files)."""
-    cache = getattr(data, "cache_dir", None)
+def _cached(data, name: str, component, split: str) -> bool:
+    """Whether Levanter's finished cache of a component's `split` exists (then it reads the cache,
+    not the files)."""
+    cache = getattr(component, "cache_dir", None) or (data.cache_dir and os.path.join(data.cache_dir, name))
     local = cache and _local_path(cache)
     return bool(local) and os.path.isfile(os.path.join(local, split, "shard_ledger.json"))
 
 
-def check_data(data) -> None:
-    urls_seen = False
-    text_key = _text_key(data)
+def _check_url_files(data, name: str, component, text_key: str) -> bool:
+    """The local files of a component's `url` source; whether it names any."""
+    source = component.source
+    seen = False
     for key, split in (("train_urls", "train"), ("validation_urls", "validation")):
-        scan = not _cached(data, split)
-        for i, url in enumerate(getattr(data, key, ()) or ()):
-            urls_seen = True
-            where = f"data.{key}[{i}]"
+        scan = not _cached(data, name, component, split)
+        for i, url in enumerate(getattr(source, key, ()) or ()):
+            seen = True
+            where = f"data.components.{name}.source.{key}[{i}]"
             for file in _expand(where, url):
                 path = _local_path(file)
                 if path is None:
@@ -210,14 +212,36 @@ def check_data(data) -> None:
                 _check_file_head(where, path, text_key)
                 if scan and _is_jsonl(path):
                     _check_jsonl_lines(where, path, text_key)
-    if hasattr(data, "train_urls") and not getattr(data, "train_urls", None) and not urls_seen:
-        cache = getattr(data, "cache_dir", None)
-        prebuilt = cache and _local_path(cache) and os.path.isdir(os.path.join(_local_path(cache), "train"))
-        if not getattr(data, "id", None) and not getattr(data, "configs", None) and not prebuilt:
-            raise UserError(
-                "data.train_urls is empty: expected training files (data.train_urls), a Hugging Face dataset "
-                "(data.id) or an offline corpus (corpus.name)"
-            )
+    return seen
+
+
+def check_data(data) -> None:
+    """Levanter's `LmDataConfig`: at least one component with training data, the local files of its
+    `url` sources readable in a format Levanter reads, and a tokenizer."""
+    from levanter.data.text import DatasetComponent, UrlDatasetSourceConfig
+
+    components = data.components or {}
+    if not components:
+        raise UserError(
+            "data.components is empty: expected a dataset (data.components.<name>.source with train_urls, or a "
+            "Hugging Face id) or an offline corpus (corpus.name)"
+        )
+    has_train = False
+    for name, component in components.items():
+        if not isinstance(component, DatasetComponent):
+            has_train = True  # other component kinds are Levanter's to check
+            continue
+        source = component.source
+        if isinstance(source, UrlDatasetSourceConfig):
+            _check_url_files(data, name, component, _text_key(component))
+            has_train |= bool(source.train_urls) or _cached(data, name, component, "train")
+        else:
+            has_train |= source is not None or _cached(data, name, component, "train")
+    if not has_train:
+        raise UserError(
+            "data: no component has training data: expected data.components.<name>.source.train_urls, a Hugging "
+            "Face dataset (source.id) or an offline corpus (corpus.name)"
+        )
     tokenizer = getattr(data, "tokenizer", None)
     if not tokenizer:
         raise UserError("data.tokenizer is not set (expected a Hugging Face tokenizer name or folder)")
@@ -232,10 +256,10 @@ def check_data_size(tokens: dict, seq_len: int) -> None:
     `epochs` says. Run once the caches are built (`tokens`: split -> number of tokens)."""
     for split, count in tokens.items():
         if count < seq_len:
-            skip = ", or set data.validation_urls to [] to skip evaluation" if split == "validation" else ""
+            skip = ", or remove its validation_urls to skip evaluation" if split == "validation" else ""
             raise UserError(
-                f"data: the {split} split holds {count} tokens, fewer than one sequence of model.seq_len={seq_len} "
-                f"tokens; add {split} data (data.{split}_urls) or lower model.seq_len{skip}"
+                f"data: the {split} split holds {count} tokens, fewer than one sequence of model.max_seq_len={seq_len} "
+                f"tokens; add {split} data (data.components.<name>.source.{split}_urls) or lower model.max_seq_len{skip}"
             )
 
 
@@ -270,7 +294,9 @@ def check_values(config) -> None:
         _positive("trainer.train_batch_size", t.train_batch_size)
     _positive("trainer.steps_per_eval", t.steps_per_eval)
     _positive("trainer.max_eval_batches", t.max_eval_batches, allow_none=True, minimum=0)
-    _positive("trainer.model_axis_size", t.model_axis_size)
+    for axis, size in dict(t.mesh.axes).items():
+        if size != -1:
+            _positive(f"trainer.mesh.axes.{axis}", size)
     for key in ("per_device_parallelism", "per_device_eval_parallelism"):
         value = getattr(t, key)
         if value != -1:
@@ -296,19 +322,23 @@ def check_values(config) -> None:
 
 
 def check_batch(trainer_config) -> None:
+    """The mesh fits the devices (`trainer.mesh.axes`), and the batch sizes divide over its
+    data-parallel size."""
     import jax
 
     devices = jax.device_count()
-    model = trainer_config.model_axis_size
-    if devices % model:
-        raise UserError(f"trainer.model_axis_size={model} does not divide the {devices} available devices")
-    data_parallel = devices // model
+    try:
+        trainer_config.mesh.axis_shapes(devices, trainer_config.num_slices)
+    except ValueError as e:
+        axes = dict(trainer_config.mesh.axes)
+        raise UserError(f"trainer.mesh.axes={axes} does not fit the {devices} available devices ({e})") from None
+    data_parallel = trainer_config.data_axis_size
     for key in ("train_batch_size", "eval_batch_size"):
         size = getattr(trainer_config, key)
         if isinstance(size, int) and size > 0 and size % data_parallel:
             raise UserError(
                 f"trainer.{key}={size} is not divisible by the data-parallel size {data_parallel} "
-                f"({devices} devices / model_axis_size {model}); pick a multiple of {data_parallel}"
+                f"({devices} devices, trainer.mesh.axes={dict(trainer_config.mesh.axes)}); pick a multiple of {data_parallel}"
             )
 
 
@@ -390,7 +420,7 @@ AXIS_KEYS = {
     "heads": "model.num_heads",
     "head_size": "model.hidden_dim / model.num_heads",
     "mlp": "model.intermediate_dim",
-    "position": "model.seq_len",
+    "position": "model.max_seq_len",
     "time_freq": "model.num_frequencies",
     "time_feature": "model.num_frequencies",
     "time_embed": "model.time_embed_dim",

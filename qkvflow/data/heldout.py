@@ -1,11 +1,15 @@
 """A held-out validation split for Hugging Face datasets that ship only a train split.
 
 OpenWebText (`Skylion007/openwebtext`) has no validation split; the paper held out 0.0005 of its
-documents. YAML:
+documents. YAML (a source of Levanter's `LmDataConfig`):
 
     data:
-      id: Skylion007/openwebtext
-      validation_fraction: 0.0005
+      components:
+        owt:
+          source:
+            type: hf_heldout
+            id: Skylion007/openwebtext
+            validation_fraction: 0.0005
 
 The rule: with `validation_fraction = f > 0`, both the "train" and the "validation" split are read
 from the dataset's train split, and a document goes to validation iff
@@ -15,11 +19,14 @@ from the dataset's train split, and a document goes to validation iff
 where `content` is the document's text (the format's `text_key`), or its JSON for non-text formats.
 The assignment depends on the content alone (not on sharding, streaming or order), so the two sets
 are disjoint, cover every document, are the same on every run and machine, and identical
-documents always land on the same side. With f = 0 this is exactly Levanter's
-`HfSingleDatasetLMConfig`.
+documents always land on the same side. With f = 0 this is exactly Levanter's `hf` source
+(`HfDatasetSourceConfig`).
 
-Levanter caches each split under `cache_dir/<split>` and reuses a cache by folder name: change
-`cache_dir` when you change `validation_fraction` or `split_seed`.
+Levanter's own `num_validation_sequences` holds out sequences of the tokenized stream instead, so a
+document can be cut between the two sets; this rule keeps whole documents apart, as the paper did.
+
+Levanter caches each split under `cache_dir/<component>/<split>` and reuses a cache by folder name:
+change `cache_dir` when you change `validation_fraction` or `split_seed`.
 """
 
 import hashlib
@@ -29,7 +36,7 @@ from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 from levanter.data.sharded_datasource import ShardedDataSource
-from levanter.data.text import HfSingleDatasetLMConfig, TextLmDatasetFormat
+from levanter.data.text import HfDatasetSourceConfig, LmDatasetSourceConfigBase, TextLmDatasetFormat
 
 from qkvflow.errors import check as _check
 
@@ -73,9 +80,10 @@ class HeldOutSplitDataSource(ShardedDataSource[dict]):
         return itertools.islice(kept, row, None)
 
 
+@LmDatasetSourceConfigBase.register_subclass("hf_heldout")
 @dataclass(frozen=True)
-class HeldOutHfSingleDatasetLMConfig(HfSingleDatasetLMConfig):
-    """Levanter's HF single-dataset config plus a validation split held out of the train split."""
+class HeldOutHfDatasetSourceConfig(HfDatasetSourceConfig):
+    """Levanter's Hugging Face source plus a validation split held out of the train split."""
 
     validation_fraction: float = 0.0
     """Fraction of the train split's documents held out as validation (0: use the dataset's own

@@ -15,9 +15,9 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
     os.environ[_var] = "1"
 
 from levanter.data.sharded_datasource import ShardedDataSource  # noqa: E402
-from levanter.data.text import HfSingleDatasetLMConfig  # noqa: E402
+from levanter.data.text import HfDatasetSourceConfig  # noqa: E402
 
-from qkvflow.data.heldout import HeldOutHfSingleDatasetLMConfig, HeldOutSplitDataSource  # noqa: E402
+from qkvflow.data.heldout import HeldOutHfDatasetSourceConfig, HeldOutSplitDataSource  # noqa: E402
 from qkvflow.errors import ConfigError  # noqa: E402
 
 N_DOCS = 400
@@ -43,9 +43,9 @@ def _splits(config) -> tuple[list[str], list[str]]:
 
 
 def test_split_is_disjoint_complete_and_about_the_fraction(dataset_dir: str) -> None:
-    config = HeldOutHfSingleDatasetLMConfig(id=dataset_dir, validation_fraction=0.2)
+    config = HeldOutHfDatasetSourceConfig(id=dataset_dir, validation_fraction=0.2)
     train, validation = _splits(config)
-    everything = _texts(HfSingleDatasetLMConfig(id=dataset_dir).get_shard_source("train"))
+    everything = _texts(HfDatasetSourceConfig(id=dataset_dir).get_shard_source("train"))
     assert len(everything) == N_DOCS
     assert not set(train) & set(validation)
     assert sorted(train + validation) == sorted(everything)
@@ -60,16 +60,16 @@ def test_split_is_disjoint_complete_and_about_the_fraction(dataset_dir: str) -> 
 
 
 def test_split_is_deterministic_and_follows_the_seed(dataset_dir: str) -> None:
-    first = _splits(HeldOutHfSingleDatasetLMConfig(id=dataset_dir, validation_fraction=0.2))
-    again = _splits(HeldOutHfSingleDatasetLMConfig(id=dataset_dir, validation_fraction=0.2))
+    first = _splits(HeldOutHfDatasetSourceConfig(id=dataset_dir, validation_fraction=0.2))
+    again = _splits(HeldOutHfDatasetSourceConfig(id=dataset_dir, validation_fraction=0.2))
     assert first == again
-    other_seed = _splits(HeldOutHfSingleDatasetLMConfig(id=dataset_dir, validation_fraction=0.2, split_seed=1))
+    other_seed = _splits(HeldOutHfDatasetSourceConfig(id=dataset_dir, validation_fraction=0.2, split_seed=1))
     assert set(other_seed[1]) != set(first[1])
 
 
 def test_zero_fraction_behaves_like_levanter(dataset_dir: str) -> None:
-    ours = HeldOutHfSingleDatasetLMConfig(id=dataset_dir)
-    levanter = HfSingleDatasetLMConfig(id=dataset_dir)
+    ours = HeldOutHfDatasetSourceConfig(id=dataset_dir)
+    levanter = HfDatasetSourceConfig(id=dataset_dir)
     assert ours.get_shard_source("validation") is None  # no validation split in the dataset
     assert levanter.get_shard_source("validation") is None
     assert type(ours.get_shard_source("train")) is type(levanter.get_shard_source("train"))
@@ -79,9 +79,9 @@ def test_zero_fraction_behaves_like_levanter(dataset_dir: str) -> None:
 @pytest.mark.parametrize("fraction", [-0.1, 1.0, 1.5, float("nan")])
 def test_bad_fraction_raises(fraction: float) -> None:
     with pytest.raises(ValueError, match="data.validation_fraction"):
-        HeldOutHfSingleDatasetLMConfig(id="unused", validation_fraction=fraction)
+        HeldOutHfDatasetSourceConfig(id="unused", validation_fraction=fraction)
     with pytest.raises(ConfigError):
-        HeldOutHfSingleDatasetLMConfig(id="unused", validation_fraction=fraction)
+        HeldOutHfDatasetSourceConfig(id="unused", validation_fraction=fraction)
 
 
 class _FakeSource(ShardedDataSource[dict]):
@@ -122,11 +122,12 @@ def test_yaml_selects_the_held_out_config(tmp_path: Path) -> None:
     from qkvflow.config import TrainConfig
 
     path = tmp_path / "c.yaml"
-    path.write_text("data:\n  id: Skylion007/openwebtext\n  validation_fraction: 0.0005\n  cache_dir: cache/owt\n")
-    data = draccus.parse(TrainConfig, config_path=str(path), args=[]).data
-    assert isinstance(data, HeldOutHfSingleDatasetLMConfig)
+    head = "data:\n  cache_dir: cache/owt\n  components:\n    owt:\n      source:\n        type: hf_heldout\n"
+    path.write_text(head + "        id: Skylion007/openwebtext\n        validation_fraction: 0.0005\n")
+    data = draccus.parse(TrainConfig, config_path=str(path), args=[]).data.components["owt"].source
+    assert isinstance(data, HeldOutHfDatasetSourceConfig)
     assert (data.id, data.validation_fraction, data.split_seed) == ("Skylion007/openwebtext", 0.0005, 0)
 
-    path.write_text("data:\n  id: Skylion007/openwebtext\n  validation_fraction: 2.0\n")
+    path.write_text(head + "        id: Skylion007/openwebtext\n        validation_fraction: 2.0\n")
     with pytest.raises(draccus.utils.DecodingError):
         draccus.parse(TrainConfig, config_path=str(path), args=[])

@@ -1,0 +1,1 @@
+"""Training: the run loop shared by the verbs that train."""
