@@ -21,21 +21,25 @@ from qkvflow.errors import UserError
 def load_model(config: TrainConfig, checkpoint: str, *, vocab_size: int | None = None):
     """(model, tokenizer) from `checkpoint`: a `step-N` folder, or a run folder (its newest step).
 
-    The vocabulary size comes from the config's tokenizer unless `vocab_size` is given.
+    The tokenizer is the Hugging Face one (Levanter loads a `MarinTokenizer`; exports and prompts need
+    the transformers API). The vocabulary size comes from it unless `vocab_size` is given.
     """
     from qkvflow.train import with_corpus
 
     config = with_corpus(config)
     tokenizer = config.data.the_tokenizer
+    if hasattr(tokenizer, "as_hf_tokenizer"):
+        tokenizer = tokenizer.as_hf_tokenizer()
     path = levanter.checkpoint.discover_latest_checkpoint(checkpoint)
     if path is None:
         raise UserError(f"checkpoint {checkpoint!r}: no checkpoint found (expected checkpoints/<run_id>[/step-N])")
     Vocab = Axis("vocab", vocab_size or len(tokenizer))
     shape = eqx.filter_eval_shape(config.model.build, Vocab, key=jrandom.PRNGKey(0))
+    # Levanter's restore places every array on a mesh (it needs one active); unmapped axes: replicated.
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
     try:
         with jax.set_mesh(mesh):
-            model = levanter.checkpoint.load_checkpoint(shape, path, subpath="model", discover_latest=False, mesh=mesh)
+            model = levanter.checkpoint.load_checkpoint(shape, path, subpath="model", mesh=mesh)
     except (KeyError, ValueError, FileNotFoundError) as e:
         absent = missing_arrays(path, e)
         if absent:  # most likely another model: name it rather than suggest resume options

@@ -1,0 +1,157 @@
+"""Checkpoints written by the old stack (levanter 1.2.dev1644 / jax 0.7.2) load on marin-levanter.
+
+tests/fixtures/levanter_1_2 holds `step-1` of a tiny DiffEqFormer run trained by the old version
+and the logits that version computed from its model (README.md there). Here the new stack reads it:
+
+* the model, through qkvflow's own loading path (`qkvflow.checkpoints.load_model`, as `qkvflow export`,
+  `analyze` and the benchmarks read checkpoints), computes the same logits;
+* the whole trainer state (model, Adam state, step) restores with Levanter's `load_checkpoint` into
+  the shapes of a fresh `TrainerState` of that config and optimizer;
+* a config that does not describe the checkpoint still gets one line naming it.
+"""
+
+import dataclasses
+from pathlib import Path
+
+import equinox as eqx
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import jax.random as jrandom
+import numpy as np
+import pytest
+from haliax import Axis
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "levanter_1_2"
+STEP = FIXTURE / "step-1"
+VOCAB = 300
+
+
+def _model_config(**overrides):
+    from qkvflow.integrate.config import OdeConfig
+    from qkvflow.models.config import DiffEqFormerGpt2Config
+
+    fields = dict(max_seq_len=32, hidden_dim=16, num_heads=2, time_embed_dim=4, num_frequencies=4)
+    return DiffEqFormerGpt2Config(ode=OdeConfig(num_steps=2), **(fields | overrides))
+
+
+def _train_config(model=None):
+    """The fixture run's config as far as loading needs it: its model section and its tokenizer."""
+    from levanter.data.text import LmDataConfig
+
+    from qkvflow.config import TrainConfig
+
+    data = LmDataConfig(tokenizer=str(FIXTURE / "tokenizer"))
+    return TrainConfig(data=data, corpus=None, model=model or _model_config())
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    from qkvflow.checkpoints import load_model
+
+    return load_model(_train_config(), str(STEP))
+
+
+@pytest.fixture(scope="module")
+def expected():
+    with np.load(FIXTURE / "expected.npz") as data:
+        return {k: data[k] for k in data.files}
+
+
+def _logits(model, ids) -> np.ndarray:
+    return np.asarray(model(hax.named(jnp.asarray(ids), model.Pos)).rearrange(("position", "vocab")).array)
+
+
+def _roundoff_scale(model, ids) -> np.ndarray:
+    """S[p, v] = sum_e |h[p, e]| |W[e, v]|: the scale of float32 round-off in logit (p, v) = h[p] . W[:, v]."""
+    h = model.activations(hax.named(jnp.asarray(ids), model.Pos)).rearrange(("position", "embed")).array
+    head = model.get_lm_head().rearrange(("embed", "vocab")).array
+    return np.abs(np.asarray(h, np.float64)) @ np.abs(np.asarray(head, np.float64))
+
+
+def test_the_old_model_computes_the_old_logits(loaded, expected):
+    model, tokenizer = loaded
+    assert len(tokenizer) == VOCAB and model.Vocab.size == VOCAB and model.Pos.size == 32
+    assert hasattr(tokenizer, "save_pretrained")  # the Hugging Face tokenizer, as exports need it
+    ids = expected["input_ids"]
+    ours = _logits(model, ids)
+    # Tolerance: each logit is a 16-term dot product h . W[:, v] of the normed state with the head, whose
+    # float32 round-off is bounded by n u S = 8 eps S (Higham, Accuracy and Stability, 3.1; n = hidden 16,
+    # u = eps / 2); h itself carries a few ulps from the two Euler steps, attention and LayerNorm, which
+    # XLA may now fuse or order differently. hidden * eps * S covers both (measured: 2.8 eps S at most).
+    scale = _roundoff_scale(model, ids)
+    tolerance = model.config.hidden_dim * np.finfo(np.float32).eps * scale
+    assert np.all(np.abs(ours - expected["logits"]) <= tolerance), np.max(np.abs(ours - expected["logits"]) / scale)
+    # The comparison can fail: the same weights with one Euler step fewer, or another norm epsilon,
+    # compute logits far outside it.
+    for changes in (dict(ode=dataclasses.replace(model.config.ode, num_steps=1)), dict(layer_norm_epsilon=1e-6)):
+        other = dataclasses.replace(model, _config=dataclasses.replace(model.config, **changes))
+        assert np.max(np.abs(_logits(other, ids) - expected["logits"]) - tolerance) > 0, changes
+
+
+def test_a_run_folder_loads_its_newest_step(loaded, expected):
+    from qkvflow.checkpoints import load_model
+
+    model, _ = load_model(_train_config(), str(FIXTURE))  # the folder that holds step-1
+    for a, b in zip(jax.tree_util.tree_leaves(model), jax.tree_util.tree_leaves(loaded[0]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_whole_trainer_state_restores_into_a_fresh_states_shapes(loaded):
+    import levanter.checkpoint
+    from levanter.optim import AdamConfig
+    from levanter.trainer_state import TrainerState
+
+    config = _model_config()
+    optimizer = AdamConfig(learning_rate=1e-2, warmup=0.0, weight_decay=0.1, beta2=0.95).build(2)
+
+    def fresh():
+        model = config.build(Axis("vocab", VOCAB), key=jrandom.PRNGKey(0))
+        return TrainerState.init(optimizer, model, key=jrandom.PRNGKey(1))
+
+    shape = eqx.filter_eval_shape(fresh)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    with jax.set_mesh(mesh):
+        state = levanter.checkpoint.load_checkpoint(shape, str(STEP), mesh=mesh)
+
+    # step-N holds the state after N + 1 optimizer updates (Levanter numbers a step by the one just taken)
+    assert int(state.step) == 2
+    leaves, shapes = jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(shape)
+    assert [(x.shape, x.dtype) for x in leaves] == [(s.shape, s.dtype) for s in shapes]
+    for a, b in zip(jax.tree_util.tree_leaves(state.model), jax.tree_util.tree_leaves(loaded[0]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    # Adam's moments: one per parameter, restored (not left at a fresh state's zeros), counted twice
+    adam = [s for s in jax.tree_util.tree_leaves(state.opt_state, is_leaf=lambda x: hasattr(x, "mu")) if hasattr(s, "mu")]
+    assert len(adam) == 1 and int(adam[0].count) == 2
+    params = jax.tree_util.tree_leaves(eqx.filter(state.model, eqx.is_inexact_array))
+    for moment in (adam[0].mu, adam[0].nu):
+        values = jax.tree_util.tree_leaves(moment)
+        assert [v.shape for v in values] == [p.shape for p in params]
+        assert all(bool(jnp.all(jnp.isfinite(v))) for v in values)
+        assert sum(float(jnp.sum(jnp.abs(v))) for v in values) > 0
+    assert all(float(jnp.min(v)) >= 0 for v in jax.tree_util.tree_leaves(adam[0].nu))  # second moments
+
+
+@pytest.mark.parametrize(
+    "model, vocab, says",
+    [
+        (dict(hidden_dim=32), None, "does not hold a DiffEqFormerGpt2Config model with vocabulary 300"),
+        (dict(), 301, "does not hold a DiffEqFormerGpt2Config model with vocabulary 301"),
+        ("llama", None, "does not hold a DiffEqFormerLlamaConfig model as the config describes: it lacks 16"),
+    ],
+)
+def test_a_config_that_does_not_describe_it_gets_one_line(model, vocab, says):
+    from qkvflow.checkpoints import load_model
+    from qkvflow.errors import UserError
+    from qkvflow.models.config import DiffEqFormerLlamaConfig
+
+    if model == "llama":
+        fields = dict(max_seq_len=32, hidden_dim=16, num_heads=2, time_embed_dim=4, num_frequencies=4)
+        config = DiffEqFormerLlamaConfig(ode=_model_config().ode, **fields)
+    else:
+        config = _model_config(**model)
+    with pytest.raises(UserError) as error:
+        load_model(_train_config(config), str(STEP), vocab_size=vocab)
+    message = str(error.value)
+    assert says in message and repr(str(STEP)) in message and "\n" not in message
