@@ -1,0 +1,209 @@
+#!/usr/bin/env bash
+# Everything qkvflow checks on an accelerator, in one command: install with the accelerator's jax,
+# train the quickstart, run the gpu-marked tests, and time the DiffEqFormer against the GPT-2 of the
+# same shape at two sizes (tokens/s, MFU, peak memory). Results go to --out; summary.md sums them up.
+# --cpu-dry-run runs the same steps at tiny sizes on the CPU with the current environment (no install).
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+OUT=""
+EXTRA=""
+DRY_RUN=0
+STEPS=""
+PYTHON=${PYTHON:-python3}
+SHAPES=(small medium)
+
+usage() {
+    cat <<USAGE
+usage: $(basename "$0") [--out DIR] [--extra gpu|tpu] [--steps LIST] [--cpu-dry-run]
+
+Runs, from the repository root, each step below; a failing step is recorded and the others still run
+(exit status 1 if any failed). Each step's output is in DIR/<step>.log, DIR/status.tsv lists them.
+  install     \$PYTHON -m pip install -e '.[EXTRA,test]' (EXTRA: gpu when nvidia-smi lists a GPU,
+              tpu on a TPU VM (/dev/accel0 or /dev/vfio), else --extra)
+  quickstart  qkvflow train --config_path configs/quickstart.yaml, outputs under DIR
+  tests       pytest -m gpu (tests/test_gpu.py: 1 vs 2 devices, ODE == discretised, HF export == JAX)
+  speed       qkvflow bench speed --dtype bf16 at benchmarks/configs/accelerator_{small,medium}.yaml,
+              the DiffEqFormer and its same-shape GPT-2 each in its own process (so that the
+              process's peak memory is that model's): DIR/speed_<shape>_<ode|baseline>.json
+  summary     DIR/summary.md and DIR/summary.json: tokens/s, MFU, peak memory per shape and model
+
+options:
+  --out DIR       results folder (default: accelerator-results-<UTC time>)
+  --extra E       gpu or tpu: the pyproject extra to install (default: detected)
+  --steps LIST    comma-separated subset of: install,quickstart,tests,speed,summary (default: all;
+                  with --cpu-dry-run all but install)
+  --cpu-dry-run   tiny sizes on the CPU (JAX_PLATFORMS=cpu), current environment, no install, nothing
+                  written outside DIR; for checking this script (tests/test_accelerator_script.py)
+  -h, --help      this text
+Interpreter: \$PYTHON (default python3). MFU is model FLOPs per second over the device's nominal dense
+bf16 peak where it is known (H100/H200/A100, TPU v4/v5e/v5p/v6e), and over a matmul measured in the
+same process (bench speed's fraction_of_matmul_peak) always.
+USAGE
+}
+
+die() {
+    echo "$(basename "$0"): $*" >&2
+    exit 2
+}
+
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --out|--extra|--steps)
+            [ $# -ge 2 ] || die "$1 needs a value"
+            case "$1" in
+                --out) OUT=$2 ;;
+                --extra) EXTRA=$2 ;;
+                --steps) STEPS=$2 ;;
+            esac
+            shift 2 ;;
+        --cpu-dry-run) DRY_RUN=1; shift ;;
+        -h|--help) usage; exit 0 ;;
+        *) die "unknown option '$1' (see --help)" ;;
+    esac
+done
+
+if [ -z "$STEPS" ]; then
+    if [ "$DRY_RUN" = 1 ]; then STEPS=quickstart,tests,speed,summary; else STEPS=install,quickstart,tests,speed,summary; fi
+fi
+IFS=, read -r -a STEP_LIST <<<"$STEPS"
+for step in "${STEP_LIST[@]}"; do
+    case "$step" in
+        install|quickstart|tests|speed|summary) ;;
+        *) die "unknown step '$step' in --steps (expected install, quickstart, tests, speed, summary)" ;;
+    esac
+done
+wants() {
+    local step
+    for step in "${STEP_LIST[@]}"; do [ "$step" = "$1" ] && return 0; done
+    return 1
+}
+
+if [ "$DRY_RUN" = 1 ]; then
+    wants install && die "--cpu-dry-run does not install: drop install from --steps"
+    EXTRA=cpu
+elif [ -z "$EXTRA" ]; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        EXTRA=gpu
+    elif [ -e /dev/accel0 ] || [ -d /dev/vfio ]; then
+        EXTRA=tpu
+    else
+        die "no accelerator found (no nvidia-smi GPU, no /dev/accel0): pass --extra gpu|tpu, or --cpu-dry-run"
+    fi
+fi
+case "$EXTRA" in
+    gpu) export JAX_PLATFORMS=cuda ;;
+    tpu) export JAX_PLATFORMS=tpu ;;
+    cpu) export JAX_PLATFORMS=cpu ;;
+    *) die "--extra must be gpu or tpu, got '$EXTRA'" ;;
+esac
+
+OUT=${OUT:-accelerator-results-$(date -u +%Y%m%dT%H%M%SZ)}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$ROOT"
+: >"$OUT/status.tsv"
+FAILED=0
+
+# run STEP COMMAND...: COMMAND's output to OUT/STEP.log (and the terminal), its status to status.tsv.
+run() {
+    local step=$1 start status
+    shift
+    echo "== $step: $*" | tee -a "$OUT/$step.log"
+    start=$(date +%s)
+    set +e
+    "$@" 2>&1 | tee -a "$OUT/$step.log"
+    status=${PIPESTATUS[0]}
+    set -e
+    printf '%s\t%s\t%ss\n' "$step" "$status" "$(($(date +%s) - start))" >>"$OUT/status.tsv"
+    if [ "$status" != 0 ]; then
+        echo "== $step failed (exit $status): see $OUT/$step.log" >&2
+        FAILED=1
+    fi
+    return 0
+}
+
+if wants install; then
+    run install "$PYTHON" -m pip install -e "${ROOT}[${EXTRA},test]"
+fi
+
+if wants quickstart; then
+    QUICK=(--trainer.id accelerator_quickstart
+           --trainer.checkpointer.base_path "$OUT/checkpoints"
+           --trainer.tracker "{type: jsonl, path: $OUT/runs}"
+           --trainer.log_dir "$OUT/logs")
+    if [ "$DRY_RUN" = 1 ]; then
+        QUICK+=(--trainer.num_train_steps 2 --trainer.train_batch_size 2 --trainer.steps_per_eval 2
+                --trainer.max_eval_batches 1 --trainer.per_device_eval_parallelism 2
+                --model.max_seq_len 32 --model.hidden_dim 32 --model.num_heads 2 --model.time_embed_dim 8
+                --model.ode.num_steps 2 --loss_curve null --corpus.root "$OUT/corpora")
+    fi
+    run quickstart "$PYTHON" -m qkvflow train --config_path configs/quickstart.yaml "${QUICK[@]}"
+fi
+
+if wants tests; then
+    run tests "$PYTHON" -m pytest -m gpu --continue-on-collection-errors -p no:cacheprovider -rs --junitxml "$OUT/pytest_gpu.xml"
+fi
+
+if wants speed; then
+    SPEED=(--dtype bf16)
+    if [ "$DRY_RUN" = 1 ]; then
+        SHAPES=(dry_run)
+        SPEED=(--dtype f32 --repeats 2 --warmup 1 --no_peak)
+    fi
+    for shape in "${SHAPES[@]}"; do
+        for only in ode baseline; do
+            run speed "$PYTHON" -m qkvflow bench speed --config_path "benchmarks/configs/accelerator_$shape.yaml" \
+                --only "$only" "${SPEED[@]}" --json_out "$OUT/speed_${shape}_${only}.json"
+        done
+    done
+fi
+
+if wants summary; then
+    run summary "$PYTHON" - "$OUT" <<'PY'
+"""Sum up OUT/speed_<shape>_<model>.json: tokens/s, MFU, peak memory."""
+import glob, json, os, sys
+
+out = sys.argv[1]
+# Nominal dense bf16 FLOP/s (vendor data sheets), by a substring of jax's device_kind.
+NOMINAL = [("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12),
+           ("TPU v6", 918e12), ("TPU v5p", 459e12), ("TPU v5 lite", 197e12), ("TPU v5e", 197e12), ("TPU v4", 275e12)]
+rows = []
+for path in sorted(glob.glob(os.path.join(out, "speed_*_*.json"))):
+    shape, model = os.path.basename(path)[len("speed_"):-len(".json")].rsplit("_", 1)
+    r = json.load(open(path))
+    m = r[model]
+    kind = r["device"]["kind"]
+    peak = next((f for name, f in NOMINAL if name.lower() in kind.lower()), None)
+    mem = r.get("process_peak_memory") or {}
+    rows.append({
+        "shape": shape, "model": m.get("model_type", r["config"]["model_type"]) if model == "baseline" else r["config"]["model_type"],
+        "role": model, "device": f"{r['device']['count']} x {kind}", "dtype": r["config"]["dtype"],
+        "tokens_per_step": r["config"]["tokens_per_step"], "parameters": m["parameter_count"],
+        "tokens_per_s": m["tokens_per_s"], "tokens_per_s_iqr": m["tokens_per_s_iqr"],
+        "mfu_nominal": m["achieved_flops_per_s"] / peak if peak else None, "nominal_peak_flops": peak,
+        "fraction_of_matmul_peak": m.get("fraction_of_matmul_peak"),
+        "peak_memory_bytes": mem.get("bytes"), "peak_memory_kind": mem.get("kind"),
+        "xla_total_bytes": (m.get("xla_memory") or {}).get("total_bytes"),
+    })
+json.dump(rows, open(os.path.join(out, "summary.json"), "w"), indent=1)
+pct = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"
+gib = lambda x: "n/a" if x is None else f"{x / 2**30:.2f} GiB"
+lines = ["| shape | model | device | tokens/s (IQR) | MFU (nominal) | of measured matmul | peak memory | XLA step total |",
+         "|---|---|---|---|---|---|---|---|"]
+for w in rows:
+    lo, hi = w["tokens_per_s_iqr"]
+    lines.append(f"| {w['shape']} | {w['model']} ({w['role']}) | {w['device']} | {w['tokens_per_s']:,.0f} ({lo:,.0f}-{hi:,.0f}) "
+                 f"| {pct(w['mfu_nominal'])} | {pct(w['fraction_of_matmul_peak'])} | {gib(w['peak_memory_bytes'])} "
+                 f"| {gib(w['xla_total_bytes'])} |")
+status = open(os.path.join(out, "status.tsv")).read()
+text = "\n".join(lines) + "\n\nsteps (name, exit status, seconds):\n\n" + status
+open(os.path.join(out, "summary.md"), "w").write(text)
+print(text)
+if not rows:
+    sys.exit("no speed results to sum up")
+PY
+fi
+
+echo "results: $OUT (status.tsv, summary.md)"
+exit "$FAILED"

@@ -1,0 +1,79 @@
+"""benchmarks/accelerator.sh: shellcheck-clean, its --help and refusals, and its --cpu-dry-run end to end
+(quickstart, `pytest -m gpu`, `bench speed` for the DiffEqFormer and its GPT-2, the summary) on the CPU."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_launch import shellcheck
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "accelerator.sh"
+
+
+def script(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
+    environ = dict(os.environ, PYTHON=sys.executable, **env)
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=environ, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+def test_shellcheck():
+    proc = subprocess.run([shellcheck(), "-x", str(SCRIPT)], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_help_names_every_step_and_option():
+    proc = script("--help")
+    assert proc.returncode == 0, proc.stderr
+    for word in ("install", "quickstart", "pytest -m gpu", "bench speed", "summary", "--out", "--extra", "--steps",
+                 "--cpu-dry-run", "accelerator_{small,medium}.yaml", "MFU", "peak memory"):  # fmt: skip
+        assert word in proc.stdout, word
+    for shape in ("small", "medium", "dry_run"):
+        assert (ROOT / "benchmarks" / "configs" / f"accelerator_{shape}.yaml").is_file()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--bogus"], "unknown option '--bogus'"),
+        (["--out"], "--out needs a value"),
+        (["--steps", "quickstart,lint", "--cpu-dry-run"], "unknown step 'lint'"),
+        (["--cpu-dry-run", "--steps", "install"], "--cpu-dry-run does not install"),
+        (["--extra", "rocm", "--steps", "summary"], "--extra must be gpu or tpu, got 'rocm'"),
+    ],
+)
+def test_bad_arguments_are_refused_in_one_line(tmp_path, args, message):
+    proc = script(*args, "--out", str(tmp_path / "out")) if args != ["--out"] else script(*args)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_the_cpu_dry_run_runs_every_step(tmp_path):
+    out = tmp_path / "results"
+    proc = script("--cpu-dry-run", "--out", str(out), timeout=600)
+    log = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, log
+    with open(out / "status.tsv") as f:
+        status = [row for row in csv.reader(f, delimiter="\t")]
+    assert [row[0] for row in status] == ["quickstart", "tests", "speed", "speed", "summary"], status
+    assert all(row[1] == "0" for row in status), status
+
+    metrics = out / "runs" / "accelerator_quickstart" / "metrics.jsonl"
+    assert metrics.is_file() and (out / "checkpoints" / "accelerator_quickstart").is_dir()
+    assert "skipped" in (out / "tests.log").read_text()  # the gpu tests skip on the CPU
+    assert (out / "pytest_gpu.xml").is_file()
+
+    rows = json.loads((out / "summary.json").read_text())
+    assert [(r["shape"], r["role"]) for r in rows] == [("dry_run", "baseline"), ("dry_run", "ode")]
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and r["peak_memory_bytes"] > 0 and r["parameters"] > 0
+        assert r["mfu_nominal"] is None  # no nominal peak for a CPU
+    assert rows[0]["model"] == "Gpt2Config" and rows[1]["model"].startswith("DiffEqFormer")
+    summary = (out / "summary.md").read_text()
+    assert "| dry_run | Gpt2Config (baseline) |" in summary and "tokens/s" in summary
+    assert not (ROOT / "accelerator_quickstart").exists()  # nothing written outside --out
