@@ -1,4 +1,4 @@
-"""The hypernetwork projections shard with Levanter's FSDP and tensor-parallel mappings.
+"""The hypernetwork projections shard with Levanter's FSDP and tensor-parallel mappings (`trainer.mesh`).
 
 Per-device bytes of parameters and AdamW state for the paper's medium model (hidden 1024, 16 heads,
 seq 1024, d_emb 144, GPT-2 vocabulary, 24 steps: 1.87B parameters) come from shapes alone
@@ -17,7 +17,14 @@ import draccus
 import pytest
 
 from qkvflow.config import TrainConfig
-from qkvflow.sharding import abstract_mesh, array_bytes, parameter_axis_mapping, per_device_bytes, state_shapes
+from qkvflow.sharding import (
+    abstract_mesh,
+    array_bytes,
+    mesh_shape,
+    parameter_axis_mapping,
+    per_device_bytes,
+    state_shapes,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 MEDIUM = str(ROOT / "configs" / "models" / "medium_d144.yaml")
@@ -28,7 +35,7 @@ TOLERANCE = 0.01  # what FSDP cannot split: the time MLPs, biases without an `em
 @pytest.fixture(scope="module")
 def medium():
     model = draccus.parse(TrainConfig, config_path=MEDIUM, args=[]).model
-    assert (model.hidden_dim, model.num_heads, model.seq_len, model.time_embed_dim, model.ode.num_steps) == (
+    assert (model.hidden_dim, model.num_heads, model.max_seq_len, model.time_embed_dim, model.ode.num_steps) == (
         1024, 16, 1024, 144, 24,
     )
     return model
@@ -58,17 +65,38 @@ def test_projections_dominate_and_split_exactly(medium):
 
 def test_tensor_parallel_over_mlp_and_heads(medium):
     """FSDP 4 x TP 2 on 8 devices: the projections split 8 ways; what stays over 1/8 is mostly the
-    token embedding (vocab x embed: embed is split 4 ways, vocab is not tensor-parallel)."""
-    r = per_device_bytes(medium, GPT2_VOCAB, {"data": 4, "model": 2}, tensor_parallel_axes=["mlp", "heads"])
+    token embedding (vocab x embed: embed is split 4 ways, vocab is not tensor-parallel). Levanter's
+    default mesh maps mlp and heads to the `model` axis, so giving it 2 devices is all TP takes."""
+    r = per_device_bytes(medium, GPT2_VOCAB, {"data": 4, "model": 2})
     ideal = r["total_unsharded"] / 8
     assert ideal <= r["total"] <= ideal * 1.05, r["total"] / ideal
-    mapping = parameter_axis_mapping(tensor_parallel_axes=["mlp", "heads"])
+    mapping = parameter_axis_mapping()
+    assert mapping["mlp"] == mapping["heads"] == "model" and mapping["embed"] == "data"
     model, _ = state_shapes(medium, _vocab())
     for path, device, total in array_bytes(model, mapping, abstract_mesh({"data": 4, "model": 2})):
         if path in ("generator.weights.w1.proj", "generator.weights.w2.proj", "generator.weights.q.proj"):
             assert device * 8 == total, path
     fsdp_only = per_device_bytes(medium, GPT2_VOCAB, {"data": 8})
     assert r["total"] < 1.05 * fsdp_only["total"]
+    # With mlp and heads mapped elsewhere (to the 1-device replica axis), the model axis only replicates:
+    # each device then holds 1/4 (FSDP 4), so the prediction follows the mesh config's mapping.
+    from levanter.utils.mesh import MeshConfig
+
+    no_tp = MeshConfig(shared_mapping={"mlp": "replica", "heads": "replica"})
+    replicated = per_device_bytes(medium, GPT2_VOCAB, {"data": 4, "model": 2}, mesh=no_tp)
+    quarter = replicated["total_unsharded"] / 4
+    assert quarter <= replicated["total"] <= quarter * (1 + TOLERANCE)
+
+
+def test_mesh_shape_is_levanters():
+    from levanter.utils.mesh import MeshConfig
+
+    assert mesh_shape(MeshConfig(), 8) == {"data": 8, "replica": 1, "model": 1, "replica_dcn": 1}
+    assert mesh_shape(MeshConfig(axes={"data": -1, "model": 2}), 8) == {
+        "data": 4, "replica": 1, "model": 2, "replica_dcn": 1,
+    }
+    with pytest.raises(ValueError, match="unknown mesh axes"):
+        abstract_mesh({"tensor": 2})
 
 
 def _vocab():
@@ -82,15 +110,19 @@ import json, sys
 import numpy as np, jax, haliax as hax, equinox as eqx, jax.random as jrandom
 from haliax import Axis
 from levanter.optim import AdamConfig
-from qkvflow.sharding import parameter_axis_mapping, per_device_bytes
+from levanter.trainer import TrainerConfig
+from levanter.utils.mesh import MeshConfig
+from qkvflow.sharding import mesh_axes, mesh_shape, per_device_bytes
 from tests.helpers import tiny_config
 
 out = []
-for data, model, tp in [(8, 1, None), (4, 2, ["mlp", "heads"])]:
+for axes in [{"data": -1}, {"data": -1, "model": 2}]:
     config = tiny_config()
-    mapping = parameter_axis_mapping(tensor_parallel_axes=tp)
-    devices = np.array(jax.devices()[: data * model]).reshape(1, data, model)
-    mesh = jax.sharding.Mesh(devices, ("replica", "data", "model"))
+    trainer = TrainerConfig(mesh=MeshConfig(axes=axes))
+    mesh, mapping = trainer.device_mesh, trainer.parameter_axis_mapping  # as Levanter's Trainer builds them
+    assert tuple(mesh.axis_names) == mesh_axes(trainer.mesh), (mesh.axis_names, mesh_axes(trainer.mesh))
+    shape = mesh_shape(trainer.mesh, jax.device_count())
+    assert dict(mesh.shape) == shape, (dict(mesh.shape), shape)
     tx = AdamConfig().build(1000)
 
     def init():
@@ -103,7 +135,7 @@ for data, model, tp in [(8, 1, None), (4, 2, ["mlp", "heads"])]:
     for leaf in jax.tree_util.tree_leaves(state):
         for shard in leaf.addressable_shards:
             per_device[shard.device.id] = per_device.get(shard.device.id, 0) + shard.data.nbytes
-    predicted = per_device_bytes(config, 61, {"data": data, "model": model}, tensor_parallel_axes=tp)
+    predicted = per_device_bytes(config, 61, shape, mesh=trainer.mesh)
     out.append([max(per_device.values()), predicted["total"]])
 print("RESULT", json.dumps(out))
 """
