@@ -13,7 +13,7 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 def test_levanter_lora_loads_in_peft_on_the_export(tmp_path, flavour):
     import jax.random as jrandom
     import torch
-    from levanter.lora import LoraConfig, loraize, save_peft_pretrained
+    from levanter.adaptor.lora import LoraConfig, loraize, save_peft_pretrained
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -27,7 +27,9 @@ def test_levanter_lora_loads_in_peft_on_the_export(tmp_path, flavour):
     base_dir.mkdir()
     save_hf_folder(discrete, str(base_dir))
 
-    lora_config = LoraConfig(target_modules=TARGETS, r=2, alpha=4.0)
+    # a_init_mode "random": both factors random, so B @ A != 0 and the adapter changes the logits (the
+    # default, "zero", starts as the identity, and the comparison below would not test the adapter).
+    lora_config = LoraConfig(target_modules=TARGETS, r=2, alpha=4.0, a_init_mode="random")
     lora_model = loraize(discrete, lora_config, key=jrandom.PRNGKey(3))
     save_peft_pretrained(lora_model, lora_config, str(base_dir), str(adapter_dir), prefix="base_model.model")
 
