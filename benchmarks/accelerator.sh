@@ -102,7 +102,7 @@ OUT=${OUT:-accelerator-results-$(date -u +%Y%m%dT%H%M%SZ)}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$ROOT"
-: >"$OUT/status.tsv"
+if [ "$STEPS" != summary ]; then : >"$OUT/status.tsv"; else touch "$OUT/status.tsv"; fi  # summary alone: keep the run's
 FAILED=0
 
 # run STEP COMMAND...: COMMAND's output to OUT/STEP.log (and the terminal), its status to status.tsv.
@@ -175,6 +175,7 @@ for path in sorted(glob.glob(os.path.join(out, "speed_*_*.json"))):
     m = r[model]
     kind = r["device"]["kind"]
     peak = next((f for name, f in NOMINAL if name.lower() in kind.lower()), None)
+    peak = peak if r["config"]["dtype"] == "bf16" else None  # the table holds bf16 peaks only
     mem = r.get("process_peak_memory") or {}
     rows.append({
         "shape": shape, "model": m.get("model_type", r["config"]["model_type"]) if model == "baseline" else r["config"]["model_type"],
@@ -188,7 +189,7 @@ for path in sorted(glob.glob(os.path.join(out, "speed_*_*.json"))):
     })
 json.dump(rows, open(os.path.join(out, "summary.json"), "w"), indent=1)
 pct = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"
-gib = lambda x: "n/a" if x is None else f"{x / 2**30:.2f} GiB"
+gib = lambda x: "n/a" if x is None else f"{x / 2**30:.2f} GiB" if x >= 2**30 else f"{x / 2**20:.1f} MiB"
 lines = ["| shape | model | device | tokens/s (IQR) | MFU (nominal) | of measured matmul | peak memory | XLA step total |",
          "|---|---|---|---|---|---|---|---|"]
 for w in rows:
