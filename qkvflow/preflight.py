@@ -353,25 +353,16 @@ def check_checkpoint(trainer_config) -> None:
         )
 
 
-def _stored_shape(fs, path: str):
-    for name in (".zarray", "zarr.json"):  # zarr v2 (what Levanter writes), zarr v3
-        try:
-            with fs.open(os.path.join(path, name)) as f:
-                return tuple(json.load(f)["shape"])
-        except (FileNotFoundError, KeyError, json.JSONDecodeError, OSError):
-            continue
-    return None
-
-
 def check_resume(config, Vocab):
     """If this run resumes (or initialises) from a checkpoint, the checkpoint's model arrays must be
     the ones the config builds. Reads one small metadata file per array. Returns the checkpoint
     (a `step-N` folder) that the trainer will load, or None for a new run."""
     import equinox as eqx
-    import fsspec
     import jax.random as jrandom
     from haliax import NamedArray
     from levanter.utils.jax_utils import leaf_key_paths
+
+    from qkvflow.checkpoint_arrays import array_shapes
 
     t = config.trainer
     if t.load_checkpoint is False:
@@ -391,14 +382,14 @@ def check_resume(config, Vocab):
 
     leaves = jax.tree_util.tree_leaves(shapes, is_leaf=is_named)
     keys = jax.tree_util.tree_leaves(names, is_leaf=lambda x: isinstance(x, str))
-    fs, root = fsspec.core.url_to_fs(str(latest))
+    stored_shapes = array_shapes(str(latest))
     model_type = type(config.model).__name__
     how = f"use a new trainer.id to start a new run, or the config the run was started with (resuming {t.id!r})"
     for key, leaf in zip(keys, leaves):
         array = leaf.array if is_named(leaf) else leaf
         if not hasattr(array, "shape"):
             continue
-        stored = _stored_shape(fs, os.path.join(root, *key.split(".")))
+        stored = stored_shapes.get("/".join(key.split(".")))
         if stored is None:
             if t.allow_partial_checkpoint:  # missing arrays are initialised instead
                 continue
