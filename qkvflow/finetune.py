@@ -7,7 +7,7 @@ fine-tune at 9, 12, 18, 24 layers). This verb loads the ODE checkpoint, discreti
 `steps: M`, and trains the result with Levanter's trainer on the configured data:
 
 * `finetune: full`: every parameter of the discretised model is trained;
-* `finetune: lora`: Levanter's LoRA (`lora:` section, `levanter.lora.LoraConfig`) wraps the
+* `finetune: lora`: Levanter's LoRA (`lora:` section, `levanter.adaptor.lora.LoraConfig`) wraps the
   matching linear projections; only the adapters are trainable, the base stays bit-identical
   (and is not written into the checkpoints: it is rebuilt from the ODE checkpoint on resume).
 
@@ -26,7 +26,6 @@ or holding the pretrained checkpoint, its config or this run's checkpoints, is r
 import contextlib
 import dataclasses
 import functools
-import itertools
 import json
 import logging
 import math
@@ -43,13 +42,11 @@ import jax.random as jrandom
 import levanter
 import levanter.checkpoint
 import levanter.config
+import levanter.tracker
 from haliax import Axis
 from haliax.partitioning import round_axis_for_partitioning
-from levanter import callbacks
-from levanter.callbacks import StepInfo
-from levanter.lora import LoraConfig, lora_trainable_params_filter, loraize, merge_lora_modules
+from levanter.adaptor.lora import LoraConfig, lora_trainable_params_filter, loraize, merge_lora_modules
 from levanter.models.lm_model import LmConfig
-from levanter.utils.jax_utils import parameter_count
 
 from qkvflow import faults, outputs, preflight
 from qkvflow.config import TrainConfig
@@ -57,6 +54,7 @@ from qkvflow.errors import UserError
 from qkvflow.loss import lm_loss
 from qkvflow.plotting import plot_loss_curve
 from qkvflow.tracking import metrics_file
+from qkvflow.training import loop
 
 logger = logging.getLogger("qkvflow.finetune")
 
@@ -192,13 +190,12 @@ def load_pretrained_config(config: FinetuneConfig) -> TrainConfig:
 def check_pretrained_checkpoint(config: FinetuneConfig, pretrained: TrainConfig) -> None:
     """The checkpoint must hold a DiffEqFormer (a generator of W(t)), not e.g. a GPT-2 baseline's
     model: read from its array layout, before any device work."""
-    import fsspec
+    from qkvflow.checkpoint_arrays import array_shapes
 
     latest = levanter.checkpoint.discover_latest_checkpoint(config.pretrained.checkpoint)
-    fs, root = fsspec.core.url_to_fs(str(latest))
-    model = os.path.join(root, "model")
-    if not fs.isdir(os.path.join(model, "generator")) or _checkpoint_vocab(config.pretrained.checkpoint) is None:
-        found = sorted(os.path.basename(p.rstrip("/")) for p in fs.ls(model, detail=False)) if fs.isdir(model) else []
+    arrays = [name.split("/") for name in array_shapes(str(latest)) if name.startswith("model/")]
+    found = sorted({parts[1] for parts in arrays if len(parts) > 1})
+    if "generator" not in found or _checkpoint_vocab(config.pretrained.checkpoint) is None:
         raise UserError(
             f"pretrained.checkpoint={config.pretrained.checkpoint!r} does not hold a DiffEqFormer model "
             f"(its model has {', '.join(found) or 'no arrays'}; expected generator, token_embeddings, ...): "
@@ -209,11 +206,10 @@ def check_pretrained_checkpoint(config: FinetuneConfig, pretrained: TrainConfig)
 
 def _checkpoint_vocab(checkpoint: str) -> Optional[int]:
     """The vocabulary size the ODE checkpoint was trained with (its token embedding's rows)."""
-    import fsspec
+    from qkvflow.checkpoint_arrays import array_shapes
 
     latest = levanter.checkpoint.discover_latest_checkpoint(checkpoint)
-    fs, root = fsspec.core.url_to_fs(str(latest))
-    shape = preflight._stored_shape(fs, os.path.join(root, "model", "token_embeddings", "weight"))
+    shape = array_shapes(str(latest)).get("model/token_embeddings/weight")
     return None if shape is None else int(shape[0])
 
 
@@ -284,10 +280,13 @@ def _write_summary(trainer_config, run_id: str, summary: dict) -> None:
 
 
 def add_lora(model, lora: LoraConfig, seed: int = 0):
-    """Levanter's `loraize`, with B = 0 as in the LoRA paper (and PEFT): the adapted model starts out
-    computing exactly the discretised model. (Levanter initialises B at random, which would perturb
-    the model before the first step.)"""
-    from levanter.lora import LowRankLinear
+    """Levanter's `loraize`, such that the adapted model starts out computing exactly the discretised
+    model: with `a_init_mode: zero` (Levanter's default) A = 0 and B is random; with `random`, B is
+    set to 0 as in the LoRA paper and PEFT."""
+    from levanter.adaptor.lora import LowRankLinear
+
+    if lora.a_init_mode == "zero":
+        return loraize(model, lora, key=jrandom.PRNGKey(seed))
 
     def zero_b(node):
         if isinstance(node, LowRankLinear):
@@ -312,19 +311,7 @@ def finetune(config: FinetuneConfig) -> dict:
 
 
 def _finetune(config: FinetuneConfig, preemption: faults.Preemption, cleanup: contextlib.ExitStack) -> dict:
-    from qkvflow.train import (
-        _build_caches,
-        _drop_replayed_metrics,
-        _eval_hook,
-        _jsonl_tracker,
-        _save_final_checkpoint,
-        _train_stats_hook,
-        _wait_for_checkpoints,
-        announce_corpus,
-        initialize,
-        say,
-        with_corpus,
-    )
+    from qkvflow.train import announce_corpus, initialize, with_corpus
 
     preflight.check_outputs(config)  # the write probes first: before any work
     check_exports(config)
@@ -359,150 +346,44 @@ def _finetune(config: FinetuneConfig, preemption: faults.Preemption, cleanup: co
         is_trainable = _frozen(model)
     else:
         model, is_trainable = base, True
-    # the model's config, for train.py's helpers that read config.model (sequence length, FLOPs)
     model_config = base.config
-    Pos = model_config.Pos
-
-    optimizer = config.optimizer.build(t.num_train_steps)
+    Pos = model_config.max_Pos
+    flops = model_config.flops_per_token(len(tokenizer), Pos.size) if hasattr(model_config, "flops_per_token") else None
+    run = loop.Run(
+        config, "qkvflow finetune", Pos, model=model, is_trainable=is_trainable, flops_per_token=flops,
+        eval_before=config.eval_before,
+    )
+    del model
+    print(f"fine-tuning ({config.finetune}) the {ode.config.ode.num_steps}-step ODE model as {config.steps} layers", flush=True)
     loss_fn = functools.partial(lm_loss, z_loss_weight=config.z_loss_weight)
-    summary: dict = {"method": config.finetune, "steps_M": config.steps, "pretrained_steps_N": ode.config.ode.num_steps}
-    target = min(t.num_train_steps, config.stop_after or math.inf)
+    summary, state = loop.train_run(run, loss_fn, tokenizer, preemption, inject)
+    summary = {"method": config.finetune, "steps_M": config.steps, "pretrained_steps_N": ode.config.ode.num_steps, **summary}
+    summary.setdefault("trainable_parameter_count", summary.get("parameter_count"))
+    if "run_id" not in summary:  # stopped before the trainer started
+        return summary
+    run_id = summary["run_id"]
+    if summary.get("nothing_to_train"):
+        previous = read_summary(t, run_id) or {}
+        summary.update({k: v for k, v in previous.items() if k not in summary})
+    summary["finished"] = finished = not summary.get("preempted") and summary["steps"] >= t.num_train_steps
+    if summary["steps"] > 0:
+        _carry_over(summary, read_summary(t, run_id) or {}, loop.jsonl_tracker(t))
+    if state is not None and summary["steps"] > 0:
+        summary["model"] = state.model
+        if finished and jax.process_index() == 0:
+            export(config, state.model, base, tokenizer, run_id, summary)
 
-    with faults.GuardedTrainer(t, optimizer, loss_fn, nonfinite=config.nonfinite, inject=inject) as trainer:
-        data_key, _, _, training_key = jrandom.split(jrandom.PRNGKey(t.seed), 4)
-        if config.data_seed is not None:
-            data_key = jrandom.PRNGKey(config.data_seed)
-        _build_caches(config.data)
-        epochs = config.epochs if config.epochs > 0 else None
-        train_set = config.data.train_set(Pos, t.batch_schedule, key=data_key, epochs=epochs)
-        eval_sets = config.data.tagged_eval_sets(Pos)
-        state = trainer.initial_state(training_key, model=model, is_trainable=is_trainable)
-        del model
-        start = int(state.step)
-        if start > 0:
-            print(f"resuming run {trainer.run_id} after step {start}", flush=True)
-        _drop_replayed_metrics(t, trainer.run_id, start)
-        total, trainable = parameter_count(state.model), parameter_count(state.trainable_model)
-        levanter.tracker.log_summary(
-            {"parameter_count": total, "trainable_parameter_count": trainable, "fraction_trainable": trainable / total}
-        )
-        summary.update(
-            run_id=trainer.run_id,
-            checkpoints=t.checkpointer.expanded_path(trainer.run_id),
-            parameter_count=total,
-            trainable_parameter_count=trainable,
-        )
-        print(
-            f"fine-tuning ({config.finetune}) the {ode.config.ode.num_steps}-step ODE model as {config.steps} layers: "
-            f"{trainable:,} of {total:,} parameters trainable",
-            flush=True,
-        )
-        evaluate = None
-        last_eval = {"step": None}
-        if eval_sets and (t.max_eval_batches is None or t.max_eval_batches > 0):
-            evaluate = _eval_hook(trainer, config, eval_sets, tokenizer, summary, preemption)
-
-        if start >= target:
-            print(f"run {trainer.run_id} is already at step {start} (target {target}): nothing to train", flush=True)
-            previous = read_summary(t, trainer.run_id) or {}
-            summary.update({k: v for k, v in previous.items() if k not in summary})
-            summary["steps"] = start
-            if start > 0 and evaluate is not None and "eval_loss" not in previous:
-                evaluate(StepInfo(state, float("nan"), 0.0))
-            info = StepInfo(state, float("nan"), 0.0) if start > 0 else None
-        else:
-            if start == 0 and evaluate is not None and config.eval_before:
-                loss = _evaluate_once(trainer, config, eval_sets, tokenizer, state.model)
-                summary.update(initial_eval_loss=loss, initial_eval_perplexity=math.exp(min(loss, 80.0)))
-                levanter.tracker.log_summary({"eval/initial_loss": loss})
-                print(f"eval before fine-tuning: loss {loss:.4f}  ppl {summary['initial_eval_perplexity']:.2f}", flush=True)
-            if evaluate is not None:
-
-                def eval_and_note(info):
-                    evaluate(info)
-                    last_eval["step"] = int(info.step)
-
-                trainer.add_hook(eval_and_note, every=t.steps_per_eval)
-            flops = model_config.flops_per_token(len(tokenizer)) if hasattr(model_config, "flops_per_token") else None
-            flops_per_example = 3 * flops * Pos.size if flops is not None else None
-            trainer.add_hook(
-                callbacks.log_performance_stats(Pos.size, trainer.config.batch_schedule, flops_per_example), every=1
-            )
-            tokens_per_step = t.train_batch_size * Pos.size
-            trainer.add_hook(_train_stats_hook(summary, t.num_train_steps, config.log_every, tokens_per_step), every=1)
-
-            loader = trainer.data_loader(train_set).iter_from_step(start)
-            if config.stop_after is not None:
-                loader = itertools.islice(loader, max(0, config.stop_after - start))
-            loader = preemption.wrap(loader, start)
-            say("compiling the training step (the first step takes longest) ...")
-            try:
-                info = trainer.train(state, loader)
-            except faults.NonFiniteError:
-                _wait_for_checkpoints(trainer)
-                raise
-            except RuntimeError as e:
-                if not preemption.requested or "No training steps" not in str(e):
-                    raise
-                print(f"qkvflow finetune: stopped by {preemption.signal_name} before the first step", file=sys.stderr)
-                summary.update(steps=start, preempted=True, stopped_by=preemption.signal_name, finished=False)
-                levanter.tracker.current_tracker().finish()
-                return summary
-            _save_final_checkpoint(trainer, info)
-            summary["steps"] = int(info.step) + 1
-            if trainer.skipped_steps:
-                summary["skipped_steps"] = list(trainer.skipped_steps)
-            if preemption.requested:
-                summary.update(preempted=True, stopped_by=preemption.signal_name)
-                print(
-                    f"qkvflow finetune: stopped by {preemption.signal_name} after step {summary['steps']}/"
-                    f"{t.num_train_steps}; checkpoint saved in {summary['checkpoints']}; run the same command to resume",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            else:
-                # the validation loss of the final model (Levanter's last forced hook run skips it)
-                if evaluate is not None and last_eval["step"] != int(info.step):
-                    evaluate(info)
-                if summary["steps"] < target:
-                    logger.warning(f"The training data ran out after {summary['steps']} steps; set `epochs` to loop it.")
-        summary["finished"] = finished = not summary.get("preempted") and summary["steps"] >= t.num_train_steps
-        if start > 0:
-            _carry_over(summary, read_summary(t, trainer.run_id) or {}, _jsonl_tracker(t))
-        if info is not None:
-            summary["model"] = info.state.model
-            if finished and jax.process_index() == 0:
-                export(config, info.state.model, base, tokenizer, trainer.run_id, summary)
-
-    jsonl = _jsonl_tracker(config.trainer)
+    jsonl = loop.jsonl_tracker(t)
     if jsonl is not None and jax.process_index() == 0:
-        summary["metrics"] = metrics_file(jsonl.path, summary["run_id"])
+        summary["metrics"] = metrics_file(jsonl.path, run_id)
         if config.loss_curve and os.path.exists(summary["metrics"]):
             out = os.path.join(os.path.dirname(summary["metrics"]), config.loss_curve)
             title = f"{config.finetune} fine-tuning at M={config.steps} (N={ode.config.ode.num_steps})"
             summary["loss_curve"] = plot_loss_curve(summary["metrics"], out, title=title)
     if jax.process_index() == 0:
-        _write_summary(t, summary["run_id"], summary)
+        _write_summary(t, run_id, summary)
     levanter.tracker.current_tracker().finish()
     return summary
-
-
-def _evaluate_once(trainer, config, eval_sets, tokenizer, model) -> float:
-    import levanter.eval
-
-    max_examples = config.trainer.max_eval_batches
-    if max_examples is not None:
-        max_examples *= config.trainer.eval_batch_size
-    evaluator = levanter.eval.TaggedEvaluator(
-        config.trainer.EvalBatch,
-        eval_sets,
-        tokenizer,
-        trainer.device_mesh,
-        trainer.compute_axis_mapping,
-        max_examples,
-        mp=config.trainer.mp,
-    )
-    return float(levanter.eval.eval_model(evaluator, model, prefix="eval")["eval/loss"])
 
 
 def _modules(tree):
@@ -516,7 +397,7 @@ def merged_model(model, base, lora: LoraConfig, lora_seed: int = 0):
     the merge uses `base`, the discretised model in its original precision."""
     if not any(type(x).__name__ == "LoraLinear" for x in _modules(model)):
         return model
-    from levanter.lora import is_lora_param, partition_lora_params
+    from levanter.adaptor.lora import is_lora_param, partition_lora_params
 
     base_params, _ = partition_lora_params(add_lora(base, lora, lora_seed))
     _, lora_params = partition_lora_params(model)
@@ -527,7 +408,7 @@ def peft_target_modules(model) -> list[str]:
     """The names of the projections that carry LoRA (e.g. q_proj, up_proj, lm_head): what PEFT's
     `target_modules` needs to put the adapters on the same torch modules (Levanter's own regexes
     match its paths, which differ from the torch ones by the layer stacking)."""
-    from levanter.lora import LoraLinear
+    from levanter.adaptor.lora import LoraLinear
     from levanter.utils.jax_utils import leaf_key_paths
 
     is_lora = lambda x: isinstance(x, LoraLinear)  # noqa: E731
@@ -597,7 +478,7 @@ def export(config: FinetuneConfig, model, base, tokenizer, run_id: str, summary:
     if e.peft_dir is not None and config.finetune != "lora":
         print("export.peft_dir: no adapter to write (finetune: full); the fine-tuned model is in export.hf_dir", flush=True)
     elif e.peft_dir is not None:
-        from levanter.lora import save_peft_pretrained
+        from levanter.adaptor.lora import save_peft_pretrained
 
         from qkvflow.hf_folder import prompt_tokenizer
 

@@ -163,13 +163,15 @@ def _duration(seconds: float) -> str:
 class Run:
     """What differs between the verbs that train: the model to start from and how to report.
 
-    `init` builds the model (called only for a new run: a resumed run loads it); `is_trainable` is
-    Levanter's filter (LoRA freezes the base); `Pos` and `flops_per_token` describe the model."""
+    `init` builds the model (called only for a new run: a resumed run loads it), or `model` is the
+    model itself (a fine-tuned base); `is_trainable` is Levanter's filter (LoRA freezes the base);
+    `Pos` and `flops_per_token` describe the model."""
 
     config: object  # a TrainConfig (or a subclass)
     verb: str
     Pos: object
-    init: Callable[[], object]
+    init: Optional[Callable[[], object]] = None
+    model: object = None
     flops_per_token: Optional[float] = None
     is_trainable: object = True
     eval_before: bool = False
@@ -191,7 +193,7 @@ def train_run(run: Run, loss_fn, tokenizer, preemption: faults.Preemption, injec
 
     with trainer:
         try:  # before tokenizing, so that a checkpoint that cannot be restored fails fast
-            state = trainer.initial_state(training_key, model_init=run.init, is_trainable=run.is_trainable)
+            state = trainer.initial_state(training_key, run.model, run.init, is_trainable=run.is_trainable)
         except (ValueError, FileNotFoundError) as e:  # missing or damaged arrays: one line, not Levanter's list
             error = restore_error(resume_from, e) if resume_from else None
             if error is None:
@@ -216,6 +218,9 @@ def train_run(run: Run, loss_fn, tokenizer, preemption: faults.Preemption, injec
     if start >= target:
         say(f"run {run_id} is already at step {start} (target {target}): nothing to train")
         summary.update(steps=start, nothing_to_train=True)
+        if start > 0 and evaluator is not None:  # the final model's validation loss
+            with trainer:
+                evaluate(evaluator, state.eval_model, start - 1, summary)
         return summary, state
 
     with trainer:
