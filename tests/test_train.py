@@ -24,7 +24,7 @@ def reference(tmp_path_factory, corpus_root):
 
 def test_trains_evaluates_checkpoints_and_plots(reference):
     tmp_path, proc = reference
-    assert "step 8/8" in proc.stdout and "eval at step 8" in proc.stdout
+    assert "step 8/8" in proc.stdout and "eval after step 8" in proc.stdout
     # the quiet first minute is explained on stdout, in order, before the first step
     lines = proc.stdout.splitlines()
     said = [next((i for i, line in enumerate(lines) if line.startswith(start)), None) for start in (
