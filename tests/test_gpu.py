@@ -64,8 +64,13 @@ def _device_env(platform: str, devices: int) -> dict:
 
 
 def _train(workdir: Path, corpus_root: Path, platform: str, devices: int) -> list[float]:
+    env = _device_env(platform, devices)
+    probe = [sys.executable, "-c", "import jax; print(jax.default_backend(), jax.device_count())"]
+    seen = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=300).stdout.split()
+    assert seen == [platform, str(devices)], seen  # the environment really gives the run `devices` devices
+    workdir.mkdir(parents=True)
     args = train_args(workdir, corpus_root, "--trainer.num_train_steps", "4")
-    proc = subprocess.run(args, cwd=workdir, env=_device_env(platform, devices), capture_output=True, text=True,
+    proc = subprocess.run(args, cwd=workdir, env=env, capture_output=True, text=True,
                           timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return losses(workdir)
