@@ -4,17 +4,21 @@ In one process: the DiffEqFormer of CFG's `model` section and Levanter's GPT-2 (
 shape (hidden, heads, MLP, sequence, vocabulary; layers = the ODE's vector-field evaluations). Each
 full training step (loss + gradient + optax update, jitted with donated state, as Levanter's trainer
 does it) is compiled first, warmed up, then timed `--repeats` times, alternating the two models so
-that background load hits both alike. Prints one JSON object.
+that background load hits both alike. Prints one JSON object on stdout and, on stderr, one line per
+model: tokens/s, MFU and peak device memory ("n/a" where unknown).
 
 FLOPs are model FLOPs (3 x forward, Levanter's convention; the ODE's includes its hypernetwork, none
-include rematerialisation), so `fraction_of_matmul_peak` is an MFU against a matmul measured in the
-same run.
+include rematerialisation). Two MFUs: `mfu` is model FLOP/s over the device's nominal peak for the
+compute dtype (Levanter's own table, `fray.device_flops`, as its trainer's throughput callback uses;
+`--peak-flops` sets it, and there is none for a CPU), and `fraction_of_matmul_peak` is over a matmul
+measured in the same run. The step runs on one device, so the peak is one device's.
 """
 
 import argparse
 import dataclasses
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -26,7 +30,7 @@ import jmp
 import numpy as np
 import yaml
 
-from qkvflow.bench.memory import process_peak, xla_memory
+from qkvflow.bench.memory import device_peak_bytes, process_peak, xla_memory
 from qkvflow.bench.peak import matmul_peak
 from qkvflow.errors import UserError
 
@@ -38,7 +42,7 @@ def parser(prog="qkvflow bench speed") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config_path", required=True, help="a train or bench config with a DiffEqFormer `model` section")
     p.add_argument("--batch", type=int, default=None, help="default: bench.batch, trainer.train_batch_size, or 8")
-    p.add_argument("--seq_len", type=int, default=None, help="default: the model's seq_len")
+    p.add_argument("--seq_len", type=int, default=None, help="default: the model's max_seq_len")
     p.add_argument("--vocab_size", type=int, default=None, help="default: bench.vocab_size, the corpus's, or 50257")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
@@ -46,6 +50,9 @@ def parser(prog="qkvflow bench speed") -> argparse.ArgumentParser:
     p.add_argument("--json_out", default=None)
     p.add_argument("--only", choices=("both", "ode", "baseline"), default="both")
     p.add_argument("--no_peak", action="store_true", help="skip the matmul-peak measurement")
+    p.add_argument("--peak-flops", "--peak_flops", dest="peak_flops", type=float, default=None,
+                   help="the device's peak FLOP/s for MFU (default: Levanter's table for the device kind and "
+                        "dtype; none on a CPU, where MFU is n/a)")
     p.add_argument("--baseline_remat", choices=("true", "false"), default="true",
                    help="Levanter's gradient_checkpointing for the baseline (its default: true)")
     # ODE overrides (used by `bench scaling`)
@@ -64,11 +71,13 @@ def load_config(path: str) -> tuple:
     from levanter.models.lm_model import LmConfig
 
     import qkvflow.config  # noqa: F401  (registers model types)
+    from qkvflow.compat import check_config
     from qkvflow.models.config import DiffEqFormerConfig
 
     file = Path(path)
     if not file.is_file():
         raise UserError(f"{path}: no such config file")
+    check_config(path)  # Levanter 1.2 keys (model.seq_len, ...): one line naming the replacement
     try:
         raw = yaml.safe_load(file.read_text()) or {}
     except yaml.YAMLError as e:
@@ -93,7 +102,7 @@ def apply_overrides(model, args):
         ode = dataclasses.replace(ode, **changes)
     top = {"ode": ode}
     if args.seq_len is not None:
-        top["seq_len"] = args.seq_len
+        top["max_seq_len"] = args.seq_len
     if args.time_embed_dim is not None:
         top["time_embed_dim"] = args.time_embed_dim
     return dataclasses.replace(model, **top)
@@ -110,7 +119,7 @@ def baseline_config(model, *, remat: bool = True):
         if model.mlp_dim % model.hidden_dim:
             raise UserError(f"intermediate_dim={model.mlp_dim} must be a multiple of hidden_dim for the GPT-2 baseline")
         return Gpt2Config(
-            seq_len=model.seq_len, hidden_dim=model.hidden_dim, num_layers=layers, num_heads=model.num_heads,
+            max_seq_len=model.max_seq_len, hidden_dim=model.hidden_dim, num_layers=layers, num_heads=model.num_heads,
             mlp_scale=model.mlp_dim // model.hidden_dim, initializer_range=model.initializer_range,
             layer_norm_epsilon=model.layer_norm_epsilon, activation_function=model.activation_function,
             use_bias=model.bias, gradient_checkpointing=remat,
@@ -118,7 +127,7 @@ def baseline_config(model, *, remat: bool = True):
     from levanter.models.llama import LlamaConfig
 
     return LlamaConfig(
-        seq_len=model.seq_len, hidden_dim=model.hidden_dim, intermediate_dim=model.mlp_dim, num_layers=layers,
+        max_seq_len=model.max_seq_len, hidden_dim=model.hidden_dim, intermediate_dim=model.mlp_dim, num_layers=layers,
         num_heads=model.num_heads, num_kv_heads=model.num_heads, activation_function=model.activation_function,
         initializer_range=model.initializer_range, layer_norm_epsilon=model.layer_norm_epsilon,
         tie_word_embeddings=model.tied_embeddings, rope=model.rope, gradient_checkpointing=remat,
@@ -126,11 +135,12 @@ def baseline_config(model, *, remat: bool = True):
 
 
 def train_flops_per_token(config, vocab: int, tokens_per_batch: int) -> dict:
-    """Model FLOPs of one training step per token: 3 x forward, plus the hypernetwork's share."""
+    """Model FLOPs of one training step per token: 3 x forward, plus the hypernetwork's share.
+    Attention's FLOPs are at the full context (`max_seq_len`), as every benchmark step uses it."""
     from qkvflow.models import accounting
     from qkvflow.models.config import DiffEqFormerConfig
 
-    forward = float(config.flops_per_token(vocab))
+    forward = float(config.flops_per_token(vocab, config.max_seq_len))
     hyper = 0.0
     if isinstance(config, DiffEqFormerConfig):
         hyper = accounting.hypernetwork_flops_per_forward(config, vocab) / tokens_per_batch
@@ -152,7 +162,7 @@ class Step:
         optimizer = AdamConfig(learning_rate=1e-4, warmup=0.0).build(1_000_000)
         params, static = eqx.partition(model, eqx.is_inexact_array)
         opt_state = optimizer.init(params)
-        tokens = hax.random.randint(key_tokens, (Batch, config.Pos), 0, Vocab.size)
+        tokens = hax.random.randint(key_tokens, (Batch, config.max_Pos), 0, Vocab.size)
         example = hax.vmap(LmExample.causal, Batch)(tokens)
 
         def loss_fn(params, example):
@@ -175,6 +185,7 @@ class Step:
         self.parameter_count = int(sum(x.size for x in jax.tree_util.tree_leaves(params)))
         self.times: list[float] = []
         self.loss = None
+        self.peak_memory: dict | None = None
 
     def run(self) -> float:
         start = time.perf_counter()
@@ -185,7 +196,22 @@ class Step:
         return elapsed
 
 
-def summarise(step: Step, tokens: int, flops: dict, peak: dict | None) -> dict:
+def nominal_peak_flops(dtype: str, override: float | None) -> dict:
+    """One device's peak FLOP/s for MFU: `--peak-flops`, else Levanter's table (`fray.device_flops`, what
+    its trainer's MFU uses) for the device kind and compute dtype; None on a CPU or an unknown device."""
+    device = jax.devices()[0]
+    if override is not None:
+        return {"flops_per_s": override, "source": "--peak-flops"}
+    if device.platform == "cpu":
+        return {"flops_per_s": None, "source": "none for a CPU (set --peak-flops)"}
+    from fray.device_flops import device_flops_for_jax_device
+
+    flops = device_flops_for_jax_device(device.device_kind, {"bf16": "bf16", "f32": "fp32"}[dtype])
+    return {"flops_per_s": flops, "source": f"fray.device_flops[{device.device_kind!r}, {dtype}]" if flops else
+            f"unknown device {device.device_kind!r} (set --peak-flops)"}
+
+
+def summarise(step: Step, tokens: int, flops: dict, peak: dict | None, nominal: dict) -> dict:
     t = np.asarray(step.times)
     median = float(np.median(t))
     q1, q3 = (float(x) for x in np.percentile(t, [25, 75]))
@@ -199,9 +225,19 @@ def summarise(step: Step, tokens: int, flops: dict, peak: dict | None) -> dict:
         "achieved_flops_per_s": flops["train_per_token"] * tokens / median,
         "final_loss": step.loss,
         "xla_memory": xla_memory(step.compiled),
+        "peak_device_memory": step.peak_memory,
     }
     out["fraction_of_matmul_peak"] = out["achieved_flops_per_s"] / peak["flops_per_s"] if peak else None
+    out["mfu"] = out["achieved_flops_per_s"] / nominal["flops_per_s"] if nominal["flops_per_s"] else None
     return out
+
+
+def report_line(name: str, r: dict) -> str:
+    """One human-readable line: tokens/s, MFU, peak device memory ("n/a" where unknown)."""
+    mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+    mem = r["peak_device_memory"]["bytes"]
+    mem = "n/a" if mem is None else f"{mem / 2**20:,.1f} MiB"
+    return f"{name}: {r['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, peak device memory {mem}"
 
 
 def run(args) -> dict:
@@ -214,37 +250,46 @@ def run(args) -> dict:
             raise UserError(f"--{name}={value} is invalid: expected an integer >= 1")
     if args.warmup < 0:
         raise UserError(f"--warmup={args.warmup} is invalid: expected an integer >= 0")
+    if args.peak_flops is not None and not args.peak_flops > 0:
+        raise UserError(f"--peak-flops={args.peak_flops} is invalid: expected FLOP/s > 0 (e.g. 989e12)")
     Vocab, Batch = hax.Axis("vocab", vocab), hax.Axis("batch", batch)
-    tokens = batch * config.seq_len
+    tokens = batch * config.max_seq_len
     models = {}
     if args.only in ("both", "ode"):
         models["ode"] = config
     if args.only in ("both", "baseline"):
         models["baseline"] = baseline_config(config, remat=args.baseline_remat == "true")
 
-    steps = {name: Step(c, Vocab, Batch, args.dtype) for name, c in models.items()}
-    for step in steps.values():
+    # Built and warmed up one after the other, so that each model's device peak is read before the next
+    # exists: the first model's is its own, a later one's includes the earlier models' resident state.
+    steps = {}
+    for i, (name, c) in enumerate(models.items()):
+        step = steps[name] = Step(c, Vocab, Batch, args.dtype)
         for _ in range(args.warmup):
             step.run()
+        scope = "this model alone" if i == 0 else f"includes the resident state of {', '.join(list(models)[:i])}"
+        step.peak_memory = {"bytes": device_peak_bytes(), "scope": scope, "after": "compile and warm-up"}
     for _ in range(args.repeats):  # alternate, so that load changes hit both models alike
         for step in steps.values():
             step.times.append(step.run())
     peak = None if args.no_peak else matmul_peak(jnp.bfloat16 if args.dtype == "bf16" else jnp.float32)
+    nominal = nominal_peak_flops(args.dtype, args.peak_flops)
 
     device = jax.devices()[0]
     result = {
         "device": {"platform": device.platform, "kind": device.device_kind, "count": jax.device_count(),
                    "host": platform.node(), "jax": jax.__version__},
         "config": {"path": args.config_path, "model_type": type(config).__name__, "batch": batch,
-                   "seq_len": config.seq_len, "tokens_per_step": tokens, "vocab_size": vocab,
+                   "seq_len": config.max_seq_len, "tokens_per_step": tokens, "vocab_size": vocab,
                    "hidden_dim": config.hidden_dim, "num_heads": config.num_heads, "mlp_dim": config.mlp_dim,
                    "time_embed_dim": config.time_embed_dim, "ode": dataclasses.asdict(config.ode),
                    "dtype": args.dtype, "repeats": args.repeats, "warmup": args.warmup},
         "matmul_peak": peak,
+        "nominal_peak": nominal,
     }
     for name, step in steps.items():
         flops = train_flops_per_token(models[name], vocab, tokens)
-        result[name] = summarise(step, tokens, flops, peak)
+        result[name] = summarise(step, tokens, flops, peak, nominal)
     if "baseline" in steps:
         result["baseline"]["model_type"] = type(models["baseline"]).__name__
         result["baseline"]["num_layers"] = models["baseline"].num_layers
@@ -263,4 +308,7 @@ def main(argv: list[str]) -> int:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
     print(text)
+    for name in ("ode", "baseline"):
+        if name in result:
+            print(report_line(name, result[name]), file=sys.stderr)
     return 0

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = """\
 model:
   type: diffeqformer_gpt2
-  seq_len: 16
+  max_seq_len: 16
   hidden_dim: 32
   num_heads: 4
   time_embed_dim: 8
@@ -35,10 +35,13 @@ def tiny_config(tmp_path):
     return str(path)
 
 
-def test_speed_json_has_consistent_positive_numbers(tiny_config, tmp_path):
+def test_speed_json_has_consistent_positive_numbers(tiny_config, tmp_path, capsys):
     out = tmp_path / "speed.json"
-    assert speed.main(["--config_path", tiny_config, "--repeats", "3", "--warmup", "1", "--json_out", str(out)]) == 0
+    argv = ["--config_path", tiny_config, "--repeats", "3", "--warmup", "1", "--json_out", str(out), "--peak-flops", "1e12"]
+    assert speed.main(argv) == 0
     result = json.loads(out.read_text())
+    assert json.loads(capsys.readouterr().out) == result  # stdout: the same one JSON object
+    assert result["nominal_peak"] == {"flops_per_s": 1e12, "source": "--peak-flops"}
     tokens = result["config"]["tokens_per_step"]
     assert tokens == 2 * 16
     assert result["matmul_peak"]["flops_per_s"] > 0
@@ -52,6 +55,8 @@ def test_speed_json_has_consistent_positive_numbers(tiny_config, tmp_path):
         assert r["compile_s"] > 0 and r["parameter_count"] > 0 and math.isfinite(r["final_loss"])
         assert 0 < r["fraction_of_matmul_peak"]
         assert r["xla_memory"] is None or r["xla_memory"]["temp_bytes"] >= 0
+        assert math.isclose(r["mfu"], r["achieved_flops_per_s"] / 1e12, rel_tol=1e-9)
+        assert r["peak_device_memory"]["bytes"] is None  # the CPU backend reports no allocator peak
     assert result["ode"]["flops"]["hypernetwork_forward_per_token"] > 0
     assert result["baseline"]["flops"]["hypernetwork_forward_per_token"] == 0
     assert result["baseline"]["num_layers"] == 2  # one layer per Euler step
@@ -59,6 +64,27 @@ def test_speed_json_has_consistent_positive_numbers(tiny_config, tmp_path):
         result["ratio_ode_over_baseline"], result["ode"]["tokens_per_s"] / result["baseline"]["tokens_per_s"]
     )
     assert result["process_peak_memory"]["bytes"] > 0 and result["process_peak_memory"]["kind"]
+
+
+def test_speed_mfu_and_device_memory_are_n_a_on_the_cpu():
+    """On the CPU there is no nominal peak (MFU n/a unless --peak-flops) and no allocator peak."""
+    assert speed.nominal_peak_flops("bf16", None)["flops_per_s"] is None
+    assert speed.nominal_peak_flops("f32", 2e12) == {"flops_per_s": 2e12, "source": "--peak-flops"}
+    r = {"tokens_per_s": 12345.6, "mfu": None, "peak_device_memory": {"bytes": None}}
+    assert speed.report_line("ode", r) == "ode: 12,346 tokens/s, MFU n/a, peak device memory n/a"
+    r = {"tokens_per_s": 1e6, "mfu": 0.4567, "peak_device_memory": {"bytes": 3 * 2**30}}
+    assert speed.report_line("baseline", r) == "baseline: 1,000,000 tokens/s, MFU 45.7%, peak device memory 3,072.0 MiB"
+
+
+def test_nominal_peaks_come_from_levanters_table():
+    """The accelerators' peaks come from fray.device_flops (what Levanter's trainer divides by for its
+    MFU): fails loudly if that table moves or changes the H100's dense bf16 figure."""
+    from fray.device_flops import device_flops_for_jax_device
+
+    assert device_flops_for_jax_device("NVIDIA H100 80GB HBM3", "bf16") == pytest.approx(989.5e12)
+    assert device_flops_for_jax_device("NVIDIA H200", "bf16") == pytest.approx(989.5e12)
+    assert device_flops_for_jax_device("NVIDIA H100 80GB HBM3", "fp32") == pytest.approx(67e12)
+    assert device_flops_for_jax_device("cpu", "bf16") is None
 
 
 def _scaling(tiny_config, tmp_path, values, variants):
@@ -159,12 +185,16 @@ def test_quality_trains_each_model_a_few_steps(tmp_path):
         (["bench", "speed", "--config_path", "{gpt2}"], "model.type must be an ODE model"),
         (["bench", "speed", "--config_path", "{tiny}", "--batch", "0"], "--batch=0 is invalid"),
         (["bench", "speed"], "--config_path"),
+        (["bench", "speed", "--config_path", "{old}"], "model.seq_len was removed in marin-levanter; use model.max_seq_len"),
+        (["bench", "speed", "--config_path", "{tiny}", "--peak-flops", "0"], "--peak-flops=0.0 is invalid"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, expected, tmp_path, tiny_config, capsys):
     gpt2 = tmp_path / "gpt2.yaml"
     gpt2.write_text("model:\n  type: gpt2\n  hidden_dim: 32\n  num_heads: 4\n  num_layers: 2\n")
-    argv = [a.format(gpt2=gpt2, tiny=tiny_config) for a in argv]
+    old = tmp_path / "old.yaml"
+    old.write_text(Path(tiny_config).read_text().replace("max_seq_len:", "seq_len:"))
+    argv = [a.format(gpt2=gpt2, tiny=tiny_config, old=old) for a in argv]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("qkvflow bench: error:") and expected in err
