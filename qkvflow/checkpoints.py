@@ -76,14 +76,27 @@ def name_some(names, shown: int = SHOWN) -> str:
 
 def missing_arrays(checkpoint: str, error: BaseException) -> list[str]:
     """The dotted names of the arrays Levanter's restore reported missing from `checkpoint` (its
-    `FileNotFoundError` lists every path), or [] if `error` is not that."""
+    `FileNotFoundError` lists every path: absolute ones for a checkpoint of a folder per array, as
+    Levanter 1.2 wrote, relative ones for marin-levanter's OCDBT database), or [] if `error` is not that."""
     missing = re.search(r"Missing[^\[]*\[(.*?)\]", str(error), re.DOTALL)
     if not (isinstance(error, FileNotFoundError) and missing):
         return []
     return _names(str(checkpoint), re.findall(r"'([^']+)'", missing.group(1)))
 
 
+def _present_groups(checkpoint: str, message: str) -> set[str]:
+    """Top-level entries (model, opt_state, ...) that `checkpoint` holds: from the keys an OCDBT
+    restore error lists after "Found:", else from the folders of a folder-per-array checkpoint."""
+    found = re.search(r"Found: \{(.*)\}", message, re.DOTALL)
+    if found:
+        return {key.split("/")[0] for key in re.findall(r"'([^']+)'", found.group(1))}
+    return set(os.listdir(checkpoint)) if os.path.isdir(checkpoint) else set()
+
+
 TRAIN_ADVICE = "resume from an earlier step-N with trainer.load_checkpoint_path, or use a new trainer.id"
+
+_OCDBT_READ = re.compile(r'Error reading "([^"]+)" in OCDBT database at [^"]*"([^"]+)":\s*(.*)', re.DOTALL)
+"""tensorstore's error for an unreadable value of an OCDBT checkpoint: the array's chunk key, the database."""
 
 
 def restore_error(checkpoint: str, error: BaseException, advice: str = TRAIN_ADVICE) -> UserError | None:
@@ -91,27 +104,55 @@ def restore_error(checkpoint: str, error: BaseException, advice: str = TRAIN_ADV
     about the files of `checkpoint`.
 
     Levanter reports missing arrays as one exception listing every path (170 for a checkpoint
-    without optimizer state) and damaged chunks as tensorstore's error with the file's path; this
-    names the checkpoint, the arrays (at most SHOWN) and what the user can do (`advice`, for a
-    damaged chunk).
+    without optimizer state) and damaged data as tensorstore's error: with the chunk's key (e.g.
+    `model/token_embeddings/weight/c/0/0`) for marin-levanter's OCDBT checkpoints, with the chunk
+    file's path for Levanter 1.2's folder per array, or with the path of a damaged OCDBT database
+    file (`d/...`, `manifest.ocdbt`). This names the checkpoint, the arrays (at most SHOWN) or the
+    file, and what the user can do (`advice`, for damaged data).
     """
     checkpoint = str(checkpoint)
     message = str(error)
     names = missing_arrays(checkpoint, error)
     if names:
-        absent = sorted({n.split(".")[0] for n in names if not os.path.exists(os.path.join(checkpoint, n.split(".")[0]))})
+        present = _present_groups(checkpoint, message)
+        absent = sorted({n.split(".")[0] for n in names} - present)
         whole = f" (no {' or '.join(absent)} at all)" if absent else ""
         return UserError(
             f"checkpoint {checkpoint!r} lacks {len(names)} arrays that this run restores{whole}: {name_some(names)}; "
             "set trainer.allow_partial_checkpoint=true to initialise the missing ones, or use a new trainer.id"
         )
+    if not isinstance(error, ValueError):
+        return None
+    ocdbt = _OCDBT_READ.search(message)
+    if ocdbt and os.path.abspath(ocdbt.group(2)).rstrip("/").startswith(os.path.abspath(checkpoint).rstrip("/")):
+        key = ocdbt.group(1)
+        if key.endswith("/zarr.json"):  # the array's metadata
+            array, part = key.removesuffix("/zarr.json"), "its metadata (zarr.json)"
+        else:  # a chunk: <array>/c/<i>/<j>/...
+            array, _, chunk = key.partition("/c/")
+            part = f"its chunk {chunk!r}"
+        return UserError(
+            f"checkpoint {checkpoint!r}: array {_names('', [array])[0]} cannot be read, {part} is "
+            f"damaged ({_first_line(ocdbt.group(3), error)}); {advice}"
+        )
     damaged = re.search(r"[\"']((?:file://)?" + re.escape(checkpoint.rstrip("/")) + r"/[^\"']+)[\"'][:;,]?\s*(.*)", message)
-    if isinstance(error, ValueError) and damaged:
+    if damaged:
         file = damaged.group(1).removeprefix("file://")
+        relative = os.path.relpath(file, checkpoint)
+        why = _first_line(damaged.group(2), error)
+        if relative == "manifest.ocdbt" or relative.startswith("d/"):
+            return UserError(
+                f"checkpoint {checkpoint!r}: its OCDBT database file {relative!r} is damaged ({why}); {advice}"
+            )
         array, chunk = os.path.split(file)
-        why = damaged.group(2).strip().splitlines()[0][:160] if damaged.group(2).strip() else type(error).__name__
         return UserError(
             f"checkpoint {checkpoint!r}: array {_names(checkpoint, [array])[0]} cannot be read, its chunk file "
             f"{chunk!r} is damaged ({why}); {advice}"
         )
     return None
+
+
+def _first_line(text: str, error: BaseException) -> str:
+    """The start of tensorstore's reason, without its source locations; the error's type if none."""
+    text = re.split(r"\s*\[(?:source locations|tensorstore_spec)=", text)[0].strip()
+    return text.splitlines()[0][:160].strip() if text else type(error).__name__

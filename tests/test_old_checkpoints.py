@@ -155,3 +155,41 @@ def test_a_config_that_does_not_describe_it_gets_one_line(model, vocab, says):
         load_model(_train_config(config), str(STEP), vocab_size=vocab)
     message = str(error.value)
     assert says in message and repr(str(STEP)) in message and "\n" not in message
+
+
+def test_damage_to_an_old_checkpoint_is_named_in_one_line(tmp_path):
+    """The one-line errors hold for the old layout (a folder per array) too: a cut chunk file names its
+    array (qkvflow's loading path), and a checkpoint without optimizer state says so when the whole
+    trainer state is restored (`restore_error`, as `qkvflow train` reports a failed resume)."""
+    import shutil
+
+    import levanter.checkpoint
+    from levanter.optim import AdamConfig
+    from levanter.trainer_state import TrainerState
+
+    from qkvflow.checkpoints import load_model, restore_error
+    from qkvflow.errors import UserError
+
+    cut = tmp_path / "cut" / "step-1"
+    shutil.copytree(STEP, cut)
+    chunk = cut / "model" / "token_embeddings" / "weight" / "0.0"
+    chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])
+    with pytest.raises(UserError) as error:
+        load_model(_train_config(), str(cut))
+    message = str(error.value)
+    assert message.startswith(f"checkpoint {str(cut)!r}: array model.token_embeddings.weight cannot be read, its chunk "
+                              "file '0.0' is damaged (") and "\n" not in message and len(message) < 400, message
+
+    no_optimizer = tmp_path / "no_optimizer" / "step-1"
+    shutil.copytree(STEP, no_optimizer)
+    shutil.rmtree(no_optimizer / "opt_state")
+    optimizer = AdamConfig(learning_rate=1e-2, warmup=0.0, weight_decay=0.1, beta2=0.95).build(2)
+    model = eqx.filter_eval_shape(_model_config().build, Axis("vocab", VOCAB), key=jrandom.PRNGKey(0))
+    shape = eqx.filter_eval_shape(lambda m: TrainerState.init(optimizer, m, key=jrandom.PRNGKey(1)), model)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    with jax.set_mesh(mesh), pytest.raises(FileNotFoundError) as missing:
+        levanter.checkpoint.load_checkpoint(shape, str(no_optimizer), mesh=mesh)
+    message = str(restore_error(str(no_optimizer), missing.value))
+    assert message.startswith(f"checkpoint {str(no_optimizer)!r} lacks ") and "arrays that this run restores" in message
+    assert "(no opt_state at all): opt_state." in message and "more; set trainer.allow_partial_checkpoint=true" in message
+    assert "\n" not in message and message.count("opt_state.") <= 3, message

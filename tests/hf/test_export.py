@@ -7,6 +7,7 @@ discrete model, and, at M = N Euler steps, vs the ODE model itself.
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -273,6 +274,37 @@ def test_bad_input_is_refused_with_one_line(runs, tmp_path, capsys, corpus_root)
     err = _refused(capsys, [*args[:2], "--checkpoint", gpt2_checkpoint, "--output", str(tmp_path / "c")])
     assert "does not hold a DiffEqFormerGpt2Config model" in err
     assert not any((tmp_path / name).exists() for name in "abcd")
+
+
+def test_a_damaged_checkpoint_is_named_in_one_line(runs, tmp_path, capsys):
+    """marin-levanter writes a checkpoint as one OCDBT database (step-N/manifest.ocdbt, step-N/d/*), so a
+    damaged file may hold a chunk of any array or a node of the database's index: each is one line naming
+    the checkpoint and the array (or the database file), whichever file of the database is cut short."""
+    import shutil
+
+    config_path, checkpoint, _ = runs["diffeqformer_gpt2"]
+    data_files = sorted(p.name for p in (Path(checkpoint) / "step-0" / "d").iterdir())
+    assert not list(Path(checkpoint).rglob(".zarray")) and (Path(checkpoint) / "step-0" / "manifest.ocdbt").exists()
+    named = set()
+    for i, name in enumerate(data_files):
+        copy = tmp_path / f"run{i}"
+        shutil.copytree(checkpoint, copy)  # a new path: nothing read before is cached
+        damaged = copy / "step-0" / "d" / name
+        os.truncate(damaged, damaged.stat().st_size // 2)
+        from qkvflow.cli import main
+
+        rc = main(["export", "--config_path", config_path, "--checkpoint", str(copy), "--output", str(tmp_path / f"o{i}")])
+        err = capsys.readouterr().err
+        if rc == 0:  # a file that holds only what the model does not read (none here holds optimizer state)
+            continue
+        assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+        assert err.startswith(f"qkvflow export: error: checkpoint '{copy / 'step-0'}': ") and len(err) < 400, err
+        assert "is damaged (Requested byte range" in err and err.endswith("; use an earlier step-N folder of the run\n")
+        array = re.search(r": array (model\.[\w.]+) cannot be read, its (chunk '[\d/]+'|metadata \(zarr.json\))", err)
+        index = f": its OCDBT database file 'd/{name}' is damaged (" in err
+        assert array or index, err
+        named.add(array.group(1) if array else "index")
+    assert len(named - {"index"}) >= 2, named  # chunks of several arrays were cut, and each was named
 
 
 def _snapshot(folder: Path) -> dict:
