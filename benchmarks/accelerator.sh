@@ -36,9 +36,10 @@ options:
   --cpu-dry-run   tiny sizes on the CPU (JAX_PLATFORMS=cpu), current environment, no install, nothing
                   written outside DIR; for checking this script (tests/test_accelerator_script.py)
   -h, --help      this text
-Interpreter: \$PYTHON (default python3). MFU is model FLOPs per second over the device's nominal dense
-bf16 peak where it is known (H100/H200/A100, TPU v4/v5e/v5p/v6e), and over a matmul measured in the
-same process (bench speed's fraction_of_matmul_peak) always.
+Interpreter: \$PYTHON (default python3). MFU is model FLOPs per second over the device's nominal peak:
+bench speed's own \`mfu\` where it reports one, else this script's bf16 table (H100/H200/A100, TPU
+v4/v5e/v5p/v6e); the summary also gives the fraction of a matmul measured in the same process. Peak
+memory: bench speed's per-model device peak, else the process's peak (host RSS on a CPU).
 USAGE
 }
 
@@ -176,15 +177,21 @@ for path in sorted(glob.glob(os.path.join(out, "speed_*_*.json"))):
     kind = r["device"]["kind"]
     peak = next((f for name, f in NOMINAL if name.lower() in kind.lower()), None)
     peak = peak if r["config"]["dtype"] == "bf16" else None  # the table holds bf16 peaks only
-    mem = r.get("process_peak_memory") or {}
+    mfu, mfu_source = m.get("mfu"), (r.get("nominal_peak") or {}).get("source")  # bench speed's own, if it has one
+    if mfu is None and peak:
+        mfu, mfu_source = m["achieved_flops_per_s"] / peak, f"{peak:.3g} FLOP/s (this script's table)"
+    # bench speed's per-model device peak (after compile and warm-up), else the process's peak
+    mem = m.get("peak_device_memory") or {}
+    if mem.get("bytes") is None:
+        mem = r.get("process_peak_memory") or {}
     rows.append({
         "shape": shape, "model": m.get("model_type", r["config"]["model_type"]) if model == "baseline" else r["config"]["model_type"],
         "role": model, "device": f"{r['device']['count']} x {kind}", "dtype": r["config"]["dtype"],
         "tokens_per_step": r["config"]["tokens_per_step"], "parameters": m["parameter_count"],
         "tokens_per_s": m["tokens_per_s"], "tokens_per_s_iqr": m["tokens_per_s_iqr"],
-        "mfu_nominal": m["achieved_flops_per_s"] / peak if peak else None, "nominal_peak_flops": peak,
+        "mfu_nominal": mfu, "mfu_peak_source": mfu_source,
         "fraction_of_matmul_peak": m.get("fraction_of_matmul_peak"),
-        "peak_memory_bytes": mem.get("bytes"), "peak_memory_kind": mem.get("kind"),
+        "peak_memory_bytes": mem.get("bytes"), "peak_memory_kind": mem.get("kind") or mem.get("scope"),
         "xla_total_bytes": (m.get("xla_memory") or {}).get("total_bytes"),
     })
 json.dump(rows, open(os.path.join(out, "summary.json"), "w"), indent=1)

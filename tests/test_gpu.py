@@ -1,6 +1,6 @@
-"""Checks that need an accelerator (`pytest -m gpu`, run by benchmarks/accelerator.sh).
+"""Checks that need an accelerator (`pytest -m gpu`, run by benchmarks/accelerator.sh), and one that they skip without.
 
-On a CPU backend every test here skips, so the default suite (which collects them) stays CPU-only.
+On a CPU backend every gpu-marked test skips, so the default suite (which collects them) stays CPU-only.
 `QKVFLOW_GPU_TESTS_ON_CPU=1 pytest -m gpu tests/test_gpu.py` runs them on the CPU anyway (two
 simulated devices for the multi-device test), to check the tests themselves.
 
@@ -22,8 +22,6 @@ import pytest
 
 from tests.helpers import Vocab
 from tests.train_utils import losses, train_args
-
-pytestmark = pytest.mark.gpu
 
 FORCE_ON_CPU = os.environ.get("QKVFLOW_GPU_TESTS_ON_CPU") == "1"
 N = 4  # ode.num_steps of tests.helpers.tiny_config
@@ -76,6 +74,7 @@ def _train(workdir: Path, corpus_root: Path, platform: str, devices: int) -> lis
     return losses(workdir)
 
 
+@pytest.mark.gpu
 def test_two_devices_train_to_the_losses_of_one(tmp_path, request):
     platform = needs(devices=2)
     corpus_root = request.getfixturevalue("corpus_root")  # after the skip: building it takes a while
@@ -96,6 +95,7 @@ def _tokens(config, batch: int = 2):
     return hax.named(ids, (hax.Axis("batch", batch), config.max_Pos))
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("flavour", ["gpt2", "llama"])
 def test_the_ode_and_its_n_layer_discretisation_give_the_same_logits(flavour):
     import jax
@@ -115,6 +115,7 @@ def test_the_ode_and_its_n_layer_discretisation_give_the_same_logits(flavour):
     assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()  # as tests/test_discretise.py
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("flavour", ["gpt2", "llama"])
 def test_exported_hf_logits_match_the_accelerators(tmp_path, flavour):
     torch = pytest.importorskip("torch")
@@ -148,7 +149,8 @@ def test_exported_hf_logits_match_the_accelerators(tmp_path, flavour):
 
 
 def test_the_gpu_tests_skip_on_the_cpu_unless_forced():
-    """Run in the default suite too: on the CPU, without the variable, the tests above skip (not fail)."""
+    """Not gpu-marked: in the default suite, on the CPU, without the variable, the tests above skip
+    (not fail), and `pytest -m gpu` selects them."""
     code = (
         "import pytest, sys; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-m', 'gpu', "
         "'tests/test_gpu.py', '-k', 'discretisation and gpt2', '-rs']))"
