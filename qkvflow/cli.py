@@ -1,12 +1,15 @@
 """`qkvflow VERB ...`: a thin dispatcher; each verb's work lives in its own module.
 
 Bad input (unknown or mistyped config keys, unreadable YAML, missing files, invalid values) ends
-with one line naming the problem and exit status 2, not a traceback.
+with one line naming the problem and exit status 2, not a traceback. Every verb goes through `main`,
+which first checks the --config_path file and refuses Levanter 1.2 keys there and in the overrides
+(qkvflow.compat), then rewrites two kinds of override that draccus cannot read (`overrides`).
 """
 
 import argparse
 import contextlib
 import importlib
+import json
 import sys
 
 VERBS = {
@@ -51,6 +54,72 @@ def _config_path(argv: list[str]) -> str:
     return "the config"
 
 
+# Verbs whose config is a TrainConfig (with its `verbose` flag), parsed by draccus from the command line.
+FLAG_VERBS = ("train", "finetune", "sweep", "describe")
+FLAGS = ("--verbose",)
+"""Boolean config fields that may be given bare (`--verbose` for `--verbose true`)."""
+
+COMPONENTS = "--data.components"
+
+
+def overrides(verb: str, args: list[str]) -> list[str]:
+    """The overrides as draccus reads them.
+
+    * A bare boolean flag (`--verbose`, followed by nothing or by another `--key`) gets the value `true`:
+      draccus's parser wants a value for every field.
+    * `--data.components.NAME.KEY... VALUE` (a key inside one of LmDataConfig's named components, e.g.
+      `--data.components.owt.cache_dir /fast/owt`) becomes one `--data.components '{NAME: {KEY: VALUE}}'`:
+      draccus reads a dict-valued field only whole, and merges that mapping into the config file's
+      components, so the rest of the component is kept. Lists and mappings in VALUE are YAML.
+    """
+    import yaml
+
+    out, merged, at = [], {}, None
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        key, eq, value = arg.partition("=") if arg.startswith("--") else (arg, "", "")
+        has_next = i + 1 < len(args)
+        if verb in FLAG_VERBS and arg in FLAGS and (not has_next or args[i + 1].startswith("--")):
+            out += [arg, "true"]
+        elif key.startswith(COMPONENTS + "."):
+            if not eq:
+                if not has_next:
+                    out.append(arg)  # draccus names the missing value
+                    break
+                value, i = args[i + 1], i + 1
+            loaded = yaml.safe_load(value)
+            if not isinstance(loaded, (list, dict)) and loaded is not None:
+                loaded = value  # a scalar stays the text the user wrote; draccus converts it to the field's type
+            tree = loaded
+            for part in reversed(key[len(COMPONENTS) + 1 :].split(".")):
+                tree = {part: tree}
+            _deep_merge(merged, tree)
+            if at is None:
+                at = len(out)
+                out.append(None)
+        else:
+            out.append(arg)
+        i += 1
+    if at is not None and any(a == COMPONENTS or a.startswith(COMPONENTS + "=") for a in out if a):
+        from qkvflow.errors import UserError
+
+        raise UserError(
+            f"{COMPONENTS} is given whole and also by key ({COMPONENTS}.NAME.KEY): expected one of the two"
+        )
+    if at is not None:
+        out[at : at + 1] = [COMPONENTS, json.dumps(merged)]
+    return out
+
+
+def _deep_merge(into: dict, tree: dict) -> None:
+    for k, v in tree.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _deep_merge(into[k], v)
+        else:
+            into[k] = v
+
+
 def _user_cause(error: BaseException):
     """The first UserError among an exception's causes (draccus wraps what a constructor raised)."""
     from qkvflow.errors import UserError
@@ -80,12 +149,15 @@ def main(argv: list[str] | None = None) -> int:
 
     where = _config_path(rest)
     try:
+        from qkvflow.compat import check_config
         from qkvflow.preflight import check_config_file
 
-        check_config_file(None if where == "the config" else where)
+        path = check_config_file(None if where == "the config" else where)
+        check_config(path, rest)  # Levanter 1.2 keys, before anything is imported or parsed
+        args = overrides(verb, rest)
         with _argparse_raises():
             module = importlib.import_module(VERBS[verb][0])
-            return module.main(rest) or 0
+            return module.main(args) or 0
     except UserError as e:
         message = str(e)
     except (draccus.utils.DecodingError, draccus.utils.ParsingError) as e:

@@ -28,13 +28,14 @@ HEAD_BYTES = 1 << 16
 _COMPRESSED = (".gz", ".zst", ".zstd", ".bz2", ".xz", ".lz4", ".parquet", ".arrow")
 
 
-def check_config_file(path) -> None:
+def check_config_file(path):
     """The --config_path file: it exists, is UTF-8 YAML, and holds a mapping of sections.
-    (Syntax errors are left to the parser, whose message gives the line.)"""
+    (Syntax errors are left to the parser, whose message gives the line.) Returns the file as Levanter
+    finds it (`path`, `path.yaml` or `path.yml`), or `path` itself if remote or None."""
     import yaml
 
     if path is None or "://" in path:
-        return  # remote configs are read by Levanter (fsspec)
+        return path  # remote configs are read by Levanter (fsspec)
     path = next((p for p in (path, f"{path}.yaml", f"{path}.yml") if os.path.isfile(p)), path)  # as Levanter looks
     if not os.path.isfile(path):
         what = "is a folder" if os.path.isdir(path) else "does not exist"
@@ -49,7 +50,7 @@ def check_config_file(path) -> None:
     try:
         content = yaml.safe_load(text)
     except yaml.YAMLError:
-        return
+        return path
     if content is None:
         raise UserError(f"config file {path!r} is empty (expected sections such as model:, trainer:, data:)")
     if not isinstance(content, dict):
@@ -57,6 +58,7 @@ def check_config_file(path) -> None:
             f"config file {path!r} holds a {type(content).__name__} (expected a mapping of sections such as "
             "model:, trainer:, data:)"
         )
+    return path
 
 
 FORMATS = (".jsonl", ".json", ".parquet")
@@ -143,7 +145,7 @@ def _check_record(key: str, path: str, line: int, record, text_key: str) -> None
     if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
         raise UserError(
             f"{key}: file {path!r} line {line} has no string field {text_key!r} "
-            f"(expected objects like {{\"{text_key}\": \"...\"}}; data.format.text_key names the field)"
+            f"(expected objects like {{\"{text_key}\": \"...\"}}; {key.split('.source.')[0]}.format.text_key names the field)"
         )
 
 

@@ -11,16 +11,20 @@ import textwrap
 import typing
 
 HELP_ALL = "--help-all"
+FLAGS = ("verbose",)
+"""Boolean options listed bare (`--verbose`): qkvflow.cli.overrides gives them the value draccus needs."""
 
 SECTIONS = {
-    "data": "Levanter's data config: train_urls / validation_urls (.jsonl with a `text` field, .json or .parquet, "
-    "optionally compressed; not .txt) or a Hugging Face dataset `id`; tokenizer, cache_dir",
+    "data": "Levanter's LmDataConfig: tokenizer, and named components, each a source (data.components.<name>.source: "
+    "type url with train_urls / validation_urls (.jsonl with a `text` field, .json or .parquet, optionally "
+    "compressed; not .txt), type hf with a Hugging Face dataset id, or type hf_heldout) and a cache_dir; "
+    "override one key with --data.components.<name>.cache_dir DIR",
     "corpus": "build one of qkvflow's offline corpora and point `data` at it: name (pydoc, tinyshakespeare), "
     "root, vocab_size",
     "trainer": "Levanter's trainer: id, num_train_steps, train_batch_size, seed, mp, steps_per_eval, "
-    "max_eval_batches, checkpointer, tracker, log_dir, fsdp_axis, model_axis_size, distributed",
+    "max_eval_batches, checkpointer, tracker, log_dir, mesh (axes, param_mapping, shared_mapping), distributed",
     "model": "the model, chosen by `type` (diffeqformer_gpt2, diffeqformer_llama, shared_ode_gpt2, "
-    "shared_ode_llama, gpt2, llama): hidden_dim, num_heads, seq_len, time_embed_dim, ode.num_steps, "
+    "shared_ode_llama, gpt2, llama): hidden_dim, num_heads, max_seq_len, time_embed_dim, ode.num_steps, "
     "ode.solver, ...",
     "optimizer": "Levanter's AdamW: learning_rate, weight_decay, beta1, beta2, warmup, lr_schedule, min_lr_ratio",
     "pretrained": "the ODE run to start from: config_path, checkpoint, overrides",
@@ -55,6 +59,8 @@ def short_help(
         doc = get_attribute_docstring(config_cls, f.name).docstring_below
         if f.name in SECTIONS or _is_dataclass_type(hints.get(f.name)):
             sections.append((f.name, SECTIONS.get(f.name) or _first_paragraph(doc)))
+        elif f.name in FLAGS and hints.get(f.name) is bool:
+            options.append((f"--{f.name}", _first_paragraph(doc)))  # bare: qkvflow.cli turns it into `true`
         else:
             options.append((f"--{f.name} {_type_name(hints.get(f.name))}", _with_default(doc, f)))
     lines = [f"usage: {prog} --config_path CFG [--dotted.key value ...]", "", summary.strip(), ""]

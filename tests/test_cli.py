@@ -60,8 +60,8 @@ def test_describe_counts_the_corpus_tokenizers_vocabulary(capsys, corpus_root, t
 
 
 HELP = {  # verb: options and sections its --help must name
-    "train": ["--stop_after", "--epochs", "--nonfinite", "model", "corpus"],
-    "finetune": ["--steps", "--finetune", "pretrained", "lora", "export"],
+    "train": ["--stop_after", "--epochs", "--nonfinite", "--verbose", "model", "corpus"],
+    "finetune": ["--steps", "--finetune", "--verbose", "pretrained", "lora", "export"],
     "sweep": ["--depths", "--methods", "--steps", "pretrained", "sweep"],
 }
 
@@ -76,6 +76,7 @@ def test_help_is_one_screen_of_options_and_sections(capsys, verb):
         pattern = rf"^  {re.escape(name)}\s" if not name.startswith("--") else rf"^  {re.escape(name)}\b"
         assert re.search(pattern, out, re.MULTILINE), f"{verb} --help does not list {name}"
     assert f"qkvflow {verb} --help-all" in out
+    assert re.search(r"^  --verbose {2,}Show Levanter's log lines", out, re.MULTILINE)  # a bare flag, no value
 
 
 def test_help_all_lists_every_key(capsys):
@@ -84,3 +85,152 @@ def test_help_all_lists_every_key(capsys):
     out = capsys.readouterr().out
     assert exit.value.code == 0
     assert "--trainer.checkpointer.base_path" in out and "--model.ode.num_steps" in out
+
+
+# --- Levanter 1.2 keys: refused by every verb before it runs (qkvflow.compat, from qkvflow.cli.main) ------
+
+
+OLD_FILE = "trainer:\n  id: old\n  fsdp_axis: embed\nmodel:\n  seq_len: 64\n"
+
+
+@pytest.fixture()
+def no_verb(monkeypatch):
+    """The verb's module is never imported: the old key is refused before any verb code or parsing runs."""
+    import qkvflow.cli
+
+    def tripwire(name):
+        raise AssertionError(f"{name} was imported: the old key was not refused first")
+
+    monkeypatch.setattr(qkvflow.cli.importlib, "import_module", tripwire)
+
+
+# verb and its arguments besides --config_path (export and analyze need their own)
+VERB_ARGS = {
+    "train": [],
+    "finetune": [],
+    "sweep": ["--depths", "2"],
+    "describe": [],
+    "export": ["--checkpoint", "ckpt", "--output", "out"],
+    "analyze": ["spectra", "--checkpoint", "ckpt"],
+    "bench": ["speed"],
+}
+
+
+@pytest.mark.parametrize("verb", sorted(VERB_ARGS))
+def test_every_verb_refuses_an_old_config_file_in_one_line(capsys, tmp_path, no_verb, verb):
+    old = tmp_path / "old.yaml"
+    old.write_text(OLD_FILE)
+    rc, out, err = cli(capsys, verb, *VERB_ARGS[verb][:1], "--config_path", str(old), *VERB_ARGS[verb][1:])
+    assert rc == 2 and out == ""
+    assert err == (
+        f"qkvflow {verb}: error: {old}: trainer.fsdp_axis was removed in marin-levanter; use trainer.mesh.param_mapping "
+        "(e.g. {embed: data}) (also old: model.seq_len)\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "verb, override, replacement",
+    [
+        ("train", ["--model.seq_len", "64"], "use model.max_seq_len"),
+        ("train", ["--data.train_urls=[a.jsonl]"], "use data.components.<name>.source.train_urls"),
+        ("finetune", ["--trainer.model_axis_size", "2"], "use trainer.mesh.axes.model"),
+        ("finetune", ["--trainer.ray.auto_start_cluster", "false"], "delete: marin-levanter starts no Ray cluster"),
+        ("export", ["--trainer.tensor_parallel_axes", "[mlp, heads]"], "use trainer.mesh.shared_mapping"),
+        ("sweep", ["--data.id", "x"], "use data.components.<name>.source.id"),
+        ("describe", ["--trainer.profiler", "true"], "use trainer.profiler.enabled"),
+    ],
+)
+def test_old_override_keys_are_refused_in_one_line(capsys, no_verb, verb, override, replacement):
+    config = ROOT / ("configs/finetune/quickstart_lora.yaml" if verb in ("finetune", "sweep") else "configs/quickstart.yaml")
+    rc, out, err = cli(capsys, verb, "--config_path", str(config), *VERB_ARGS[verb], *override)
+    key = override[0][2:].split("=")[0]
+    assert rc == 2 and out == ""
+    assert err.startswith(f"qkvflow {verb}: error: command line: {key} was removed in marin-levanter; {replacement}")
+    assert err.count("\n") == 1
+
+
+def test_an_old_config_is_refused_end_to_end(tmp_path):
+    """The installed command in a fresh process: exit 2, one line on stderr, nothing written."""
+    old = tmp_path / "old.yaml"
+    old.write_text(OLD_FILE)
+    proc = subprocess.run([sys.executable, "-m", "qkvflow", "train", "--config_path", str(old)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        f"qkvflow train: error: {old}: trainer.fsdp_axis was removed in marin-levanter; use trainer.mesh.param_mapping "
+        "(e.g. {embed: data}) (also old: model.seq_len)"
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.yaml"]
+
+
+def test_the_check_finds_a_config_named_without_its_extension(capsys, tmp_path, no_verb):
+    """Levanter reads `--config_path x` as x.yaml; the old-key check reads the same file."""
+    (tmp_path / "old.yaml").write_text(OLD_FILE)
+    rc, _, err = cli(capsys, "train", "--config_path", str(tmp_path / "old"))
+    assert rc == 2 and f"{tmp_path / 'old.yaml'}: trainer.fsdp_axis was removed" in err
+
+
+# --- overrides draccus cannot read as written (qkvflow.cli.overrides) ------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--verbose"], ["--verbose", "true"]),
+        (["--verbose", "--trainer.id", "r"], ["--verbose", "true", "--trainer.id", "r"]),
+        (["--verbose", "false"], ["--verbose", "false"]),
+        (["--verbose=false"], ["--verbose=false"]),
+        (["--data.components.owt.cache_dir", "/fast/owt", "--trainer.id", "r"],
+         ["--data.components", '{"owt": {"cache_dir": "/fast/owt"}}', "--trainer.id", "r"]),
+        (["--data.components.a.source.train_urls=[x.jsonl, y.jsonl]", "--log_every", "1",
+          "--data.components.a.source.validation_fraction", "0.001", "--data.components.b.source", "{type: hf, id: z}"],
+         ["--data.components", '{"a": {"source": {"train_urls": ["x.jsonl", "y.jsonl"], "validation_fraction": "0.001"}}, '
+          '"b": {"source": {"type": "hf", "id": "z"}}}', "--log_every", "1"]),
+        (["--data.components", "{a: {}}", "--data.tokenizer", "gpt2"], ["--data.components", "{a: {}}", "--data.tokenizer", "gpt2"]),
+    ],
+)  # fmt: skip
+def test_overrides_for_draccus(args, expected):
+    from qkvflow.cli import overrides
+
+    assert overrides("train", args) == expected
+
+
+def test_bare_flags_only_for_the_config_verbs():
+    from qkvflow.cli import overrides
+
+    assert overrides("bench", ["speed", "--verbose"]) == ["speed", "--verbose"]  # bench's own argparse options
+    assert overrides("finetune", ["--verbose"]) == ["--verbose", "true"]
+
+
+def test_components_given_whole_and_by_key_is_one_line_error(capsys, no_verb):
+    rc, _, err = cli(capsys, "train", "--config_path", str(ROOT / "configs/quickstart.yaml"),
+                     "--data.components", "{a: {}}", "--data.components.a.cache_dir", "x")  # fmt: skip
+    assert rc == 2 and err.count("\n") == 1 and "--data.components is given whole and also by key" in err
+
+
+@pytest.mark.parametrize("verb, config", [("train", "configs/paper/owt_small_ode.yaml"), ("finetune", "configs/finetune/quickstart_lora.yaml")])
+def test_bare_verbose_and_component_keys_reach_the_config(capsys, monkeypatch, verb, config):
+    """`--verbose` alone sets TrainConfig.verbose (Levanter's log lines on the terminal) for train and
+    finetune; a key inside a data component overrides only that key. The run itself is replaced."""
+    import importlib
+
+    module = importlib.import_module(f"qkvflow.{verb}")
+    cls = module.FinetuneConfig if verb == "finetune" else module.TrainConfig
+    seen = []
+
+    def run(config: cls):  # levanter.config.main parses into the annotated class
+        seen.append(config)
+        return {"status": "done"}
+
+    monkeypatch.setattr(module, "_run", run)
+    path = str(ROOT / config)
+    assert cli(capsys, verb, "--config_path", path)[0] == 0
+    assert cli(capsys, verb, "--config_path", path, "--verbose")[0] == 0
+    assert cli(capsys, verb, "--config_path", path, "--verbose", "--trainer.id", "v", "--data.components.c.cache_dir", "/fast/c")[0] == 0
+    assert cli(capsys, verb, "--verbose", "false", "--config_path", path)[0] == 0
+    assert [c.verbose for c in seen] == [False, True, True, False]
+    assert seen[2].trainer.id == "v" and seen[2].data.components["c"].cache_dir == "/fast/c"
+    if verb == "train":  # the YAML's component keeps its source
+        assert seen[3].data.components.keys() == {"owt"}
+        owt = seen[2].data.components
+        assert owt.keys() == {"owt", "c"} and owt["owt"].source.id == "Skylion007/openwebtext"
