@@ -13,7 +13,7 @@ Batch = Axis("batch", 2)
 
 
 def tiny_config(flavour="gpt2", *, ode=None, **overrides):
-    kwargs = dict(seq_len=12, hidden_dim=32, num_heads=4, time_embed_dim=8, num_frequencies=16)
+    kwargs = dict(max_seq_len=12, hidden_dim=32, num_heads=4, time_embed_dim=8, num_frequencies=16)
     kwargs.update(overrides)
     return FLAVOURS[flavour](ode=ode or OdeConfig(num_steps=4), **kwargs)
 
@@ -23,7 +23,7 @@ def tiny_model(config, seed=0):
 
 
 def random_tokens(config, seed=1, batch=Batch):
-    return hax.random.randint(jrandom.PRNGKey(seed), (batch, config.Pos), 0, Vocab.size)
+    return hax.random.randint(jrandom.PRNGKey(seed), (batch, config.max_Pos), 0, Vocab.size)
 
 
 def smooth_model(config, seed=0):
