@@ -462,6 +462,10 @@ def export(config: FinetuneConfig, model, base, tokenizer, run_id: str, summary:
     from qkvflow.hf_folder import save_hf_folder
 
     e = config.export
+    # Levanter loads a MarinTokenizer; the transformers folder and the PEFT adapter are saved with the
+    # Hugging Face tokenizer it wraps (as qkvflow.checkpoints.load_model hands to `qkvflow export`).
+    if hasattr(tokenizer, "as_hf_tokenizer"):
+        tokenizer = tokenizer.as_hf_tokenizer()
     ode_steps = summary.get("pretrained_steps_N")
     protect = _protected(config, run_id)
     if e.hf_dir is not None:

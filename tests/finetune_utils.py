@@ -1,5 +1,6 @@
 """Shared by the fine-tuning tests: a tiny pretrained ODE checkpoint and `qkvflow finetune|sweep` runs."""
 
+import json
 import os
 import subprocess
 import sys
@@ -41,6 +42,16 @@ def base_args(workdir: Path, corpus_root: Path, pretrained: Path, *, config_path
         "--trainer.checkpointer.base_path", str(workdir / "checkpoints"),
         "--trainer.tracker", f"{{type: jsonl, path: {workdir / 'runs'}}}",
         "--trainer.log_dir", str(workdir / "logs"),
+    ]  # fmt: skip
+
+
+def url_data(data: Path, tokenizer: Path, cache: Path) -> list[str]:
+    """Overrides that train and validate on the one JSONL file `data` (no corpus): a single url component
+    `small` of Levanter's LmDataConfig, tokenized with `tokenizer`, cached under `cache`."""
+    source = {"type": "url", "train_urls": [str(data)], "validation_urls": [str(data)]}
+    return [
+        "--corpus", "null", "--data.components", json.dumps({"small": {"source": source}}),
+        "--data.tokenizer", str(tokenizer), "--data.cache_dir", str(cache),
     ]  # fmt: skip
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from qkvflow.cli import main as cli_main
-from tests.finetune_utils import TINY_FINETUNE, TINY_TRAIN, base_args, save_fresh_checkpoint, shared_setup
+from tests.finetune_utils import TINY_FINETUNE, TINY_TRAIN, base_args, save_fresh_checkpoint, shared_setup, url_data
 from tests.train_utils import losses
 
 
@@ -54,9 +54,8 @@ def lora_run(tmp_path_factory, shared):
     data.write_text("".join(json.dumps({"text": REPEATED}) + "\n" for _ in range(48)))
     export = f"{{hf_dir: {workdir / 'hf'}, peft_dir: {workdir / 'peft'}, merged: false}}"
     config = _parse(
-        workdir, corpora, pretrained, "--steps", "4", "--export", export, "--corpus", "null",
-        "--data.train_urls", f"[{data}]", "--data.validation_urls", f"[{data}]",
-        "--data.tokenizer", str(corpora / "pydoc" / "tokenizer"), "--data.cache_dir", str(workdir / "cache"),
+        workdir, corpora, pretrained, "--steps", "4", "--export", export,
+        *url_data(data, corpora / "pydoc" / "tokenizer", workdir / "cache"),
         "--optimizer.learning_rate", LORA_LR,
     )  # fmt: skip
     return workdir, config, finetune(config)
@@ -82,7 +81,7 @@ def test_lora_freezes_the_base_bit_for_bit_and_trains_the_adapters(lora_run, sha
     import equinox as eqx
     import jax
     import jax.numpy as jnp
-    from levanter.lora import partition_lora_params
+    from levanter.adaptor.lora import partition_lora_params
 
     from qkvflow.finetune import add_lora, load_base, load_pretrained_config
 
@@ -195,9 +194,8 @@ def test_lora_stop_and_resume_reproduces_the_uninterrupted_run(lora_run, shared,
     corpora, pretrained = shared
     data = whole / "small.jsonl"
     args = [
-        *base_args(tmp_path, corpora, pretrained), "--steps", "4", "--corpus", "null",
-        "--data.train_urls", f"[{data}]", "--data.validation_urls", f"[{data}]",
-        "--data.tokenizer", str(corpora / "pydoc" / "tokenizer"), "--data.cache_dir", str(whole / "cache"),
+        *base_args(tmp_path, corpora, pretrained), "--steps", "4",
+        *url_data(data, corpora / "pydoc" / "tokenizer", whole / "cache"),
         "--optimizer.learning_rate", LORA_LR,
     ]  # fmt: skip
     first = run_cli("finetune", tmp_path, *args, "--stop_after", "3")
@@ -244,7 +242,7 @@ def test_a_baseline_checkpoint_is_refused(tmp_path, shared, capsys):
 
     corpora, _ = shared
     config = yaml.safe_load(open(TINY_TRAIN))
-    config["model"] = {"type": "gpt2", "num_layers": 1, "hidden_dim": 32, "num_heads": 2, "seq_len": 32}
+    config["model"] = {"type": "gpt2", "num_layers": 1, "hidden_dim": 32, "num_heads": 2, "max_seq_len": 32}
     baseline_config = tmp_path / "baseline.yaml"
     baseline_config.write_text(yaml.safe_dump(config))
     baseline = save_fresh_checkpoint(tmp_path / "baseline", corpora, str(baseline_config))
