@@ -150,6 +150,48 @@ def test_kinetic_energy_is_integral_of_squared_speed():
     assert float(metrics["ode_nfe"].value()) == n
 
 
+def _reference_loss(logits, ids, weight, z=0.0) -> float:
+    """Weighted mean over positions of -log p(next token) + z * logsumexp^2, in float64 from the logits."""
+    logits = np.asarray(logits.rearrange(("position", "vocab")).array, np.float64)
+    log_z = np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1)) + logits.max(-1)
+    tokens = np.asarray(ids.array)
+    nll = log_z[:-1] - logits[np.arange(len(tokens) - 1), tokens[1:]] + z * log_z[:-1] ** 2
+    w = np.asarray(weight, np.float64)[:-1]
+    return float(np.sum(w * nll) / np.sum(w))
+
+
+@pytest.mark.parametrize("kind", ["diffeqformer_gpt2", "gpt2"])
+def test_lm_loss_is_the_weighted_cross_entropy_whatever_the_weights_dtype(kind):
+    """qkvflow.loss.lm_loss against the formula, for a DiffEqFormer and for Levanter's GPT-2 (which it
+    hands to Levanter), with z-loss and a weight that drops positions and counts one twice, given as
+    floats and as integers (marin-levanter takes the loss's dtype from the weight: an int weight must be
+    cast, or the loss comes out as a wrong integer)."""
+    import jax.random as jrandom
+    from levanter.models.gpt2 import Gpt2Config
+
+    from qkvflow.loss import lm_loss
+
+    config = tiny_config("gpt2", initializer_range=0.2)
+    if kind == "gpt2":
+        gpt2 = Gpt2Config(max_seq_len=12, hidden_dim=32, num_heads=4, num_layers=1, initializer_range=0.2)
+        model = gpt2.build(Vocab, key=jrandom.PRNGKey(0))
+    else:
+        model = tiny_model(config)
+    ids = random_tokens(config)["batch", 0]
+    weight, z = np.array([0, 0, 1, 1, 1, 2, 1, 1, 0, 1, 1, 1]), 1e-2
+    reference = _reference_loss(eqx.filter_jit(model)(ids, AttentionMask.causal()), ids, weight, z)
+    unweighted = _reference_loss(model(ids, AttentionMask.causal()), ids, np.ones(12), z)
+    assert abs(reference - unweighted) > 10 * 1e-5 * reference  # a loss that ignored the weight would fail
+    loss_fn = eqx.filter_jit(lm_loss)  # one compilation per weight dtype
+    causal = LmExample.causal(ids)
+    for dtype in (jnp.float32, jnp.int32):
+        example = LmExample(ids, (causal.loss_weight * hax.named(weight, ids.axes)).astype(dtype), causal.attn_mask)
+        out = loss_fn(model, example, z_loss_weight=z)
+        loss = out[0] if isinstance(out, tuple) else out
+        assert jnp.issubdtype(jnp.asarray(loss).dtype, jnp.floating)
+        np.testing.assert_allclose(float(loss), reference, rtol=1e-5, err_msg=str(dtype))
+
+
 def test_shared_generator_is_constant_plus_linear_bias():
     from qkvflow.models.config import SharedOdeLlamaConfig
 
