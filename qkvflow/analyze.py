@@ -81,7 +81,7 @@ def lyapunov(args, overrides: list[str]) -> dict:
     _require_ode_model(config, "lyapunov", args.config_path)
     if args.steps is not None and args.steps < 1:
         raise UserError(f"lyapunov: --steps {args.steps} is invalid: expected an integer >= 1")
-    encode_prompt(with_corpus(config).data.the_tokenizer, args.text, config.model.seq_len)  # fail before loading
+    encode_prompt(with_corpus(config).data.the_tokenizer, args.text, config.model.max_seq_len)  # fail before loading
     model, tokenizer = load_model(config, args.checkpoint)
     return analyze_lyapunov(model, tokenizer, args.text, args.output, num_steps=args.steps)
 

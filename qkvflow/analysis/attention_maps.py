@@ -32,7 +32,7 @@ def attention_probabilities(h: NamedArray, weights: dict, config, pos_ids: Named
     if config.flavour == "llama":
         rotary = config.rope.build(config.HeadSize)
         q, k = rotary(q, pos_ids), rotary(k, pos_ids)
-    Pos = h.resolve_axis(config.Pos.name)
+    Pos = h.resolve_axis(config.max_Pos.name)
     KeyPos = Pos.alias(config.KeyPos.name)
     k = k.rename({Pos.name: KeyPos.name})
     scores = hax.dot(q, k, axis=config.HeadSize) / math.sqrt(config.HeadSize.size)
@@ -44,7 +44,7 @@ def attention_probabilities(h: NamedArray, weights: dict, config, pos_ids: Named
 @eqx.filter_jit
 def _maps(model, times: jax.Array, trajectory: jax.Array) -> jax.Array:
     config = model.config
-    Pos = Axis(config.Pos.name, trajectory.shape[1])
+    Pos = Axis(config.max_Pos.name, trajectory.shape[1])
     pos = hax.arange(Pos)
 
     def one(t, x):

@@ -55,16 +55,17 @@ class TokenLyapunov:
         return np.linspace(0.0, 1.0, self.trajectory.shape[0])
 
 
-def encode_prompt(tokenizer, text: str, seq_len: int) -> list[int]:
-    """Token ids of `text` without the tokenizer's `<|endoftext|>` wrapping; UserError if unusable."""
+def encode_prompt(tokenizer, text: str, max_seq_len: int) -> list[int]:
+    """Token ids of `text` without the tokenizer's `<|endoftext|>` wrapping; UserError if unusable.
+    `tokenizer`: Levanter's MarinTokenizer or a Hugging Face one (both have `encode(text, add_special_tokens=)`)."""
     if not text.strip():
         raise UserError("lyapunov: --text is empty; give the text whose tokens to analyse")
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
     if not ids:
         raise UserError(f"lyapunov: --text {text!r} encodes to no tokens")
-    if len(ids) > seq_len:
+    if len(ids) > max_seq_len:
         raise UserError(
-            f"lyapunov: --text is {len(ids)} tokens long, more than the model's seq_len of {seq_len}; shorten it"
+            f"lyapunov: --text is {len(ids)} tokens long, more than the model's max_seq_len of {max_seq_len}; shorten it"
         )
     return ids
 
@@ -73,7 +74,7 @@ def encode_prompt(tokenizer, text: str, seq_len: int) -> list[int]:
 def _solve(model, ids: jax.Array, target: int, num_steps: int):
     config = model.config
     n, E = ids.shape[0], config.hidden_dim
-    Pos = Axis(config.Pos.name, n)
+    Pos = Axis(config.max_Pos.name, n)
     pos = hax.arange(Pos)
     x0 = model.embed(hax.named(ids, Pos), pos).rearrange((Pos, config.Embed))
     axes, dt, mask = x0.axes, 1.0 / num_steps, AttentionMask.causal()
@@ -101,7 +102,7 @@ def _solve(model, ids: jax.Array, target: int, num_steps: int):
 
 def token_lyapunov(model, ids, *, target: Optional[int] = None, num_steps: Optional[int] = None) -> TokenLyapunov:
     """Exponents of every input token for output token `target` (default: the last) of `ids` (a 1-D
-    sequence of token ids, at most seq_len long), with `num_steps` Euler steps (default: the model's)."""
+    sequence of token ids, at most max_seq_len long), with `num_steps` Euler steps (default: the model's)."""
     ids = jnp.asarray(ids, dtype=jnp.int32)
     target = ids.shape[0] - 1 if target is None else target
     num_steps = num_steps or model.config.ode.num_steps
@@ -114,7 +115,7 @@ def analyze_lyapunov(
 ) -> dict:
     """Sensitivities of `text`'s tokens for its last token: HTML page, PNG, attention maps at up to
     `num_maps` grid times, and a JSON summary (written as lyapunov.json and returned)."""
-    ids = encode_prompt(tokenizer, text, model.config.seq_len)
+    ids = encode_prompt(tokenizer, text, model.config.max_seq_len)
     if num_steps is not None and num_steps < 1:
         raise UserError(f"lyapunov: --steps {num_steps} is invalid: expected an integer >= 1")
     result = token_lyapunov(model, ids, num_steps=num_steps)

@@ -10,7 +10,7 @@ from tests.helpers import tiny_config
 TINY_MODEL_YAML = """
 model:
   type: diffeqformer_gpt2
-  seq_len: 12
+  max_seq_len: 12
   hidden_dim: 32
   num_heads: 4
   time_embed_dim: 8
@@ -21,7 +21,7 @@ model:
 GPT2_YAML = """
 model:
   type: gpt2
-  seq_len: 12
+  max_seq_len: 12
   hidden_dim: 32
   num_heads: 4
   num_layers: 3

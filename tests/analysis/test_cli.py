@@ -71,7 +71,7 @@ def test_clusters_command(tmp_path, capsys):
 BAD = [
     (["--text", ""], "lyapunov: --text is empty"),
     (["--text", "   \n"], "lyapunov: --text is empty"),
-    (["--text", " ".join(["word"] * 13)], "is {n} tokens long, more than the model's seq_len of 12"),  # >= 13 tokens
+    (["--text", " ".join(["word"] * 13)], "is {n} tokens long, more than the model's max_seq_len of 12"),  # >= 13 tokens
     (["--text", "x", "--steps", "0"], "--steps 0 is invalid"),
 ]
 
@@ -83,7 +83,7 @@ def test_lyapunov_bad_text_is_a_user_error(diffeqformer_run, args, message):
 
     config, checkpoint = diffeqformer_run
     tokenizer = with_corpus(draccus.parse(TrainConfig, config_path=config, args=[])).data.the_tokenizer
-    n = len(tokenizer(args[1], add_special_tokens=False)["input_ids"])
+    n = len(tokenizer.encode(args[1], add_special_tokens=False))  # Levanter's MarinTokenizer
     with pytest.raises(UserError, match=message.format(n=n)):
         analyze.main(["lyapunov", "--config_path", config, "--checkpoint", checkpoint, *args])
 

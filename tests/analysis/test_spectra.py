@@ -27,7 +27,7 @@ def _set_head(w, head: int, block: np.ndarray, head_axis: int):
 
 
 def test_hand_built_shared_weights_give_exact_constant_spectra(tmp_path):
-    model = filled(SharedOdeGpt2Config(seq_len=8, hidden_dim=E, num_heads=2, ode=OdeConfig(3)))
+    model = filled(SharedOdeGpt2Config(max_seq_len=8, hidden_dim=E, num_heads=2, ode=OdeConfig(3)))
     c = dict(model.generator.constants)  # q, k, v: [embed, heads, head_size]; o: [heads, head_size, embed]
     c["q"], c["k"], c["v"] = (_set_head(c[n], 0, m, 1) for n, m in (("q", Q0), ("k", K0), ("v", V0)))
     c["o"] = _set_head(c["o"], 0, O0, 0)
@@ -65,7 +65,7 @@ def test_generator_circuits_are_the_generated_weights(tiny_gpt2):
 def test_gpt2_reads_the_layer_that_was_set():
     from levanter.models.gpt2 import Gpt2Config
 
-    model = filled(Gpt2Config(seq_len=8, hidden_dim=E, num_heads=2, num_layers=3))
+    model = filled(Gpt2Config(max_seq_len=8, hidden_dim=E, num_heads=2, num_layers=3))
     c_attn = model.transformer.blocks.stacked.attn.c_attn.weight  # [layers, embed, qkv, heads, head_size]
     assert [a.name for a in c_attn.axes] == ["layers", "embed", "qkv", "heads", "head_size"]
     array = c_attn.array.at[1, :, 0, 1, :].set(Q0).at[1, :, 1, 1, :].set(K0).at[1, :, 2, 1, :].set(V0)
@@ -86,7 +86,7 @@ def test_gpt2_reads_the_layer_that_was_set():
 def test_llama_grouped_query_heads_are_numbered_as_levanter_flattens_them(scan_layers):
     from levanter.models.llama import LlamaConfig
 
-    shape = dict(seq_len=8, hidden_dim=2 * E, num_heads=4, num_kv_heads=2, num_layers=3, intermediate_dim=16)
+    shape = dict(max_seq_len=8, hidden_dim=2 * E, num_heads=4, num_kv_heads=2, num_layers=3, intermediate_dim=16)
     config = LlamaConfig(**shape, scan_layers=scan_layers)
     model = filled(config)
     layer = 2
