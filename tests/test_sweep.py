@@ -6,7 +6,7 @@ import json
 import pytest
 
 from qkvflow.cli import main as cli_main
-from tests.finetune_utils import base_args, run_cli, shared_setup
+from tests.finetune_utils import base_args, run_cli, shared_setup, url_data
 from tests.train_utils import losses
 
 
@@ -108,9 +108,8 @@ def test_two_by_two_grid_end_to_end_and_rerun(tmp_path, shared):
     data = tmp_path / "small.jsonl"
     data.write_text("".join(json.dumps({"text": REPEATED}) + "\n" for _ in range(48)))
     args = [
-        *base_args(tmp_path, corpora, pretrained), "--depths", "1,4", "--methods", "lora,full", "--corpus", "null",
-        "--data.train_urls", f"[{data}]", "--data.validation_urls", f"[{data}]",
-        "--data.tokenizer", str(corpora / "pydoc" / "tokenizer"), "--data.cache_dir", str(tmp_path / "cache"),
+        *base_args(tmp_path, corpora, pretrained), "--depths", "1,4", "--methods", "lora,full",
+        *url_data(data, corpora / "pydoc" / "tokenizer", tmp_path / "cache"),
         "--optimizer.learning_rate", LORA_LR,
     ]  # fmt: skip
     proc = run_cli("sweep", tmp_path, *args)
