@@ -64,7 +64,7 @@ def world(tmp_path_factory, corpus_root):
 
     # a checkpoint of run `tiny`, written by Levanter's checkpointer for the config in base.yaml
     config = DiffEqFormerGpt2Config(
-        seq_len=32, hidden_dim=32, num_heads=2, time_embed_dim=8, num_frequencies=16, ode=OdeConfig(num_steps=2)
+        max_seq_len=32, hidden_dim=32, num_heads=2, time_embed_dim=8, num_frequencies=16, ode=OdeConfig(num_steps=2)
     )
     model = config.build(Axis("vocab", 2048), key=jrandom.PRNGKey(0))
     levanter.checkpoint.save_checkpoint({"model": model}, step=5, checkpoint_path=str(w / "checkpoints" / "tiny" / "step-5"))
@@ -101,13 +101,16 @@ def _run_cli(world: Path, corpus_root: Path, args: list[str], capsys) -> tuple[i
     return rc, capsys.readouterr().err
 
 
-DATA = ["--corpus", "null", "--data.validation_urls", "[]", "--data.tokenizer", "{corpus}/pydoc/tokenizer"]
+# No corpus: one url component `c` (qkvflow.cli turns `--data.components.c.KEY v` into a data.components mapping)
+DATA = ["--corpus", "null", "--data.tokenizer", "{corpus}/pydoc/tokenizer"]
+TRAIN = "--data.components.c.source.train_urls"
+URL = "data.components.c.source.train_urls[0]"
 
 # (id, arguments, what the one-line error must contain)
 CASES = [
     # the config file
     ("malformed-yaml", ["--config_path", "{w}/malformed.yaml"], "malformed.yaml is not valid YAML"),
-    ("non-utf8-yaml", ["--config_path", "{w}/latin1.yaml"], "latin1.yaml' is not UTF-8 text (line 40"),
+    ("non-utf8-yaml", ["--config_path", "{w}/latin1.yaml"], f"latin1.yaml' is not UTF-8 text (line {Path(TINY).read_text().count(chr(10)) + 2},"),
     ("missing-config", ["--config_path", "{w}/nothere.yaml"], "config file '{w}/nothere.yaml' does not exist (expected a YAML file"),
     ("yaml-list", ["--config_path", "{w}/list.yaml"], "list.yaml' holds a list (expected a mapping of sections"),
     ("empty-yaml", ["--config_path", "{w}/empty.yaml"], "empty.yaml' is empty (expected sections"),
@@ -137,24 +140,28 @@ CASES = [
     ("unknown-corpus", ["--corpus.name", "wikipedia"], "corpus.name='wikipedia' is invalid: expected one of pydoc, tinyshakespeare"),
     ("corpus-vocab-0", ["--corpus.vocab_size", "0"], "corpus.vocab_size=0 is invalid"),
     # data files and the tokenizer
-    ("missing-data", [*DATA, "--data.train_urls", "[{w}/data/missing.jsonl]"], "data.train_urls[0]: file '{w}/data/missing.jsonl' does not exist"),
-    ("empty-data", [*DATA, "--data.train_urls", "[{w}/data/empty.jsonl]"], "data.train_urls[0]: file '{w}/data/empty.jsonl' is empty"),
-    ("blank-data", [*DATA, "--data.train_urls", "[{w}/data/blank.jsonl]"], "blank.jsonl' holds only whitespace"),
-    ("txt-data", [*DATA, "--data.train_urls", "[{w}/data/plain.txt]"], "data.train_urls[0]: '{w}/data/plain.txt' is a .txt file, which Levanter's URL data does not read; expected .jsonl, .json or .parquet"),
-    ("jsonl-bad-later-line", [*DATA, "--data.train_urls", "[{w}/data/bad_line_3.jsonl]"], "data.train_urls[0]: file '{w}/data/bad_line_3.jsonl' line 3 is not JSON"),
-    ("jsonl-later-line-no-text", [*DATA, "--data.train_urls", "[{w}/data/no_text_line_2.jsonl]"], "no_text_line_2.jsonl' line 2 has no string field 'text'"),
-    ("jsonl-blank-line", [*DATA, "--data.train_urls", "[{w}/data/blank_line_2.jsonl]"], "blank_line_2.jsonl' line 2 is blank"),
-    ("txt-data-remote", [*DATA, "--data.train_urls", "[gs://bucket/corpus.txt]"], "data.train_urls[0]: 'gs://bucket/corpus.txt' is a .txt file"),
-    ("glob-matches-nothing", [*DATA, "--data.train_urls", "[{w}/data/nothing*.jsonl]"], "data.train_urls[0]: '{w}/data/nothing*.jsonl' matches no files"),
-    ("glob-matches-bad-file", [*DATA, "--data.train_urls", "[{w}/data/bad_line_*.jsonl]"], "data.train_urls[0]: file '{w}/data/bad_line_3.jsonl' line 3"),
-    ("non-utf8-data", [*DATA, "--data.train_urls", "[{w}/data/latin1.jsonl]"], "latin1.jsonl' is not UTF-8 text (byte 13"),
-    ("jsonl-not-json", [*DATA, "--data.train_urls", "[{w}/data/not_json.jsonl]"], "not_json.jsonl' line 1 is not JSON"),
-    ("jsonl-no-text-field", [*DATA, "--data.train_urls", "[{w}/data/no_text.jsonl]"], "no_text.jsonl' line 1 has no string field 'text'"),
-    ("data-is-a-folder", [*DATA, "--data.train_urls", "[{w}/data/folder]"], "folder' is a folder (expected a .jsonl, .json or .parquet file"),
-    ("no-training-data", ["--corpus", "null", "--data.train_urls", "[]"], "data.train_urls is empty"),
-    ("missing-validation-data", ["--corpus", "null", "--data.train_urls", "[{corpus}/pydoc/train.jsonl]", "--data.validation_urls", "[{w}/v.jsonl]", "--data.tokenizer", "{corpus}/pydoc/tokenizer"], "data.validation_urls[0]: file '{w}/v.jsonl' does not exist"),
-    ("missing-tokenizer", [*DATA, "--data.train_urls", "[{corpus}/pydoc/train.jsonl]", "--data.tokenizer", "{w}/no_tokenizer"], "data.tokenizer: '{w}/no_tokenizer' does not exist"),
-    ("broken-tokenizer", [*DATA, "--data.train_urls", "[{corpus}/pydoc/train.jsonl]", "--data.tokenizer", "{w}/broken_tokenizer"], "data.tokenizer='{w}/broken_tokenizer' could not be loaded"),
+    ("missing-data", [*DATA, TRAIN, "[{w}/data/missing.jsonl]"], URL + ": file '{w}/data/missing.jsonl' does not exist"),
+    ("empty-data", [*DATA, TRAIN, "[{w}/data/empty.jsonl]"], URL + ": file '{w}/data/empty.jsonl' is empty"),
+    ("blank-data", [*DATA, TRAIN, "[{w}/data/blank.jsonl]"], "blank.jsonl' holds only whitespace"),
+    ("txt-data", [*DATA, TRAIN, "[{w}/data/plain.txt]"], URL + ": '{w}/data/plain.txt' is a .txt file, which Levanter's URL data does not read; expected .jsonl, .json or .parquet"),
+    ("jsonl-bad-later-line", [*DATA, TRAIN, "[{w}/data/bad_line_3.jsonl]"], URL + ": file '{w}/data/bad_line_3.jsonl' line 3 is not JSON"),
+    ("jsonl-later-line-no-text", [*DATA, TRAIN, "[{w}/data/no_text_line_2.jsonl]"], "no_text_line_2.jsonl' line 2 has no string field 'text'"),
+    ("jsonl-blank-line", [*DATA, TRAIN, "[{w}/data/blank_line_2.jsonl]"], "blank_line_2.jsonl' line 2 is blank"),
+    ("txt-data-remote", [*DATA, TRAIN, "[gs://bucket/corpus.txt]"], URL + ": 'gs://bucket/corpus.txt' is a .txt file"),
+    ("glob-matches-nothing", [*DATA, TRAIN, "[{w}/data/nothing*.jsonl]"], URL + ": '{w}/data/nothing*.jsonl' matches no files"),
+    ("glob-matches-bad-file", [*DATA, TRAIN, "[{w}/data/bad_line_*.jsonl]"], URL + ": file '{w}/data/bad_line_3.jsonl' line 3"),
+    ("non-utf8-data", [*DATA, TRAIN, "[{w}/data/latin1.jsonl]"], "latin1.jsonl' is not UTF-8 text (byte 13"),
+    ("jsonl-not-json", [*DATA, TRAIN, "[{w}/data/not_json.jsonl]"], "not_json.jsonl' line 1 is not JSON"),
+    ("jsonl-no-text-field", [*DATA, TRAIN, "[{w}/data/no_text.jsonl]"], "no_text.jsonl' line 1 has no string field 'text'"),
+    ("data-is-a-folder", [*DATA, TRAIN, "[{w}/data/folder]"], "folder' is a folder (expected a .jsonl, .json or .parquet file"),
+    ("no-data-components", ["--corpus", "null"], "data.components is empty: expected a dataset (data.components.<name>.source"),
+    ("no-training-data", [*DATA, TRAIN, "[]"], "data: no component has training data: expected data.components.<name>.source.train_urls"),
+    ("missing-validation-data", [*DATA, TRAIN, "[{corpus}/pydoc/train.jsonl]", "--data.components.c.source.validation_urls", "[{w}/v.jsonl]"], "data.components.c.source.validation_urls[0]: file '{w}/v.jsonl' does not exist"),
+    ("missing-data-second-url", [*DATA, TRAIN, "[{corpus}/pydoc/train.jsonl, {w}/data/missing.jsonl]"], "data.components.c.source.train_urls[1]: file '{w}/data/missing.jsonl' does not exist"),
+    ("missing-data-second-component", [*DATA, TRAIN, "[{corpus}/pydoc/train.jsonl]", "--data.components.d.source.train_urls", "[{w}/data/empty.jsonl]"], "data.components.d.source.train_urls[0]: file '{w}/data/empty.jsonl' is empty"),
+    ("no-text-field-named-by-format", [*DATA, TRAIN, "[{w}/data/no_text.jsonl]", "--data.components.c.format", "{type: text, text_key: body}"], "no_text.jsonl' line 1 has no string field 'body'"),
+    ("missing-tokenizer", [*DATA, TRAIN, "[{corpus}/pydoc/train.jsonl]", "--data.tokenizer", "{w}/no_tokenizer"], "data.tokenizer: '{w}/no_tokenizer' does not exist"),
+    ("broken-tokenizer", [*DATA, TRAIN, "[{corpus}/pydoc/train.jsonl]", "--data.tokenizer", "{w}/broken_tokenizer"], "data.tokenizer='{w}/broken_tokenizer' could not be loaded"),
     ("not-a-checkpoint", ["--trainer.load_checkpoint_path", "{w}/checkpoints/junk"], "is not a readable checkpoint"),
 ]
 
@@ -182,12 +189,68 @@ def _assert_refused(rc, err, message):
     assert "Traceback" not in err
 
 
+# Sizes that depend on the devices (preflight.check_devices, after JAX's initialisation): the test
+# process has one CPU device. Levanter 1.2's `--trainer.model_axis_size 3` is trainer.mesh.axes.model.
+DEVICES = [
+    ("mesh-model-axis-too-big", ["--trainer.mesh.axes", "{data: -1, replica: 1, model: 3}"],
+     "trainer.mesh.axes={'data': -1, 'replica': 1, 'model': 3} does not fit the 1 available devices ("),
+    ("mesh-data-axis-too-big", ["--trainer.mesh.axes", "{data: 2, replica: 1, model: 1}"],
+     "trainer.mesh.axes={'data': 2, 'replica': 1, 'model': 1} does not fit the 1 available devices ("),
+    ("mesh-two-absorbing-axes", ["--trainer.mesh.axes", "{data: -1, replica: -1, model: 1}"],
+     "trainer.mesh.axes={'data': -1, 'replica': -1, 'model': 1} does not fit"),
+    ("mesh-axis-0", ["--trainer.mesh.axes", "{data: -1, replica: 1, model: 0}"], "trainer.mesh.axes.model=0 is invalid: expected an integer >= 1"),
+]
+
+
+@pytest.mark.parametrize("args,message", [c[1:] for c in DEVICES], ids=[c[0] for c in DEVICES])
+def test_a_mesh_that_does_not_fit_the_devices_is_refused(world, corpus_root, capsys, monkeypatch, args, message):
+    import qkvflow.train
+    from qkvflow import preflight
+
+    def initialize(config):
+        preflight.check_devices(config.trainer)
+        raise Tripwire("a mesh that does not fit passed the device check")
+
+    monkeypatch.setattr(qkvflow.train, "_initialize", initialize)
+    monkeypatch.chdir(world)
+    before = _snapshot(world / "checkpoints")
+    rc, err = _run_cli(world, corpus_root, args, capsys)
+    _assert_refused(rc, err, message)
+    assert _snapshot(world / "checkpoints") == before
+
+
+@pytest.mark.parametrize("axes, batch, message", [
+    ({"data": -1, "replica": 1, "model": 1}, 6, "trainer.train_batch_size=6 is not divisible by the data-parallel size 4 (4 devices, "
+     "trainer.mesh.axes={'data': -1, 'replica': 1, 'model': 1}); pick a multiple of 4"),
+    ({"data": -1, "replica": 1, "model": 2}, 6, None),  # 2-way tensor parallelism: data-parallel size 2
+    ({"data": -1, "replica": 1, "model": 2}, 5, "trainer.train_batch_size=5 is not divisible by the data-parallel size 2"),
+    ({"data": -1, "replica": 1, "model": 8}, 8, "trainer.mesh.axes={'data': -1, 'replica': 1, 'model': 8} does not fit the 4 available devices"),
+])  # fmt: skip
+def test_batch_sizes_divide_over_the_meshs_data_parallel_size(monkeypatch, axes, batch, message):
+    """check_batch on 4 (pretended) devices: the batch divides over data x replica, not over the model axis."""
+    import jax
+    from levanter.trainer import TrainerConfig
+    from levanter.utils.mesh import MeshConfig
+
+    from qkvflow import preflight
+    from qkvflow.errors import UserError
+
+    monkeypatch.setattr(jax, "device_count", lambda *a: 4)
+    config = TrainerConfig(train_batch_size=batch, mesh=MeshConfig(axes=axes))
+    if message is None:
+        preflight.check_batch(config)
+        return
+    with pytest.raises(UserError) as error:
+        preflight.check_batch(config)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
 # The checkpoint of run `tiny` was written for base.yaml's model (GPT-2 flavour, hidden 32, vocabulary
 # 2048). Resuming it with a model or tokenizer that does not fit must fail at the resume check.
 RESUME = [
     ("tokenizer-vocab-differs", ["--corpus.root", "{w}/corpus_512", "--corpus.vocab_size", "512"],
      "model.token_embeddings.weight has shape (2048, 32) but this config's DiffEqFormerGpt2Config needs (vocab=512, embed=32); the tokenizer's vocabulary"),
-    ("other-model-type", ["--model.type", "diffeqformer_llama", "--model.seq_len", "32", "--model.hidden_dim", "32", "--model.num_heads", "2", "--model.time_embed_dim", "8", "--model.num_frequencies", "16"],
+    ("other-model-type", ["--model.type", "diffeqformer_llama", "--model.max_seq_len", "32", "--model.hidden_dim", "32", "--model.num_heads", "2", "--model.time_embed_dim", "8", "--model.num_frequencies", "16"],
      "has no array model."),
     ("other-width", ["--model.hidden_dim", "64"],
      ("model.token_embeddings.weight has shape (2048, 32) but this config's DiffEqFormerGpt2Config needs (vocab=2048, embed=64); "
@@ -197,15 +260,15 @@ RESUME = [
 
 @pytest.mark.parametrize("args,message", [c[1:] for c in RESUME], ids=[c[0] for c in RESUME])
 def test_checkpoint_that_does_not_fit_the_config_is_refused(world, corpus_root, capsys, monkeypatch, args, message):
-    import qkvflow.faults
     import qkvflow.train
+    import qkvflow.training.loop
     from qkvflow import preflight
 
     def trainer_tripwire(*args, **kwargs):
         raise Tripwire("a checkpoint that does not fit reached the trainer")
 
     monkeypatch.setattr(qkvflow.train, "_initialize", lambda config: preflight.check_devices(config.trainer))
-    monkeypatch.setattr(qkvflow.faults, "GuardedTrainer", trainer_tripwire)
+    monkeypatch.setattr(qkvflow.training.loop, "Run", trainer_tripwire)  # what follows the resume check
     monkeypatch.chdir(world)
     before = _snapshot(world / "checkpoints")
     rc, err = _run_cli(world, corpus_root, args, capsys)
@@ -216,15 +279,15 @@ def test_checkpoint_that_does_not_fit_the_config_is_refused(world, corpus_root, 
 
 def test_the_checkpoint_fits_its_own_config(world, corpus_root, capsys, monkeypatch):
     """The control for the table above: the same checkpoint with base.yaml passes the resume check."""
-    import qkvflow.faults
     import qkvflow.train
+    import qkvflow.training.loop
     from qkvflow import preflight
 
     def trainer_tripwire(*args, **kwargs):
         raise Tripwire("reached the trainer")
 
     monkeypatch.setattr(qkvflow.train, "_initialize", lambda config: preflight.check_devices(config.trainer))
-    monkeypatch.setattr(qkvflow.faults, "GuardedTrainer", trainer_tripwire)
+    monkeypatch.setattr(qkvflow.training.loop, "Run", trainer_tripwire)  # what follows the resume check
     with pytest.raises(Tripwire):
         _run_cli(world, corpus_root, [], capsys)
 
@@ -270,59 +333,73 @@ def test_data_shorter_than_one_sequence_is_refused_after_tokenizing(corpus_root,
         docs = [json.loads(line)["text"] for line in f]
     tokens = sum(len(tokenizer(doc)["input_ids"]) for doc in docs)
     assert tokens < seq_len
-    proc = train(tmp_path, corpus_root, "--model.seq_len", str(seq_len), run_id="long")
+    proc = train(tmp_path, corpus_root, "--model.max_seq_len", str(seq_len), run_id="long")
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("qkvflow train: error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    found = re.search(rf"data: the validation split holds (\d+) tokens, fewer than one sequence of model.seq_len={seq_len} ", errors[0])
+    found = re.search(rf"data: the validation split holds (\d+) tokens, fewer than one sequence of model.max_seq_len={seq_len} ", errors[0])
     assert found and tokens <= int(found.group(1)) <= tokens + 2 * len(docs), errors[0]  # + BOS/EOS per document
     assert not list((tmp_path / "checkpoints").rglob("metadata.json"))
 
 
 @pytest.mark.parametrize("tokens,refused", [({"train": 32, "validation": 32}, None), ({"train": 31}, "train"), ({"train": 500, "validation": 0}, "validation")])
 def test_each_split_needs_one_sequence(tokens, refused):
-    """Levanter cuts each split into sequences of exactly seq_len tokens: seq_len tokens make one."""
+    """Levanter cuts each split into sequences of exactly max_seq_len tokens: max_seq_len tokens make one."""
     from qkvflow import preflight
     from qkvflow.errors import UserError
 
     if refused is None:
         preflight.check_data_size(tokens, 32)
         return
-    with pytest.raises(UserError, match=f"the {refused} split holds {tokens[refused]} tokens, fewer than one sequence of model.seq_len=32"):
+    with pytest.raises(UserError, match=f"the {refused} split holds {tokens[refused]} tokens, fewer than one sequence of model.max_seq_len=32"):
         preflight.check_data_size(tokens, 32)
 
 
-def _arrays(folder: Path) -> list:
-    """The arrays Levanter stored under `folder` (one zarr metadata file each)."""
-    return sorted(p.parent for p in folder.rglob(".zarray"))
+def _ocdbt(step: Path):
+    """The OCDBT key-value store marin-levanter writes a checkpoint into (`step-N/manifest.ocdbt`, `d/`)."""
+    import tensorstore as ts
+    from levanter.tensorstore_serialization import build_kvstore_spec
+
+    return ts.KvStore.open({"driver": "ocdbt", "base": build_kvstore_spec(str(step))}).result()
 
 
-def _truncate_a_chunk(step: Path) -> str:
-    chunk = next(p for p in sorted((step / "model" / "token_embeddings" / "weight").iterdir()) if not p.name.startswith("."))
-    os.truncate(chunk, chunk.stat().st_size // 2)
-    return "array model.token_embeddings.weight cannot be read, its chunk file"
+def _truncate_a_data_file(step: Path) -> str:
+    """Cut the largest data file of the store (it holds the arrays' chunks) in half."""
+    data = max((step / "d").iterdir(), key=lambda p: p.stat().st_size)
+    os.truncate(data, data.stat().st_size // 2)
+    return f"its OCDBT database file 'd/{data.name}' is damaged ("
 
 
 def _remove_the_generator(step: Path) -> str:
-    n = len(_arrays(step / "model" / "generator"))
-    shutil.rmtree(step / "model" / "generator")
+    """Delete every key of the hypernetwork's arrays (metadata and chunks) from the store."""
+    import tensorstore as ts
+
+    from qkvflow.checkpoint_arrays import array_shapes
+
+    n = sum(key.startswith("model/generator/") for key in array_shapes(str(step)))
+    assert n > 3
+    range_ = ts.KvStore.KeyRange(inclusive_min="model/generator/", exclusive_max="model/generator0")
+    _ocdbt(step).delete_range(range_).result()
+    assert not any(key.startswith("model/generator/") for key in array_shapes(str(step)))
     return f"does not hold a DiffEqFormerGpt2Config model as the config describes: it lacks {n} of its arrays (model.generator."
 
 
-@pytest.mark.parametrize("damage", [_truncate_a_chunk, _remove_the_generator], ids=["truncated-chunk", "missing-arrays"])
+@pytest.mark.parametrize("damage", [_truncate_a_data_file, _remove_the_generator], ids=["truncated-data-file", "missing-arrays"])
 def test_damaged_checkpoint_is_named_in_one_short_line(world, corpus_root, tmp_path, damage):
     """Reading a damaged checkpoint back (qkvflow.checkpoints.load_model, as export and analyze do):
-    one line naming the checkpoint and the array, at most three array names, not Levanter's list."""
+    one line naming the checkpoint and the damaged file or the missing arrays (at most three names, not
+    Levanter's list)."""
     import draccus
 
     from qkvflow.checkpoints import load_model
     from qkvflow.config import TrainConfig
     from qkvflow.errors import UserError
 
-    run = tmp_path / "tiny"
+    run, intact = tmp_path / "tiny", tmp_path / "intact" / "tiny"
     shutil.copytree(world / "checkpoints" / "tiny", run)
+    shutil.copytree(world / "checkpoints" / "tiny", intact)
     config = draccus.parse(TrainConfig, config_path=str(world / "base.yaml"), args=["--corpus.root", str(corpus_root)])
-    load_model(config, str(run))  # the control: the intact copy loads
+    load_model(config, str(intact))  # the control: an intact copy loads (another path: tensorstore caches what it read)
     expected = damage(run / "step-5")
     with pytest.raises(UserError) as error:
         load_model(config, str(run))
@@ -385,8 +462,8 @@ def test_unreadable_checkpoint_metadata_stops_and_keeps_the_checkpoint(world, co
     the folder is not deleted and training does not restart from step 0."""
     import shutil
 
-    import qkvflow.faults
     import qkvflow.train
+    import qkvflow.training.loop
     from qkvflow import preflight
 
     def trainer_tripwire(*args, **kwargs):
@@ -396,7 +473,7 @@ def test_unreadable_checkpoint_metadata_stops_and_keeps_the_checkpoint(world, co
     step = tmp_path / "checkpoints" / "tiny" / "step-5"
     (step / "metadata.json").write_text('{"step": garbage')
     monkeypatch.setattr(qkvflow.train, "_initialize", lambda config: preflight.check_devices(config.trainer))
-    monkeypatch.setattr(qkvflow.faults, "GuardedTrainer", trainer_tripwire)
+    monkeypatch.setattr(qkvflow.training.loop, "Run", trainer_tripwire)  # what follows the resume check
     monkeypatch.chdir(world)
     before = _snapshot(tmp_path / "checkpoints")
     rc, err = _run_cli(world, corpus_root, ["--trainer.checkpointer.base_path", str(tmp_path / "checkpoints")], capsys)
