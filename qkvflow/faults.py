@@ -12,10 +12,11 @@
   folders with a `metadata.json` count as checkpoints. A process killed during a write leaves a
   `step-N` folder without one; such folders, and only those, are removed before training starts, so
   resuming always loads the newest complete checkpoint and a later save into the same folder starts
-  from scratch. A `step-N` folder whose `metadata.json` exists but cannot be read (or lacks `step` or
-  `timestamp`) is not provably an interrupted write (its arrays may be complete): the run stops with one
-  line naming the folder and how to resume from an earlier step, and nothing is removed.
-* **Non-finite steps** (`GuardedTrainer`): every step computes one fused "is everything finite"
+  from scratch. A `step-N` folder whose `metadata.json` exists but cannot be read (or lacks the integer
+  `step` and ISO-format `timestamp` Levanter needs, without which it would pass over the folder and
+  resume from an older one) is not provably an interrupted write (its arrays may be complete): the run
+  stops with one line naming the folder and how to resume from an earlier step, and nothing is removed.
+* **Non-finite steps** (`guard_nonfinite`, `NonFiniteGuard`): every step computes one fused "is everything finite"
   reduction over the loss and the gradients, inside the compiled step. A non-finite step never changes
   the model or the optimizer state. With `nonfinite: stop` (the default) the run ends with
   `NonFiniteError` before any hook (checkpointer included) sees the step, naming the step and where the
@@ -159,7 +160,7 @@ class UnreadableCheckpoint(UserError):
 
 def _read_metadata(fs, path: str) -> Optional[dict]:
     """The checkpoint's metadata; None if it has no `metadata.json` (an interrupted write);
-    `UnreadableCheckpoint` if the file is there but unreadable or lacks `step`/`timestamp`."""
+    `UnreadableCheckpoint` if the file is there but unreadable or lacks a usable `step`/`timestamp`."""
     file = os.path.join(path, "metadata.json")
     try:
         with fs.open(file) as f:
@@ -174,10 +175,21 @@ def _read_metadata(fs, path: str) -> Optional[dict]:
     except OSError as e:
         problem = f"cannot be read ({e.strerror or e})"
     else:
-        if isinstance(metadata, dict) and "step" in metadata and "timestamp" in metadata:
+        if _step_and_time(metadata) is not None:
             return metadata
-        problem = "has no `step` and `timestamp`"
+        problem = "has no integer `step` and ISO-format `timestamp`"
     raise UnreadableCheckpoint(f"checkpoint {path}: its metadata.json {problem}; its arrays may be complete, so it was not removed")
+
+
+def _step_and_time(metadata) -> Optional[tuple]:
+    """(step, timestamp) as Levanter reads them to find the newest checkpoint (an int step and an
+    ISO-format timestamp; it silently passes over a folder without them), or None."""
+    import datetime
+
+    try:
+        return int(metadata["step"]), datetime.datetime.fromisoformat(metadata["timestamp"])
+    except (TypeError, KeyError, ValueError):
+        return None
 
 
 def _resume_hint(error: UnreadableCheckpoint, path: str, protocol: str) -> UnreadableCheckpoint:
@@ -219,7 +231,7 @@ def incomplete_checkpoints(run_path: str, superseded_temporary: bool = True) -> 
         (incomplete if metadata is None else complete).append((entry, metadata))
     incomplete = [path for path, _ in incomplete]
     if complete and superseded_temporary:
-        newest = max(complete, key=lambda c: (c[1]["timestamp"], c[1]["step"]))
+        newest = max(complete, key=lambda c: _step_and_time(c[1]))  # the one Levanter resumes from
         incomplete += [p for p, m in complete if m.get("is_temporary") and p != newest[0]]
     return sorted(p if p.startswith(protocol) else protocol + p for p in incomplete)
 

@@ -15,6 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import equinox as eqx
+import jax
 import pytest
 
 from qkvflow.faults import incomplete_checkpoints
@@ -270,6 +272,59 @@ def test_report_names_where_nonfinite_values_first_appear():
     assert "first in the parameters: generator.weights.q.proj" in report
 
 
+class _Tiny(eqx.Module):
+    w: jax.Array
+
+
+def test_levanter_still_behaves_as_our_run_loop_assumes():
+    """The run loop (qkvflow.training.loop) and the non-finite guard lean on four details of Levanter's
+    Trainer; if one changes, this fails here instead of a run silently losing a guarantee."""
+    import inspect
+
+    import jax.numpy as jnp
+    import jax.random as jrandom
+    import optax
+    from levanter.callbacks import StepInfo
+    from levanter.trainer import Trainer, TrainerHooks
+    from levanter.trainer_state import TrainerState
+
+    from qkvflow.faults import GuardState, guard_nonfinite
+
+    # we build the trainer without Levanter's default hooks, to order ours (guard before checkpointer)
+    assert "add_default_hooks" in inspect.signature(Trainer.__init__).parameters
+
+    # StepInfo.step is 0-based: the step just completed (state.step counts the updates made)
+    state = TrainerState.init(guard_nonfinite(optax.sgd(0.5)), _Tiny(jnp.ones(3)), key=jrandom.PRNGKey(0))
+    assert int(state.step) == 0
+
+    # the loss reaches optimizer.update as `loss=` (TrainerState.take_step -> take_train_step): the
+    # guard stops a step whose loss alone is NaN (finite gradients), and the step changes nothing
+    grads = _Tiny(jnp.ones(3))
+    bad, _ = state.take_step(grads, loss=jnp.array(jnp.nan), key=jrandom.PRNGKey(1))
+    assert isinstance(bad.opt_state, GuardState) and not bool(bad.opt_state.finite)
+    assert jnp.array_equal(bad.model.w, state.model.w)
+    good, _ = bad.take_step(grads, loss=jnp.array(1.0), key=jrandom.PRNGKey(2))
+    assert bool(good.opt_state.finite) and not jnp.array_equal(good.model.w, state.model.w)
+    assert StepInfo(good, 1.0, 0.0).step == 1 and StepInfo(bad, 1.0, 0.0).step == 0
+    # ... and the compiled train step passes its loss to take_step (no cheaper public way to see it)
+    assert "loss=loss" in inspect.getsource(Trainer._train_step)
+
+    # hooks run from the third step on (0-based step 2), or when forced: the loop itself calls what
+    # must see steps 0 and 1 (the guard, the step metrics, progress, evaluation)
+    seen = []
+    hooks = TrainerHooks()
+    hooks.add_hook(lambda info, force=False: seen.append((info.step, force)), every=1)
+    infos = []
+    s = state
+    for _ in range(4):
+        s, _ = s.take_step(grads, loss=jnp.array(1.0), key=jrandom.PRNGKey(3))
+        infos.append(StepInfo(s, 1.0, 0.0))
+    for info in infos:
+        hooks.run_hooks(info)
+    hooks.run_hooks(infos[0], force=True)
+    assert seen == [(2, False), (3, False), (0, True)]
+
+
 def test_injection_spec(monkeypatch):
     from qkvflow.faults import INJECT_ENV, Injection
 
@@ -285,8 +340,11 @@ def test_injection_spec(monkeypatch):
 
 
 def _checkpoint_folder(run: Path, name: str, metadata=None) -> None:
-    (run / name / "model").mkdir(parents=True)
-    (run / name / "model" / ".zarray").write_text("{}")
+    """What Levanter's checkpointer writes: one OCDBT store (`manifest.ocdbt`, data files under `d/`),
+    then `metadata.json` last, once every process has committed (so None: a write killed before that)."""
+    (run / name / "d").mkdir(parents=True)
+    (run / name / "d" / "6920482fcb6b2218616c66d037bfee16").write_bytes(b"\0" * 64)
+    (run / name / "manifest.ocdbt").write_bytes(b"\0" * 32)
     if metadata is not None:
         (run / name / "metadata.json").write_text(metadata)
 
@@ -315,7 +373,19 @@ def test_incomplete_checkpoints_are_found_and_removed(tmp_path):
     assert incomplete_checkpoints(str(tmp_path / "missing")) == []
 
 
-@pytest.mark.parametrize("metadata", ['{"step": garbage', "", '{"step": 8}', "[8]", b"\xff\xfe"], ids=["truncated", "empty", "no-timestamp", "not-a-dict", "binary"])
+UNREADABLE = {
+    "truncated": '{"step": garbage',
+    "empty": "",
+    "no-timestamp": '{"step": 8}',
+    # Levanter passes over a folder whose timestamp is not ISO format or whose step is not an integer
+    "bad-timestamp": '{"step": 8, "timestamp": "yesterday"}',
+    "bad-step": '{"step": "eight", "timestamp": "2025-01-01T00:00:08"}',
+    "not-a-dict": "[8]",
+    "binary": b"\xff\xfe",
+}
+
+
+@pytest.mark.parametrize("metadata", list(UNREADABLE.values()), ids=list(UNREADABLE))
 def test_unreadable_metadata_stops_the_run_and_removes_nothing(tmp_path, metadata):
     """A step-N folder whose metadata.json exists but cannot be read may hold a complete checkpoint:
     one line naming it and how to resume, and nothing removed (not even the interrupted step-6)."""
