@@ -206,9 +206,12 @@ def nominal_peak_flops(dtype: str, override: float | None) -> dict:
         return {"flops_per_s": None, "source": "none for a CPU (set --peak-flops)"}
     from fray.device_flops import device_flops_for_jax_device
 
-    flops = device_flops_for_jax_device(device.device_kind, {"bf16": "bf16", "f32": "fp32"}[dtype])
-    return {"flops_per_s": flops, "source": f"fray.device_flops[{device.device_kind!r}, {dtype}]" if flops else
-            f"unknown device {device.device_kind!r} (set --peak-flops)"}
+    # f32 matmuls run at JAX's default precision (lax.Precision.DEFAULT): TF32 on GPUs, one bfloat16
+    # pass on TPUs; their peak is that rate's, not the data sheet's plain-fp32 one.
+    kind = "bf16" if dtype == "bf16" else {"gpu": "tf32", "tpu": "bf16"}.get(device.platform, "fp32")
+    flops = device_flops_for_jax_device(device.device_kind, kind)
+    return {"flops_per_s": flops, "source": f"fray.device_flops[{device.device_kind!r}, {kind}]" if flops else
+            f"unknown device {device.device_kind!r} for {kind} (set --peak-flops)"}
 
 
 def summarise(step: Step, tokens: int, flops: dict, peak: dict | None, nominal: dict) -> dict:

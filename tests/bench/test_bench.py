@@ -83,7 +83,7 @@ def test_nominal_peaks_come_from_levanters_table():
 
     assert device_flops_for_jax_device("NVIDIA H100 80GB HBM3", "bf16") == pytest.approx(989.5e12)
     assert device_flops_for_jax_device("NVIDIA H200", "bf16") == pytest.approx(989.5e12)
-    assert device_flops_for_jax_device("NVIDIA H100 80GB HBM3", "fp32") == pytest.approx(67e12)
+    assert device_flops_for_jax_device("NVIDIA H100 80GB HBM3", "tf32") == pytest.approx(494.5e12)  # f32 at DEFAULT precision
     assert device_flops_for_jax_device("cpu", "bf16") is None
 
 
