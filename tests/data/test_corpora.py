@@ -155,38 +155,47 @@ def test_missing_shakespeare_and_unknown_name_raise(tmp_path: Path) -> None:
 
 @pytest.mark.slow  # ~90 s; every training test also reads the pydoc corpus through Levanter
 def test_levanter_reads_pydoc_offline(pydoc: PreparedCorpus, tmp_path: Path) -> None:
+    """The corpus as `qkvflow train` hands it to Levanter (`corpus:` -> one url component of an
+    LmDataConfig, qkvflow.train.with_corpus): the cache builds offline and its examples are the
+    documents' tokens in order, nothing inserted or dropped."""
+    import dataclasses
+
     import haliax as hax
     import jax
-    import ray
-    from levanter.data.text import UrlSingleDatasetLMConfig
+    from levanter.data.text import LmDataConfig, UrlDatasetSourceConfig
     from levanter.schedule import BatchSchedule
 
-    config = pydoc.to_levanter_config(cache_dir=str(tmp_path / "cache"))
-    assert isinstance(config, UrlSingleDatasetLMConfig)
-    started_ray = not ray.is_initialized()
-    if started_ray:  # Levanter builds caches with Ray; start it lean instead of with the dashboard
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        # Build the cache first and wait on its "finished" promise: reading examples while Ray is still
-        # building can hang forever (seen once: a missed ledger update). monitors=False because the
-        # default monitors need a global levanter tracker, which only a trainer sets up.
-        config.build_caches("train", monitors=False)[""].await_finished(timeout=240)
-    finally:
-        if started_ray:
-            ray.shutdown()
-    assert (tmp_path / "cache" / "train" / "shard_ledger.json").is_file()
+    from qkvflow.config import CorpusConfig, TrainConfig
+    from qkvflow.train import with_corpus
 
-    # the finished cache is now loaded from disk without Ray
+    root = str(Path(pydoc.tokenizer).parents[1])  # the fixture's corpus root (a cache hit below)
+    config = with_corpus(TrainConfig(data=LmDataConfig(shuffle=False), corpus=CorpusConfig(name="pydoc", root=root)))
+    (name, component), = config.data.components.items()
+    assert name == "pydoc" and isinstance(component.source, UrlDatasetSourceConfig)
+    assert component.source.train_urls == list(pydoc.train_urls)
+    assert component.source.validation_urls == list(pydoc.validation_urls)
+    assert config.data.tokenizer == pydoc.tokenizer
+    data = dataclasses.replace(config.data, cache_dir=str(tmp_path / "cache"))
+    data.build_caches("train")
+    assert (tmp_path / "cache" / "pydoc" / "train" / "shard_ledger.json").is_file()
+
+    # the finished cache is now loaded from disk: the component's token dataset, in document order
     Pos = hax.Axis("position", 64)
-    train = config.train_set(Pos, BatchSchedule(8), monitors=False, key=jax.random.PRNGKey(0))
-    dataset = train.as_sync_dataset()
-    tok = config.the_tokenizer
+    (split,) = data.train_sets(Pos, key=jax.random.PRNGKey(0)).values()
+    dataset = split.as_sync_dataset()
+    tok = AutoTokenizer.from_pretrained(pydoc.tokenizer)  # the HF tokenizer Levanter's MarinTokenizer wraps
     docs = _docs(pydoc.train_urls[0])
     # every document framed as EOS ... EOS by the tokenizer itself, so Levanter splices in nothing
     stream = [i for doc in docs for i in tok(doc)["input_ids"]]
     assert len(dataset) == len(stream) // 64
-    first = dataset[0].tokens.array.tolist()
+    first = dataset[0].tokens.tolist()
     assert first == stream[:64] and first[0] == tok.eos_token_id
     assert docs[0].startswith(tok.decode(first, skip_special_tokens=True))
     last = len(dataset) - 1  # no token inserted or dropped anywhere before the last example
-    assert dataset[last].tokens.array.tolist() == stream[64 * last : 64 * (last + 1)]
+    assert dataset[last].tokens.tolist() == stream[64 * last : 64 * (last + 1)]
+
+    # what the trainer reads (train_set): marin-levanter's mixture visits blocks of the component in a
+    # random order even with shuffle: false and one component; every example is still one of the above
+    train = data.train_set(Pos, BatchSchedule(8), key=jax.random.PRNGKey(0)).as_sync_dataset()
+    examples = {tuple(stream[64 * k : 64 * (k + 1)]) for k in range(len(dataset))}
+    assert all(tuple(train[k].tokens.array.tolist()) in examples for k in (0, 1, len(dataset) - 1))
