@@ -325,6 +325,25 @@ def test_levanter_still_behaves_as_our_run_loop_assumes():
     assert seen == [(2, False), (3, False), (0, True)]
 
 
+def test_loss_injection_poisons_the_loss_weights_of_one_step_only():
+    """`K:loss` (tests only): the batch of step K (1-based), counted from the step a run resumes at,
+    gets NaN loss weights, so that its forward pass gives a NaN loss; the other batches are untouched."""
+    import haliax as hax
+    import jax.numpy as jnp
+    from levanter.models.lm_model import LmExample
+
+    from qkvflow.faults import Injection, poison_loss
+
+    Pos = hax.Axis("position", 4)
+    batches = [LmExample.causal(hax.arange(Pos) + i) for i in range(4)]
+    out = list(poison_loss(batches, start=2, inject=Injection(4, "loss")))  # steps 3..6 (1-based)
+    poisoned = [bool(jnp.isnan(b.loss_weight.array).any()) for b in out]
+    assert poisoned == [False, True, False, False]
+    assert bool(jnp.isnan(out[1].loss_weight.array).all()) and out[1].tokens is batches[1].tokens
+    assert all(a is b for a, b in zip(poison_loss(batches, 0, Injection(2, "w1")), batches))  # a gradient injection
+    assert all(a is b for a, b in zip(poison_loss(batches, 0, None), batches))
+
+
 def test_injection_spec(monkeypatch):
     from qkvflow.faults import INJECT_ENV, Injection
 
