@@ -130,7 +130,8 @@ def evaluate(evaluator, model, step: int, summary: dict, prefix: str = "eval") -
 
 
 def progress_hook(summary: dict, total_steps: int, log_every: int, tokens_per_step: int):
-    """Log train/perplexity every step; print `step k/total loss ppl tokens/s ETA` every `log_every`."""
+    """Log train/perplexity every step; print `step k/total loss ppl tokens/s ETA` every `log_every`
+    (on every process, as Levanter 1.2's qkvflow did)."""
     last = {"time": time.perf_counter(), "step": None, "first": None}
 
     def record(info: StepInfo):
@@ -148,7 +149,9 @@ def progress_hook(summary: dict, total_steps: int, log_every: int, tokens_per_st
                 per_step = (now - last["time"]) / (step - last["step"])
                 rate = f"  {tokens_per_step / per_step:,.0f} tokens/s"
                 eta = f"  ETA {_duration(per_step * (total_steps - step))}"
-            say(f"step {step}/{total_steps}  loss {loss:.4f}  ppl {perplexity:.2f}{rate}{eta}")
+            # from every process (unlike `say`): each host's log shows how far it got, e.g. which step
+            # all processes stopped after when a preemption notice reached one of them
+            print(f"step {step}/{total_steps}  loss {loss:.4f}  ppl {perplexity:.2f}{rate}{eta}", flush=True)
             last.update(time=now, step=step)
 
     return record
@@ -208,7 +211,7 @@ def train_run(run: Run, loss_fn, tokenizer, preemption: faults.Preemption, injec
     start = int(state.step)
     run_id = trainer.run_id
     if start > 0:
-        say(f"resuming run {run_id} after step {start}")
+        print(f"resuming run {run_id} after step {start}", flush=True)  # every process: where each one starts
     drop_replayed_metrics(t, run_id, start)
     total, trainable = parameter_count(state.model), parameter_count(state.trainable_model)
     levanter.tracker.log_summary({"parameter_count": total, "trainable_parameter_count": trainable})
@@ -216,7 +219,7 @@ def train_run(run: Run, loss_fn, tokenizer, preemption: faults.Preemption, injec
     if trainable != total:
         summary["trainable_parameter_count"] = trainable
     if start >= target:
-        say(f"run {run_id} is already at step {start} (target {target}): nothing to train")
+        print(f"run {run_id} is already at step {start} (target {target}): nothing to train", flush=True)
         summary.update(steps=start, nothing_to_train=True)
         if start > 0 and evaluator is not None:  # the final model's validation loss
             with trainer:
