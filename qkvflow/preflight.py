@@ -364,7 +364,7 @@ def check_resume(config, Vocab):
     from haliax import NamedArray
     from levanter.utils.jax_utils import leaf_key_paths
 
-    from qkvflow.checkpoint_arrays import array_shapes
+    from qkvflow.checkpoint_arrays import array_shapes, is_ocdbt
 
     t = config.trainer
     if t.load_checkpoint is False:
@@ -377,6 +377,12 @@ def check_resume(config, Vocab):
     latest = levanter.checkpoint.discover_latest_checkpoint(path)
     if latest is None:
         return None
+    if t.load_checkpoint is not False and not is_ocdbt(str(latest)) and array_shapes(str(latest)):
+        raise UserError(
+            f"checkpoint {latest!r} was written by qkvflow 0.1 (levanter 1.2.dev1644, one zarr folder per array): its "
+            "model loads here (export, analyze, finetune) but a run cannot resume from it on marin-levanter, whose "
+            "optimizer state differs; finish the run with qkvflow 0.1, or start a new run (a new trainer.id)"
+        )
     is_named = lambda x: isinstance(x, NamedArray)  # noqa: E731
     shapes = eqx.filter_eval_shape(lambda: config.model.build(Vocab, key=jrandom.PRNGKey(0)))
     names = leaf_key_paths(shapes, prefix="model", is_leaf=is_named)

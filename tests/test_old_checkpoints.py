@@ -193,3 +193,39 @@ def test_damage_to_an_old_checkpoint_is_named_in_one_line(tmp_path):
     assert message.startswith(f"checkpoint {str(no_optimizer)!r} lacks ") and "arrays that this run restores" in message
     assert "(no opt_state at all): opt_state." in message and "more; set trainer.allow_partial_checkpoint=true" in message
     assert "\n" not in message and message.count("opt_state.") <= 3, message
+
+
+def test_a_run_of_the_old_version_is_not_resumed_but_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """Its model loads (above), but its optimizer state is Levanter 1.2's: `qkvflow train` with that run's
+    id stops before any work, naming both versions, and leaves the checkpoint as it was."""
+    import shutil
+
+    import qkvflow.train
+    import qkvflow.training.loop
+    from qkvflow import cli, preflight
+
+    run = tmp_path / "checkpoints" / "fixture"
+    shutil.copytree(STEP, run / "step-1")
+    (tmp_path / "train.jsonl").write_text('{"text": "a document"}\n')
+    before = sorted((p.relative_to(run), p.stat().st_size) for p in run.rglob("*") if p.is_file())
+
+    def tripwire(*args, **kwargs):
+        raise AssertionError("an old run reached the trainer")
+
+    monkeypatch.setattr(qkvflow.train, "_initialize", lambda config: preflight.check_devices(config.trainer))
+    monkeypatch.setattr(qkvflow.training.loop, "Run", tripwire)
+    monkeypatch.chdir(tmp_path)
+    rc = cli.main([
+        "train", "--config_path", str(FIXTURE.parent.parent / "configs" / "tiny_train.yaml"),
+        "--corpus", "null", "--data.tokenizer", str(FIXTURE / "tokenizer"),
+        "--data.components.c.source.train_urls", f"[{tmp_path / 'train.jsonl'}]",
+        "--model.hidden_dim", "16", "--model.time_embed_dim", "4", "--model.num_frequencies", "4",
+        "--trainer.id", "fixture", "--trainer.checkpointer.base_path", str(tmp_path / "checkpoints"),
+        "--trainer.tracker", f"{{type: jsonl, path: {tmp_path / 'runs'}}}", "--trainer.log_dir", str(tmp_path / "logs"),
+    ])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert len(err.splitlines()) == 1, err
+    assert "written by qkvflow 0.1 (levanter 1.2.dev1644" in err and "cannot resume" in err, err
+    assert str(run / "step-1") in err
+    assert sorted((p.relative_to(run), p.stat().st_size) for p in run.rglob("*") if p.is_file() and p.name != ".qkvflow.lock") == before
