@@ -170,12 +170,12 @@ def load_pretrained_config(config: FinetuneConfig) -> TrainConfig:
     import draccus
 
     import qkvflow.models.discrete  # noqa: F401  (registers parallel_*, so such configs parse and are refused)
-    from qkvflow.cli import _user_cause
+    from qkvflow.cli import _user_cause, overrides
 
     path = config.pretrained.config_path
     preflight.check_config_file(path)
     try:
-        pretrained = draccus.parse(TrainConfig, config_path=path, args=list(config.pretrained.overrides))
+        pretrained = draccus.parse(TrainConfig, config_path=path, args=overrides("train", list(config.pretrained.overrides)))
     except (draccus.utils.DecodingError, draccus.utils.ParsingError) as e:
         cause = _user_cause(e) or e.__cause__ or e
         raise UserError(f"pretrained.config_path={path!r}: {cause}") from None

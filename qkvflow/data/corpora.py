@@ -29,7 +29,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, proce
 from transformers import PreTrainedTokenizerFast
 
 if TYPE_CHECKING:
-    from levanter.data.text import UrlSingleDatasetLMConfig
+    from levanter.data.text import LmDataConfig
 
 EOS = "<|endoftext|>"
 NAMES = ("pydoc", "tinyshakespeare")
@@ -40,24 +40,30 @@ _FORMAT_VERSION = 1  # bump when the on-disk layout or tokenizer recipe changes
 
 @dataclass(frozen=True)
 class PreparedCorpus:
-    """Local files of a prepared corpus, ready for ``levanter.data.text.UrlSingleDatasetLMConfig``."""
+    """Local files of a prepared corpus, ready for Levanter's ``LmDataConfig`` (`data_config`)."""
 
     train_urls: list[str]  # jsonl paths, each line {"text": ...}
     validation_urls: list[str]
     tokenizer: str  # local directory loadable with AutoTokenizer.from_pretrained(path) offline
 
-    def to_levanter_config(self, cache_dir: str | None = None, **kwargs: Any) -> UrlSingleDatasetLMConfig:
-        """A ``UrlSingleDatasetLMConfig`` over this corpus.
+    def data_config(self, name: str, base: "LmDataConfig | None" = None) -> "LmDataConfig":
+        """`base` (Levanter's `LmDataConfig`; its defaults if None) reading this corpus: one `url`
+        component called `name`, this tokenizer, and the token cache inside the corpus folder.
 
-        Levanter reuses an existing cache by directory alone (a changed tokenizer only logs a warning), so
-        the default ``cache_dir`` lives inside the corpus directory and vanishes whenever it is rebuilt.
+        Levanter reuses an existing cache by folder alone (a changed tokenizer only logs a warning), so
+        the cache lives inside the corpus folder, which is replaced whenever the corpus is rebuilt.
         """
-        from levanter.data.text import UrlSingleDatasetLMConfig
+        import dataclasses
 
-        cache_dir = cache_dir or str(Path(self.tokenizer).parent / "levanter_cache")
-        return UrlSingleDatasetLMConfig(
-            train_urls=self.train_urls, validation_urls=self.validation_urls,
-            tokenizer=self.tokenizer, cache_dir=cache_dir, **kwargs,
+        from levanter.data.text import DatasetComponent, LmDataConfig, UrlDatasetSourceConfig
+
+        source = UrlDatasetSourceConfig(train_urls=list(self.train_urls), validation_urls=list(self.validation_urls))
+        return dataclasses.replace(
+            base or LmDataConfig(),
+            tokenizer=self.tokenizer,
+            components={name: DatasetComponent(source=source)},
+            train_weights={name: 1.0},
+            cache_dir=str(Path(self.tokenizer).parent / "levanter_cache"),
         )
 
 
