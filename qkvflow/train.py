@@ -31,7 +31,6 @@ import levanter.config
 import levanter.tracker
 from haliax import Axis
 from haliax.partitioning import round_axis_for_partitioning
-from levanter.data.text import DatasetComponent, UrlDatasetSourceConfig
 
 from qkvflow import faults, preflight
 from qkvflow.config import TrainConfig
@@ -68,16 +67,7 @@ def with_corpus(config: TrainConfig) -> TrainConfig:
         corpus = prepare_corpus(c.name, c.root, vocab_size=c.vocab_size)
     except (ValueError, RuntimeError) as e:  # e.g. a vocabulary size the corpus cannot have
         raise UserError(f"corpus: {e}") from None
-    source = UrlDatasetSourceConfig(train_urls=list(corpus.train_urls), validation_urls=list(corpus.validation_urls))
-    data = dataclasses.replace(
-        config.data,
-        tokenizer=corpus.tokenizer,
-        components={c.name: DatasetComponent(source=source)},
-        train_weights={c.name: 1.0},
-        # Levanter reuses a cache by folder name alone; keep it inside the corpus folder, which is
-        # replaced whenever the corpus is rebuilt.
-        cache_dir=os.path.join(os.path.dirname(corpus.tokenizer), "levanter_cache"),
-    )
+    data = corpus.data_config(c.name, config.data)
     return dataclasses.replace(config, data=data)
 
 
