@@ -22,6 +22,24 @@ def reference(tmp_path_factory, corpus_root):
     return workdir, proc
 
 
+def test_the_terminal_shows_progress_evaluations_and_the_summary_only(reference):
+    """Levanter's log lines (cache loading, tracing, checkpoint commits, INFO and benign warnings) go to the
+    log file, not the terminal: stdout holds qkvflow's own lines, stderr nothing. With `log_every: 1` the
+    8-step run prints 8 step lines; the quickstart's 300 steps at `log_every: 10` print 48 lines in all."""
+    import re
+
+    _, proc = reference
+    ours = re.compile(
+        r"(preparing (corpus|the token cache) .*|token cache ready \(\d+ s\)|compiling the training step .*"
+        r"|step \d+/8  loss [\d.]+  ppl [\d.]+(  [\d,]+ tokens/s  ETA \d+m\d\ds)?|eval after step \d+: loss [\d.]+  ppl [\d.]+"
+        r"|== qkvflow train: done ==| +\w+: .+|)$"
+    )
+    strays = [line for line in proc.stdout.splitlines() if not ours.match(line)]
+    assert not strays, strays[:5]
+    assert proc.stderr == "", proc.stderr[:2000]
+    assert sum(line.startswith("step ") for line in proc.stdout.splitlines()) == 8
+
+
 def test_trains_evaluates_checkpoints_and_plots(reference):
     tmp_path, proc = reference
     assert "step 8/8" in proc.stdout and "eval after step 8" in proc.stdout
