@@ -364,10 +364,15 @@ def _ocdbt(step: Path):
 
 
 def _truncate_a_data_file(step: Path) -> str:
-    """Cut the largest data file of the store (it holds the arrays' chunks) in half."""
+    """Cut the largest data file of the store in half. It holds array chunks and may hold b-tree nodes
+    of the store's index: whichever tensorstore reads first is named (the array and its chunk, or the
+    database file), and which comes first is not fixed (tensorstore reads concurrently)."""
     data = max((step / "d").iterdir(), key=lambda p: p.stat().st_size)
     os.truncate(data, data.stat().st_size // 2)
-    return f"its OCDBT database file 'd/{data.name}' is damaged ("
+    return (
+        rf"(its OCDBT database file 'd/{data.name}' is damaged \("
+        r"|array model\.[\w.]+ cannot be read, its chunk '[\d/]+' is damaged \()"
+    )
 
 
 def _remove_the_generator(step: Path) -> str:
@@ -381,7 +386,9 @@ def _remove_the_generator(step: Path) -> str:
     range_ = ts.KvStore.KeyRange(inclusive_min="model/generator/", exclusive_max="model/generator0")
     _ocdbt(step).delete_range(range_).result()
     assert not any(key.startswith("model/generator/") for key in array_shapes(str(step)))
-    return f"does not hold a DiffEqFormerGpt2Config model as the config describes: it lacks {n} of its arrays (model.generator."
+    return re.escape(
+        f"does not hold a DiffEqFormerGpt2Config model as the config describes: it lacks {n} of its arrays (model.generator."
+    )
 
 
 @pytest.mark.parametrize("damage", [_truncate_a_data_file, _remove_the_generator], ids=["truncated-data-file", "missing-arrays"])
@@ -404,7 +411,7 @@ def test_damaged_checkpoint_is_named_in_one_short_line(world, corpus_root, tmp_p
     with pytest.raises(UserError) as error:
         load_model(config, str(run))
     message = str(error.value)
-    assert message.startswith(f"checkpoint '{run / 'step-5'}'") and expected in message, message
+    assert message.startswith(f"checkpoint '{run / 'step-5'}'") and re.search(expected, message), message
     assert "\n" not in message and len(message) < 500 and message.count("model.generator.") <= 3, message
 
 
