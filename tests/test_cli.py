@@ -279,7 +279,9 @@ def test_parse_reads_the_config_path_in_both_forms_and_applies_the_overrides(tmp
     from qkvflow.config import TrainConfig
 
     path = str(ROOT / "configs/quickstart.yaml")
-    for argv in (["--config_path", path], [f"--config_path={path}"], ["--config_path", path[: -len(".yaml")]]):
+    forms = (["--config_path", path], [f"--config_path={path}"], ["--config_path", path[: -len(".yaml")]],
+             ["--config_path", f"file://{path}"])  # a URL, copied locally as Levanter did  # fmt: skip
+    for argv in forms:
         config = parse(TrainConfig, [*argv, "--verbose", "--data.components.c.cache_dir", "/fast/c"], "train")
         assert config.verbose is True and config.data.components["c"].cache_dir == "/fast/c"
         assert config.model.hidden_dim == 128  # from the file
