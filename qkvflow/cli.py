@@ -103,7 +103,6 @@ def parse(cls, argv: list[str], verb: str, *, required: str | None = None):
     (a UserError); without it, no --config_path parses cls's defaults. draccus's errors are left to `main`,
     which makes them one line."""
     import draccus
-
     import levanter.config  # noqa: F401  (registers Levanter's draccus codecs: dtypes, jmp.Policy, timedelta, ...)
 
     path, args = split_config_path(argv)
