@@ -83,16 +83,24 @@ def split_config_path(argv: list[str]) -> tuple[str | None, list[str]]:
 
 
 def _readable_config(path: str) -> str:
-    """What Levanter's `levanter.config.main` did with a --config_path: a URL (gs://, s3://, ...) is
-    copied to a local temporary file (fsspec, removed at exit); a local `path` may omit `.yaml`/`.yml`."""
+    """What Levanter's `levanter.config.main` did with a --config_path: a URL (gs://, s3://, file://, ...)
+    is copied to a local temporary file (fsspec; removed at exit); a local `path` may omit `.yaml`/`.yml`."""
+    import os
     import urllib.parse
 
     if urllib.parse.urlparse(path).scheme:
-        from levanter.config import _maybe_get_config_path_and_cmdline_args
+        import atexit
+        import tempfile
 
-        return _maybe_get_config_path_and_cmdline_args([CONFIG_PATH, path])[0]
-    import os
+        import fsspec
 
+        with fsspec.open(path, "rb") as remote:
+            text = remote.read()
+        fd, local = tempfile.mkstemp(prefix="qkvflow_config_", suffix=".yaml")
+        with os.fdopen(fd, "wb") as f:
+            f.write(text)
+        atexit.register(os.remove, local)
+        return local
     return next((p for p in (path, f"{path}.yaml", f"{path}.yml") if os.path.exists(p)), path)
 
 
