@@ -45,11 +45,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _train_config(path: str, overrides: list[str]):
-    import draccus
-
+    from qkvflow import cli
     from qkvflow.config import TrainConfig
 
-    return draccus.parse(TrainConfig, config_path=path, args=overrides)
+    return cli.parse(TrainConfig, [cli.CONFIG_PATH, path, *overrides], "analyze")
 
 
 def _require_ode_model(config, analysis: str, path: str) -> None:

@@ -3,7 +3,8 @@
 Bad input (unknown or mistyped config keys, unreadable YAML, missing files, invalid values) ends
 with one line naming the problem and exit status 2, not a traceback. Every verb goes through `main`,
 which first checks the --config_path file and refuses Levanter 1.2 keys there and in the overrides
-(qkvflow.compat), then rewrites two kinds of override that draccus cannot read (`overrides`).
+(qkvflow.compat). Each verb then reads its config with `parse` (the --config_path file and the
+overrides, two kinds of which draccus cannot read are rewritten by `overrides`), and nothing else.
 """
 
 import argparse
@@ -52,6 +53,74 @@ def _config_path(argv: list[str]) -> str:
         if arg == "--config_path" and i + 1 < len(argv):
             return argv[i + 1]
     return "the config"
+
+
+CONFIG_PATH = "--config_path"
+
+
+def split_config_path(argv: list[str]) -> tuple[str | None, list[str]]:
+    """(the --config_path value or None, argv without it). `--config_path X` and `--config_path=X`;
+    given more than once, or without a value, is a UserError."""
+    from qkvflow.errors import UserError
+
+    paths, rest = [], []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith(CONFIG_PATH + "="):
+            paths.append(arg.split("=", 1)[1])
+        elif arg == CONFIG_PATH:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise UserError(f"{CONFIG_PATH} needs a value: expected a YAML config file")
+            paths.append(argv[i + 1])
+            i += 1
+        else:
+            rest.append(arg)
+        i += 1
+    if len(paths) > 1:
+        raise UserError(f"{CONFIG_PATH} is given {len(paths)} times ({', '.join(paths)}): expected one")
+    return (paths[0] if paths else None), rest
+
+
+def _readable_config(path: str) -> str:
+    """What Levanter's `levanter.config.main` did with a --config_path: a URL (gs://, s3://, file://, ...)
+    is copied to a local temporary file (fsspec; removed at exit); a local `path` may omit `.yaml`/`.yml`."""
+    import os
+    import urllib.parse
+
+    if urllib.parse.urlparse(path).scheme:
+        import atexit
+        import tempfile
+
+        import fsspec
+
+        with fsspec.open(path, "rb") as remote:
+            text = remote.read()
+        fd, local = tempfile.mkstemp(prefix="qkvflow_config_", suffix=".yaml")
+        with os.fdopen(fd, "wb") as f:
+            f.write(text)
+        atexit.register(os.remove, local)
+        return local
+    return next((p for p in (path, f"{path}.yaml", f"{path}.yml") if os.path.exists(p)), path)
+
+
+def parse(cls, argv: list[str], verb: str, *, required: str | None = None):
+    """The one way every verb reads its config: `cls` from the --config_path file (`--config_path X` or
+    `--config_path=X`; local, or a URL as Levanter reads it) and the overrides in argv, rewritten by
+    `overrides(verb, ...)`, parsed by draccus. `required`: what the missing --config_path should have been
+    (a UserError); without it, no --config_path parses cls's defaults. draccus's errors are left to `main`,
+    which makes them one line."""
+    import draccus
+    import levanter.config  # noqa: F401  (registers Levanter's draccus codecs: dtypes, jmp.Policy, timedelta, ...)
+
+    path, args = split_config_path(argv)
+    if path is None and required:
+        from qkvflow.errors import UserError
+
+        raise UserError(f"{CONFIG_PATH} is missing: expected {required}")
+    if path is not None:
+        path = _readable_config(path)
+    return draccus.parse(cls, config_path=path, args=overrides(verb, args))
 
 
 # Verbs whose config is a TrainConfig (with its `verbose` flag), parsed by draccus from the command line.
@@ -154,10 +223,10 @@ def main(argv: list[str] | None = None) -> int:
 
         path = check_config_file(None if where == "the config" else where)
         check_config(path, rest)  # Levanter 1.2 keys, before anything is imported or parsed
-        args = overrides(verb, rest)
+        overrides(verb, rest)  # refuses a bad one before anything is imported; the verb's `parse` applies them
         with _argparse_raises():
             module = importlib.import_module(VERBS[verb][0])
-            return module.main(args) or 0
+            return module.main(rest) or 0
     except UserError as e:
         message = str(e)
     except (draccus.utils.DecodingError, draccus.utils.ParsingError) as e:

@@ -11,8 +11,6 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-import levanter.config
-
 from qkvflow.config import TrainConfig
 from qkvflow.errors import UserError
 from qkvflow.models import accounting
@@ -81,14 +79,12 @@ def describe(config: DescribeConfig) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from qkvflow import usage
+    from qkvflow import cli, usage
 
     if usage.wants_help(argv):
         print(usage.short_help("qkvflow describe", DescribeConfig, "Parameter counts and FLOPs of a config, as JSON."))
         return 0
 
-    def run(config: DescribeConfig):
-        print(json.dumps(describe(config), indent=2))
-
-    levanter.config.main(run, args=usage.full_listing_args(argv))()
+    config = cli.parse(DescribeConfig, usage.full_listing_args(argv), "describe")
+    print(json.dumps(describe(config), indent=2))
     return 0

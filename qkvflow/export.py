@@ -49,13 +49,12 @@ def check_output(args) -> None:
 
 
 def _train_config(path: str, overrides: list[str]):
-    import draccus
-
     import qkvflow.models.discrete  # noqa: F401  (registers parallel_*, so such configs parse and are refused)
+    from qkvflow import cli
     from qkvflow.config import TrainConfig
     from qkvflow.models.config import DiffEqFormerConfig
 
-    config = draccus.parse(TrainConfig, config_path=path, args=overrides)
+    config = cli.parse(TrainConfig, [cli.CONFIG_PATH, path, *overrides], "export")
     if not isinstance(config.model, DiffEqFormerConfig):
         from levanter.models.lm_model import LmConfig
 

@@ -41,7 +41,6 @@ import jax
 import jax.random as jrandom
 import levanter
 import levanter.checkpoint
-import levanter.config
 import levanter.tracker
 from haliax import Axis
 from haliax.partitioning import round_axis_for_partitioning
@@ -170,12 +169,12 @@ def load_pretrained_config(config: FinetuneConfig) -> TrainConfig:
     import draccus
 
     import qkvflow.models.discrete  # noqa: F401  (registers parallel_*, so such configs parse and are refused)
-    from qkvflow.cli import _user_cause, overrides
+    from qkvflow.cli import _user_cause, parse
 
     path = config.pretrained.config_path
     preflight.check_config_file(path)
     try:
-        pretrained = draccus.parse(TrainConfig, config_path=path, args=overrides("train", list(config.pretrained.overrides)))
+        pretrained = parse(TrainConfig, ["--config_path", path, *config.pretrained.overrides], "train")
     except (draccus.utils.DecodingError, draccus.utils.ParsingError) as e:
         cause = _user_cause(e) or e.__cause__ or e
         raise UserError(f"pretrained.config_path={path!r}: {cause}") from None
@@ -518,7 +517,7 @@ def _run(config: FinetuneConfig) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from qkvflow import usage
+    from qkvflow import cli, usage
     from qkvflow.train import NONFINITE_EXIT, stop_status
 
     if usage.wants_help(argv):
@@ -526,7 +525,7 @@ def main(argv: list[str]) -> int:
         print(usage.short_help("qkvflow finetune", FinetuneConfig, summary, hide=("model",)))
         return 0
     try:
-        summary = levanter.config.main(_run, args=usage.full_listing_args(argv))()
+        summary = _run(cli.parse(FinetuneConfig, usage.full_listing_args(argv), "finetune"))
     except faults.NonFiniteError as e:
         print(f"qkvflow finetune: error: {e}. Lower the learning rate, or set `nonfinite: skip`.", file=sys.stderr)
         return NONFINITE_EXIT

@@ -234,13 +234,11 @@ def _write_outputs(rows, out_dir, config, pretrained_steps) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    import draccus
-
-    from qkvflow import usage
+    from qkvflow import cli, usage
     from qkvflow.finetune import FinetuneConfig
 
     if usage.HELP_ALL in argv:  # the config keys, as `qkvflow finetune --help-all`
-        draccus.parse(FinetuneConfig, args=["--help"])
+        cli.parse(FinetuneConfig, ["--help"], "sweep")
     if usage.wants_help(argv):
         extra = (
             ("--depths M1,M2,...", "the depths M of the grid (default: sweep.depths)"),
@@ -252,22 +250,8 @@ def main(argv: list[str]) -> int:
         )
         print(usage.short_help("qkvflow sweep", FinetuneConfig, summary, hide=("model",), extra=extra))
         return 0
-    rest, grid = _split_grid_args(argv)
-    config_path = None
-    for i, arg in enumerate(rest):
-        if arg == "--config_path" and i + 1 < len(rest):
-            config_path = rest[i + 1]
-        elif arg.startswith("--config_path="):
-            config_path = arg.split("=", 1)[1]
-    if config_path is None:
-        raise UserError("--config_path is missing: expected a `qkvflow finetune` config")
-    args = [a for a in rest]
-    for i in range(len(args) - 1, -1, -1):  # draccus reads config_path separately
-        if args[i] == "--config_path":
-            del args[i : i + 2]
-        elif args[i].startswith("--config_path="):
-            del args[i]
-    config = draccus.parse(FinetuneConfig, config_path=config_path, args=args)
+    rest, grid = _split_grid_args(argv)  # sweep's own options; the rest is the finetune config
+    config = cli.parse(FinetuneConfig, rest, "sweep", required="a `qkvflow finetune` config")
     depths = parse_depths(grid["depths"]) if "depths" in grid else parse_depths(config.sweep.depths, "sweep.depths")
     methods = parse_methods(grid["methods"]) if "methods" in grid else parse_methods(config.sweep.methods, "sweep.methods")
     result = sweep(config, depths, methods)

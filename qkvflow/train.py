@@ -27,7 +27,6 @@ import haliax.partitioning
 import jax
 import jax.random as jrandom
 import levanter
-import levanter.config
 import levanter.tracker
 from haliax import Axis
 from haliax.partitioning import round_axis_for_partitioning
@@ -248,13 +247,13 @@ def stop_status(summary) -> int:
 
 
 def main(argv: list[str]) -> int:
-    from qkvflow import usage
+    from qkvflow import cli, usage
 
     if usage.wants_help(argv):
         print(usage.short_help("qkvflow train", TrainConfig, "Pretrain a language model with Levanter's trainer."))
         return 0
     try:
-        summary = levanter.config.main(_run, args=usage.full_listing_args(argv))()
+        summary = _run(cli.parse(TrainConfig, usage.full_listing_args(argv), "train"))
     except faults.NonFiniteError as e:
         print(
             f"qkvflow train: error: {e}. Nothing was saved for this step; the newest checkpoint is from before it. "
