@@ -39,7 +39,6 @@ from qkvflow.plotting import plot_loss_curve
 from qkvflow.runlock import RunLock
 from qkvflow.tracking import metrics_file
 from qkvflow.training import loop
-from qkvflow.training.loop import say  # noqa: F401  (re-exported: other verbs print progress with it)
 
 logger = logging.getLogger("qkvflow.train")
 

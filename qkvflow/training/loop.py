@@ -306,7 +306,3 @@ def _steps_for_epochs(config, tokens: dict, seq_len: int) -> int:
     stream into sequences of `seq_len` and drops the remainder; a last partial batch is not trained."""
     sequences = tokens.get("train", 0) // seq_len
     return max(config.epochs, 1) * sequences // config.trainer.train_batch_size
-
-
-def finish(summary: dict) -> None:
-    levanter.tracker.current_tracker().finish()
