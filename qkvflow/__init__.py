@@ -1,3 +1,3 @@
 """qkvflow: neural-ODE transformers (DiffEqFormer) on JAX, diffrax and Levanter."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

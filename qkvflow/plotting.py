@@ -5,7 +5,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from qkvflow.tracking import read_metrics  # noqa: E402
+from qkvflow.training.tracking import read_metrics  # noqa: E402
 
 
 def plot_loss_curve(metrics_jsonl: str, out_png: str, title: str = "") -> str:

@@ -21,8 +21,8 @@ def save_fresh_checkpoint(path: Path, corpus_root: Path, config_path: str = TINY
     import numpy as np
     from haliax import Axis
 
-    from qkvflow.config import TrainConfig
-    from qkvflow.train import with_corpus
+    from qkvflow.training.config import TrainConfig
+    from qkvflow.training.session import with_corpus
 
     config = with_corpus(draccus.parse(TrainConfig, config_path=config_path, args=["--corpus.root", str(corpus_root), *extra]))
     vocab = Axis("vocab", len(config.data.the_tokenizer))

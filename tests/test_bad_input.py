@@ -4,7 +4,7 @@ checkpoint written or changed.
 
 The cases run the real CLI entry point (`qkvflow.cli.main`) in this process, with the step that
 would start JAX's distributed runtime replaced by a tripwire, so each case fails where a real run
-would (config parsing, `qkvflow.preflight`) without paying for a JAX start-up. The checkpoint cases
+would (config parsing, `qkvflow.training.preflight`) without paying for a JAX start-up. The checkpoint cases
 let the run go on to the resume check, with the trainer itself replaced by a tripwire. One case at
 the end runs the whole command in a subprocess to show the same outcome end to end.
 """
@@ -168,12 +168,12 @@ CASES = [
 
 @pytest.mark.parametrize("args,message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input_is_refused_before_anything_starts(world, corpus_root, capsys, monkeypatch, args, message):
-    import qkvflow.train
+    import qkvflow.cli.train
 
     def tripwire(config):
         raise Tripwire("bad input reached JAX's initialisation")
 
-    monkeypatch.setattr(qkvflow.train, "_initialize", tripwire)
+    monkeypatch.setattr(qkvflow.cli.train, "_initialize", tripwire)
     monkeypatch.chdir(world)
     before = _snapshot(world / "checkpoints")
     rc, err = _run_cli(world, corpus_root, args, capsys)
@@ -204,14 +204,14 @@ DEVICES = [
 
 @pytest.mark.parametrize("args,message", [c[1:] for c in DEVICES], ids=[c[0] for c in DEVICES])
 def test_a_mesh_that_does_not_fit_the_devices_is_refused(world, corpus_root, capsys, monkeypatch, args, message):
-    import qkvflow.train
-    from qkvflow import preflight
+    import qkvflow.cli.train
+    from qkvflow.training import preflight
 
     def initialize(config):
         preflight.check_devices(config.trainer)
         raise Tripwire("a mesh that does not fit passed the device check")
 
-    monkeypatch.setattr(qkvflow.train, "_initialize", initialize)
+    monkeypatch.setattr(qkvflow.cli.train, "_initialize", initialize)
     monkeypatch.chdir(world)
     before = _snapshot(world / "checkpoints")
     rc, err = _run_cli(world, corpus_root, args, capsys)
@@ -232,8 +232,8 @@ def test_batch_sizes_divide_over_the_meshs_data_parallel_size(monkeypatch, axes,
     from levanter.trainer import TrainerConfig
     from levanter.utils.mesh import MeshConfig
 
-    from qkvflow import preflight
     from qkvflow.errors import UserError
+    from qkvflow.training import preflight
 
     monkeypatch.setattr(jax, "device_count", lambda *a: 4)
     config = TrainerConfig(train_batch_size=batch, mesh=MeshConfig(axes=axes))
@@ -260,14 +260,14 @@ RESUME = [
 
 @pytest.mark.parametrize("args,message", [c[1:] for c in RESUME], ids=[c[0] for c in RESUME])
 def test_checkpoint_that_does_not_fit_the_config_is_refused(world, corpus_root, capsys, monkeypatch, args, message):
-    import qkvflow.train
+    import qkvflow.cli.train
     import qkvflow.training.loop
-    from qkvflow import preflight
+    from qkvflow.training import preflight
 
     def trainer_tripwire(*args, **kwargs):
         raise Tripwire("a checkpoint that does not fit reached the trainer")
 
-    monkeypatch.setattr(qkvflow.train, "_initialize", lambda config: preflight.check_devices(config.trainer))
+    monkeypatch.setattr(qkvflow.cli.train, "_initialize", lambda config: preflight.check_devices(config.trainer))
     monkeypatch.setattr(qkvflow.training.loop, "Run", trainer_tripwire)  # what follows the resume check
     monkeypatch.chdir(world)
     before = _snapshot(world / "checkpoints")
@@ -279,14 +279,14 @@ def test_checkpoint_that_does_not_fit_the_config_is_refused(world, corpus_root, 
 
 def test_the_checkpoint_fits_its_own_config(world, corpus_root, capsys, monkeypatch):
     """The control for the table above: the same checkpoint with base.yaml passes the resume check."""
-    import qkvflow.train
+    import qkvflow.cli.train
     import qkvflow.training.loop
-    from qkvflow import preflight
+    from qkvflow.training import preflight
 
     def trainer_tripwire(*args, **kwargs):
         raise Tripwire("reached the trainer")
 
-    monkeypatch.setattr(qkvflow.train, "_initialize", lambda config: preflight.check_devices(config.trainer))
+    monkeypatch.setattr(qkvflow.cli.train, "_initialize", lambda config: preflight.check_devices(config.trainer))
     monkeypatch.setattr(qkvflow.training.loop, "Run", trainer_tripwire)  # what follows the resume check
     with pytest.raises(Tripwire):
         _run_cli(world, corpus_root, [], capsys)
@@ -345,8 +345,8 @@ def test_data_shorter_than_one_sequence_is_refused_after_tokenizing(corpus_root,
 @pytest.mark.parametrize("tokens,refused", [({"train": 32, "validation": 32}, None), ({"train": 31}, "train"), ({"train": 500, "validation": 0}, "validation")])
 def test_each_split_needs_one_sequence(tokens, refused):
     """Levanter cuts each split into sequences of exactly max_seq_len tokens: max_seq_len tokens make one."""
-    from qkvflow import preflight
     from qkvflow.errors import UserError
+    from qkvflow.training import preflight
 
     if refused is None:
         preflight.check_data_size(tokens, 32)
@@ -379,7 +379,7 @@ def _remove_the_generator(step: Path) -> str:
     """Delete every key of the hypernetwork's arrays (metadata and chunks) from the store."""
     import tensorstore as ts
 
-    from qkvflow.checkpoint_arrays import array_shapes
+    from qkvflow.training.checkpoint_arrays import array_shapes
 
     n = sum(key.startswith("model/generator/") for key in array_shapes(str(step)))
     assert n > 3
@@ -393,14 +393,14 @@ def _remove_the_generator(step: Path) -> str:
 
 @pytest.mark.parametrize("damage", [_truncate_a_data_file, _remove_the_generator], ids=["truncated-data-file", "missing-arrays"])
 def test_damaged_checkpoint_is_named_in_one_short_line(world, corpus_root, tmp_path, damage):
-    """Reading a damaged checkpoint back (qkvflow.checkpoints.load_model, as export and analyze do):
+    """Reading a damaged checkpoint back (qkvflow.training.checkpoints.load_model, as export and analyze do):
     one line naming the checkpoint and the damaged file or the missing arrays (at most three names, not
     Levanter's list)."""
     import draccus
 
-    from qkvflow.checkpoints import load_model
-    from qkvflow.config import TrainConfig
     from qkvflow.errors import UserError
+    from qkvflow.training.checkpoints import load_model
+    from qkvflow.training.config import TrainConfig
 
     run, intact = tmp_path / "tiny", tmp_path / "intact" / "tiny"
     shutil.copytree(world / "checkpoints" / "tiny", run)
@@ -422,7 +422,7 @@ def test_shipped_configs_pass_the_value_checks(path):
     """No false alarms: every shipped config passes the checks that need no data or devices."""
     import draccus
 
-    from qkvflow import preflight
+    from qkvflow.training import preflight
     from tests.helpers import config_class
 
     preflight.check_config_file(str(ROOT / path))
@@ -446,13 +446,13 @@ UNWRITABLE = [
 
 @pytest.mark.parametrize("args,message", [c[1:] for c in UNWRITABLE], ids=[c[0] for c in UNWRITABLE])
 def test_unwritable_outputs_are_refused_before_any_work(world, corpus_root, capsys, monkeypatch, args, message):
-    import qkvflow.train
+    import qkvflow.cli.train
 
     def tripwire(config):
         raise Tripwire("an unwritable output reached the corpus or JAX's initialisation")
 
-    monkeypatch.setattr(qkvflow.train, "with_corpus", tripwire)
-    monkeypatch.setattr(qkvflow.train, "_initialize", tripwire)
+    monkeypatch.setattr(qkvflow.cli.train, "with_corpus", tripwire)
+    monkeypatch.setattr(qkvflow.cli.train, "_initialize", tripwire)
     monkeypatch.chdir(world)
 
     def files():
@@ -469,9 +469,9 @@ def test_unreadable_checkpoint_metadata_stops_and_keeps_the_checkpoint(world, co
     the folder is not deleted and training does not restart from step 0."""
     import shutil
 
-    import qkvflow.train
+    import qkvflow.cli.train
     import qkvflow.training.loop
-    from qkvflow import preflight
+    from qkvflow.training import preflight
 
     def trainer_tripwire(*args, **kwargs):
         raise Tripwire("a run with an unreadable checkpoint reached the trainer")
@@ -479,7 +479,7 @@ def test_unreadable_checkpoint_metadata_stops_and_keeps_the_checkpoint(world, co
     shutil.copytree(world / "checkpoints" / "tiny", tmp_path / "checkpoints" / "tiny")
     step = tmp_path / "checkpoints" / "tiny" / "step-5"
     (step / "metadata.json").write_text('{"step": garbage')
-    monkeypatch.setattr(qkvflow.train, "_initialize", lambda config: preflight.check_devices(config.trainer))
+    monkeypatch.setattr(qkvflow.cli.train, "_initialize", lambda config: preflight.check_devices(config.trainer))
     monkeypatch.setattr(qkvflow.training.loop, "Run", trainer_tripwire)  # what follows the resume check
     monkeypatch.chdir(world)
     before = _snapshot(tmp_path / "checkpoints")

@@ -87,7 +87,7 @@ def test_help_all_lists_every_key(capsys):
     assert "--trainer.checkpointer.base_path" in out and "--model.ode.num_steps" in out
 
 
-# --- Levanter 1.2 keys: refused by every verb before it runs (qkvflow.compat, from qkvflow.cli.main) ------
+# --- Levanter 1.2 keys: refused by every verb before it runs (qkvflow.cli.compat, from qkvflow.cli.main) ------
 
 
 OLD_FILE = "trainer:\n  id: old\n  fsdp_axis: embed\nmodel:\n  seq_len: 64\n"
@@ -214,7 +214,7 @@ def test_bare_verbose_and_component_keys_reach_the_config(capsys, monkeypatch, v
     finetune; a key inside a data component overrides only that key. The run itself is replaced."""
     import importlib
 
-    module = importlib.import_module(f"qkvflow.{verb}")
+    module = importlib.import_module(f"qkvflow.cli.{verb}")
     cls = module.FinetuneConfig if verb == "finetune" else module.TrainConfig
     seen = []
 
@@ -265,7 +265,7 @@ def test_every_config_verb_parses_through_cli_parse(capsys, monkeypatch, tmp_pat
     }.get(verb, [])
     first = ["spectra"] if verb == "analyze" else []
     argv = [*first, "--config_path", str(config), *args, "--trainer.id", "sentinel"]
-    module = importlib.import_module(f"qkvflow.{verb}")
+    module = importlib.import_module(f"qkvflow.cli.{verb}")
     with pytest.raises(Sentinel):
         module.main(argv)
     assert len(calls) == 1
@@ -276,7 +276,7 @@ def test_every_config_verb_parses_through_cli_parse(capsys, monkeypatch, tmp_pat
 
 def test_parse_reads_the_config_path_in_both_forms_and_applies_the_overrides(tmp_path):
     from qkvflow.cli import parse
-    from qkvflow.config import TrainConfig
+    from qkvflow.training.config import TrainConfig
 
     path = str(ROOT / "configs/quickstart.yaml")
     forms = (["--config_path", path], [f"--config_path={path}"], ["--config_path", path[: -len(".yaml")]],
@@ -297,8 +297,8 @@ def test_parse_reads_the_config_path_in_both_forms_and_applies_the_overrides(tmp
 )
 def test_parse_refuses_a_config_path_without_value_or_twice(argv, message):
     from qkvflow.cli import parse
-    from qkvflow.config import TrainConfig
     from qkvflow.errors import UserError
+    from qkvflow.training.config import TrainConfig
 
     with pytest.raises(UserError, match=message):
         parse(TrainConfig, argv, "train")

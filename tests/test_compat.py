@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from qkvflow.compat import OLD_KEYS, check_config, check_old_keys, check_old_overrides
+from qkvflow.cli.compat import OLD_KEYS, check_config, check_old_keys, check_old_overrides
 from qkvflow.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,12 +16,12 @@ from levanter.models.gpt2 import Gpt2Config
 from levanter.models.llama import LlamaConfig
 
 from qkvflow.cli import overrides
-from qkvflow.config import TrainConfig
+from qkvflow.cli.describe import DescribeConfig, describe
+from qkvflow.cli.describe import main as describe_main
+from qkvflow.cli.finetune import FinetuneConfig
 from qkvflow.data.heldout import HeldOutHfDatasetSourceConfig
-from qkvflow.describe import DescribeConfig, describe
-from qkvflow.describe import main as describe_main
-from qkvflow.finetune import FinetuneConfig
 from qkvflow.models.config import DiffEqFormerGpt2Config, DiffEqFormerLlamaConfig
+from qkvflow.training.config import TrainConfig
 from tests.helpers import config_class
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from qkvflow.discretise import discretise, step_times
 from qkvflow.errors import UserError
+from qkvflow.export.discretise import discretise, step_times
 from qkvflow.models.config import SharedOdeLlamaConfig
 from tests.analysis.builders import filled
 from tests.helpers import Vocab, random_tokens, tiny_config

@@ -1,5 +1,5 @@
 """Faults during `qkvflow train`: SIGKILL at random moments and during a checkpoint write, SIGTERM
-(preemption), SIGINT (Ctrl-C), and non-finite steps. See qkvflow/faults.py for what the trainer does about each.
+(preemption), SIGINT (Ctrl-C), and non-finite steps. See qkvflow/training/faults.py for what the trainer does about each.
 
 Speed: every process here shares one JAX compilation cache (possible because EQX_ON_ERROR=nan turns
 Equinox's runtime checks, host callbacks that would make the step uncacheable, into NaNs; the
@@ -19,7 +19,7 @@ import equinox as eqx
 import jax
 import pytest
 
-from qkvflow.faults import incomplete_checkpoints
+from qkvflow.training.faults import incomplete_checkpoints
 from tests.train_utils import losses, train_args, train_env
 
 INTERVAL = 2  # trainer.checkpointer.keep: [{every: 2}]
@@ -253,7 +253,7 @@ def test_report_names_where_nonfinite_values_first_appear():
     import jax.numpy as jnp
     import numpy as np
 
-    from qkvflow.faults import _gradient_paths, describe_nonfinite
+    from qkvflow.training.faults import _gradient_paths, describe_nonfinite
     from tests.helpers import tiny_config, tiny_model
 
     model = tiny_model(tiny_config())
@@ -288,7 +288,7 @@ def test_levanter_still_behaves_as_our_run_loop_assumes():
     from levanter.trainer import Trainer, TrainerHooks
     from levanter.trainer_state import TrainerState
 
-    from qkvflow.faults import GuardState, guard_nonfinite
+    from qkvflow.training.faults import GuardState, guard_nonfinite
 
     # we build the trainer without Levanter's default hooks, to order ours (guard before checkpointer)
     assert "add_default_hooks" in inspect.signature(Trainer.__init__).parameters
@@ -332,7 +332,7 @@ def test_loss_injection_poisons_the_loss_weights_of_one_step_only():
     import jax.numpy as jnp
     from levanter.models.lm_model import LmExample
 
-    from qkvflow.faults import Injection, poison_loss
+    from qkvflow.training.faults import Injection, poison_loss
 
     Pos = hax.Axis("position", 4)
     batches = [LmExample.causal(hax.arange(Pos) + i) for i in range(4)]
@@ -345,7 +345,7 @@ def test_loss_injection_poisons_the_loss_weights_of_one_step_only():
 
 
 def test_injection_spec(monkeypatch):
-    from qkvflow.faults import INJECT_ENV, Injection
+    from qkvflow.training.faults import INJECT_ENV, Injection
 
     monkeypatch.delenv(INJECT_ENV, raising=False)
     assert Injection.from_env() is None
@@ -375,7 +375,7 @@ def _meta(step, ts, temporary=False):
 def test_incomplete_checkpoints_are_found_and_removed(tmp_path):
     import levanter.checkpoint
 
-    from qkvflow.faults import remove_incomplete_checkpoints
+    from qkvflow.training.faults import remove_incomplete_checkpoints
 
     run = tmp_path / "run"
     _checkpoint_folder(run, "step-2", _meta(2, "2025-01-01T00:00:02"))
@@ -409,7 +409,7 @@ def test_unreadable_metadata_stops_the_run_and_removes_nothing(tmp_path, metadat
     """A step-N folder whose metadata.json exists but cannot be read may hold a complete checkpoint:
     one line naming it and how to resume, and nothing removed (not even the interrupted step-6)."""
     from qkvflow.errors import UserError
-    from qkvflow.faults import remove_incomplete_checkpoints
+    from qkvflow.training.faults import remove_incomplete_checkpoints
 
     run = tmp_path / "run"
     _checkpoint_folder(run, "step-4", _meta(4, "2025-01-01T00:00:04"))
@@ -427,7 +427,7 @@ def test_unreadable_metadata_stops_the_run_and_removes_nothing(tmp_path, metadat
 
 
 def test_sigterm_requests_a_stop_after_the_current_batch():
-    from qkvflow.faults import Preemption
+    from qkvflow.training.faults import Preemption
 
     before = signal.getsignal(signal.SIGTERM)  # not necessarily SIG_DFL: other libraries install their own
     with Preemption() as preemption:
@@ -445,8 +445,8 @@ def test_sigint_requests_a_stop_and_a_second_one_exits_at_once(tmp_path):
     import subprocess
     import sys
 
-    from qkvflow.faults import Preemption
-    from qkvflow.train import stop_status
+    from qkvflow.cli.train import stop_status
+    from qkvflow.training.faults import Preemption
 
     before = signal.getsignal(signal.SIGINT)
     with Preemption() as preemption:
@@ -462,7 +462,7 @@ def test_sigint_requests_a_stop_and_a_second_one_exits_at_once(tmp_path):
     for sig, again in ((signal.SIGINT, "press Ctrl-C again"), (signal.SIGTERM, "send SIGTERM again")):
         twice = (
             "import os, signal, time\n"
-            "from qkvflow.faults import Preemption\n"
+            "from qkvflow.training.faults import Preemption\n"
             "p = Preemption().install()\n"
             f"os.kill(os.getpid(), signal.{sig.name})\n"
             "print('first', p.requested, flush=True)\n"
@@ -480,7 +480,7 @@ def test_a_resume_drops_the_metrics_of_the_steps_it_trains_again(tmp_path):
     """The file a SIGKILL leaves after step 5 (checkpoint after step 3, a line cut short): resuming at
     step 3 (0-based) keeps hparams, summaries and steps 0-2; Levanter's rerun of the hooks after the
     last step writes nothing twice."""
-    from qkvflow.tracking import JsonlTracker, drop_steps_from
+    from qkvflow.training.tracking import JsonlTracker, drop_steps_from
 
     file = tmp_path / "runs" / "tiny" / "metrics.jsonl"
     tracker = JsonlTracker(str(file))

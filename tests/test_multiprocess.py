@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from qkvflow.tracking import metrics_file, read_metrics
+from qkvflow.training.tracking import metrics_file, read_metrics
 from tests.train_utils import TINY
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,7 +3,7 @@
 tests/fixtures/levanter_1_2 holds `step-1` of a tiny DiffEqFormer run trained by the old version
 and the logits that version computed from its model (README.md there). Here the new stack reads it:
 
-* the model, through qkvflow's own loading path (`qkvflow.checkpoints.load_model`, as `qkvflow export`,
+* the model, through qkvflow's own loading path (`qkvflow.training.checkpoints.load_model`, as `qkvflow export`,
   `analyze` and the benchmarks read checkpoints), computes the same logits;
 * the whole trainer state (model, Adam state, step) restores with Levanter's `load_checkpoint` into
   the shapes of a fresh `TrainerState` of that config and optimizer;
@@ -39,7 +39,7 @@ def _train_config(model=None):
     """The fixture run's config as far as loading needs it: its model section and its tokenizer."""
     from levanter.data.text import LmDataConfig
 
-    from qkvflow.config import TrainConfig
+    from qkvflow.training.config import TrainConfig
 
     data = LmDataConfig(tokenizer=str(FIXTURE / "tokenizer"))
     return TrainConfig(data=data, corpus=None, model=model or _model_config())
@@ -47,7 +47,7 @@ def _train_config(model=None):
 
 @pytest.fixture(scope="module")
 def loaded():
-    from qkvflow.checkpoints import load_model
+    from qkvflow.training.checkpoints import load_model
 
     return load_model(_train_config(), str(STEP))
 
@@ -90,7 +90,7 @@ def test_the_old_model_computes_the_old_logits(loaded, expected):
 
 
 def test_a_run_folder_loads_its_newest_step(loaded, expected):
-    from qkvflow.checkpoints import load_model
+    from qkvflow.training.checkpoints import load_model
 
     model, _ = load_model(_train_config(), str(FIXTURE))  # the folder that holds step-1
     for a, b in zip(jax.tree_util.tree_leaves(model), jax.tree_util.tree_leaves(loaded[0]), strict=True):
@@ -142,9 +142,9 @@ def test_the_whole_trainer_state_restores_into_a_fresh_states_shapes(loaded):
     ],
 )
 def test_a_config_that_does_not_describe_it_gets_one_line(model, vocab, says):
-    from qkvflow.checkpoints import load_model
     from qkvflow.errors import UserError
     from qkvflow.models.config import DiffEqFormerLlamaConfig
+    from qkvflow.training.checkpoints import load_model
 
     if model == "llama":
         fields = dict(max_seq_len=32, hidden_dim=16, num_heads=2, time_embed_dim=4, num_frequencies=4)
@@ -167,8 +167,8 @@ def test_damage_to_an_old_checkpoint_is_named_in_one_line(tmp_path):
     from levanter.optim import AdamConfig
     from levanter.trainer_state import TrainerState
 
-    from qkvflow.checkpoints import load_model, restore_error
     from qkvflow.errors import UserError
+    from qkvflow.training.checkpoints import load_model, restore_error
 
     cut = tmp_path / "cut" / "step-1"
     shutil.copytree(STEP, cut)
@@ -200,9 +200,10 @@ def test_a_run_of_the_old_version_is_not_resumed_but_refused_in_one_line(tmp_pat
     id stops before any work, naming both versions, and leaves the checkpoint as it was."""
     import shutil
 
-    import qkvflow.train
+    import qkvflow.cli.train
     import qkvflow.training.loop
-    from qkvflow import cli, preflight
+    from qkvflow import cli
+    from qkvflow.training import preflight
 
     run = tmp_path / "checkpoints" / "fixture"
     shutil.copytree(STEP, run / "step-1")
@@ -212,7 +213,7 @@ def test_a_run_of_the_old_version_is_not_resumed_but_refused_in_one_line(tmp_pat
     def tripwire(*args, **kwargs):
         raise AssertionError("an old run reached the trainer")
 
-    monkeypatch.setattr(qkvflow.train, "_initialize", lambda config: preflight.check_devices(config.trainer))
+    monkeypatch.setattr(qkvflow.cli.train, "_initialize", lambda config: preflight.check_devices(config.trainer))
     monkeypatch.setattr(qkvflow.training.loop, "Run", tripwire)
     monkeypatch.chdir(tmp_path)
     rc = cli.main([

@@ -2,7 +2,7 @@
 
 Per-device bytes of parameters and AdamW state for the paper's medium model (hidden 1024, 16 heads,
 seq 1024, d_emb 144, GPT-2 vocabulary, 24 steps: 1.87B parameters) come from shapes alone
-(`qkvflow.sharding.per_device_bytes`: `jax.eval_shape`, Haliax's partition specs, an `AbstractMesh`);
+(`qkvflow.training.sharding.per_device_bytes`: `jax.eval_shape`, Haliax's partition specs, an `AbstractMesh`);
 a subprocess with 8 simulated CPU devices checks that those numbers are what Levanter's sharded
 initialisation really puts on each device (for a tiny model).
 """
@@ -16,8 +16,8 @@ from pathlib import Path
 import draccus
 import pytest
 
-from qkvflow.config import TrainConfig
-from qkvflow.sharding import (
+from qkvflow.training.config import TrainConfig
+from qkvflow.training.sharding import (
     abstract_mesh,
     array_bytes,
     mesh_shape,
@@ -112,7 +112,7 @@ from haliax import Axis
 from levanter.optim import AdamConfig
 from levanter.trainer import TrainerConfig
 from levanter.utils.mesh import MeshConfig
-from qkvflow.sharding import mesh_axes, mesh_shape, per_device_bytes
+from qkvflow.training.sharding import mesh_axes, mesh_shape, per_device_bytes
 from tests.helpers import tiny_config
 
 out = []

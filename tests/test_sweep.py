@@ -24,7 +24,7 @@ ROWS = [
 
 
 def test_table_and_figure(tmp_path):
-    from qkvflow.sweep import plot_sweep, write_table
+    from qkvflow.cli.sweep import plot_sweep, write_table
 
     csv_path, md_path = write_table(ROWS, str(tmp_path), "title")
     with open(csv_path) as f:
@@ -39,8 +39,8 @@ def test_table_and_figure(tmp_path):
 
 
 def test_grid_arguments():
+    from qkvflow.cli.sweep import _split_grid_args, parse_depths, parse_methods
     from qkvflow.errors import UserError
-    from qkvflow.sweep import _split_grid_args, parse_depths, parse_methods
 
     rest, grid = _split_grid_args(["--config_path", "x.yaml", "--depths", "9,12,18,24", "--methods=lora", "--steps", "3"])
     assert rest == ["--config_path", "x.yaml", "--steps", "3"]
@@ -132,9 +132,9 @@ def test_two_by_two_grid_end_to_end_and_rerun(tmp_path, shared):
 def test_outputs_that_are_not_qkvflows_are_refused_before_any_training(tmp_path, capsys, monkeypatch):
     """sweep.out_dir and the fine-tune exports replace only qkvflow's own earlier outputs; both are
     checked before anything trains (no pretrained checkpoint is even needed to get there)."""
-    import qkvflow.finetune
+    import qkvflow.cli.finetune
 
-    monkeypatch.setattr(qkvflow.finetune, "check_values", lambda config: pytest.fail("got past the output checks"))
+    monkeypatch.setattr(qkvflow.cli.finetune, "check_values", lambda config: pytest.fail("got past the output checks"))
     monkeypatch.chdir(tmp_path)
     theirs = tmp_path / "theirs"
     theirs.mkdir()

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from qkvflow.tracking import metrics_file, read_metrics
+from qkvflow.training.tracking import metrics_file, read_metrics
 from tests.train_utils import losses, train
 
 
@@ -141,9 +141,9 @@ def test_load_model_reads_the_trained_weights(reference, corpus_root):
     import jax.random as jrandom
     from haliax import Axis
 
-    from qkvflow.checkpoints import load_model
-    from qkvflow.config import TrainConfig
     from qkvflow.errors import UserError
+    from qkvflow.training.checkpoints import load_model
+    from qkvflow.training.config import TrainConfig
     from tests.train_utils import TINY
 
     workdir, _ = reference
@@ -163,7 +163,7 @@ def test_run_lock_refuses_a_second_holder_and_recovers_a_stale_one(tmp_path):
     import socket
 
     from qkvflow.errors import UserError
-    from qkvflow.runlock import LOCK_FILE, RunLock
+    from qkvflow.training.runlock import LOCK_FILE, RunLock
 
     run = tmp_path / "checkpoints" / "tiny"
     with RunLock(str(run)):
@@ -193,7 +193,7 @@ def test_second_train_of_the_same_run_is_refused_in_one_line(tmp_path, corpus_ro
     run = tmp_path / "checkpoints" / "tiny"
     in_progress = run / "step-3" / "model"
     in_progress.mkdir(parents=True)
-    hold = "import sys\nfrom qkvflow.runlock import RunLock\nRunLock(sys.argv[1]).acquire()\nprint('held', flush=True)\nsys.stdin.read()\n"
+    hold = "import sys\nfrom qkvflow.training.runlock import RunLock\nRunLock(sys.argv[1]).acquire()\nprint('held', flush=True)\nsys.stdin.read()\n"
     holder = subprocess.Popen(
         [sys.executable, "-c", hold, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )

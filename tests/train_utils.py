@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from qkvflow.tracking import metrics_file, read_metrics
+from qkvflow.training.tracking import metrics_file, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "tests" / "configs" / "tiny_train.yaml")

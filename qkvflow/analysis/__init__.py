@@ -1,6 +1,6 @@
 """Analyses of trained models, after section 4 and appendices B, C.8 and F of the paper
 (Tong et al., "Neural ODE Transformers: Analyzing Internal Dynamics and Adaptive Fine-tuning",
-ICLR 2025). `qkvflow analyze` (qkvflow/analyze.py) runs them from the command line.
+ICLR 2025). `qkvflow analyze` (qkvflow/cli/analyze.py) runs them from the command line.
 
 | module | what |
 |---|---|

@@ -22,7 +22,7 @@ from typing import Optional
 
 from qkvflow.errors import UserError
 from qkvflow.outputs import check_writable
-from qkvflow.tracking import metrics_file, read_metrics
+from qkvflow.training.tracking import metrics_file, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ("ode", "gpt2", "shared")

@@ -70,8 +70,8 @@ def load_config(path: str) -> tuple:
     import draccus
     from levanter.models.lm_model import LmConfig
 
-    import qkvflow.config  # noqa: F401  (registers model types)
-    from qkvflow.compat import check_config
+    import qkvflow.training.config  # noqa: F401  (registers model types)
+    from qkvflow.cli.compat import check_config
     from qkvflow.models.config import DiffEqFormerConfig
 
     file = Path(path)
@@ -154,7 +154,7 @@ class Step:
         from levanter.models.lm_model import LmExample
         from levanter.optim import AdamConfig
 
-        from qkvflow.loss import lm_loss
+        from qkvflow.training.loss import lm_loss
 
         key_model, key_tokens = jax.random.split(jax.random.PRNGKey(seed))
         model = config.build(Vocab, key=key_model)

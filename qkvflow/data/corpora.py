@@ -9,7 +9,7 @@ every encoded text as ``<|endoftext|> text <|endoftext|>``. Levanter's ``BatchTo
 ``tokenizer("hi there")``, sees both tokens present and therefore adds nothing itself (otherwise it would
 splice ``bos + " "`` and ``" " + eos`` into the raw string, i.e. extra space tokens). So this tokenizer must
 keep appending EOS for training; for a prompt that ending means "document over". The copy that
-``qkvflow export`` and ``qkvflow finetune`` write (``qkvflow.hf_folder.prompt_tokenizer``) keeps the leading
+``qkvflow export`` and ``qkvflow finetune`` write (``qkvflow.export.hf_folder.prompt_tokenizer``) keeps the leading
 ``<|endoftext|>`` and drops the trailing one.
 """
 

@@ -64,7 +64,7 @@ class DiffEqFormerConfig(LmConfig):
     attn_backend: Optional[AttentionBackend] = None
     flash_attention_block_size: Optional[int] = None
     cross_entropy_block_size: Optional[int] = None
-    """Vocabulary block of qkvflow's fused training loss (qkvflow.loss); None: the whole vocabulary at once.
+    """Vocabulary block of qkvflow's fused training loss (qkvflow.training.loss); None: the whole vocabulary at once.
     (Levanter 1.2's LmConfig had this field; marin-levanter's has not, so DiffEqFormer configs keep it.)"""
 
     def __post_init__(self):

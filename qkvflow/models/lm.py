@@ -6,7 +6,7 @@
 
 It implements Levanter's `LmHeadModel`, so Levanter's trainer, evaluator and loss use it as they
 use a GPT-2. `flow` also returns the kinetic energy and solver statistics; qkvflow's training loss
-(`qkvflow.loss`) adds the kinetic penalty and logs the evaluations, while evaluation sees the plain
+(`qkvflow.training.loss`) adds the kinetic penalty and logs the evaluations, while evaluation sees the plain
 language-model loss.
 """
 

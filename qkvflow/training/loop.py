@@ -9,7 +9,7 @@
 
 Levanter's own `Trainer.train` is this loop without the guard and without waiting for the last
 checkpoint; its default hooks are added here in an order that puts the non-finite guard first
-(`qkvflow.faults.NonFiniteGuard`: nothing is saved for a bad step) and keeps the checkpointer
+(`qkvflow.training.faults.NonFiniteGuard`: nothing is saved for a bad step) and keeps the checkpointer
 (`CheckpointerConfig.create`) in our hands, so the final save can be forced and awaited.
 """
 
@@ -35,10 +35,10 @@ from levanter.trainer import Trainer
 from levanter.utils.jax_utils import parameter_count
 from levanter.utils.tree_utils import inference_mode
 
-from qkvflow import faults, preflight
-from qkvflow.checkpoints import restore_error
 from qkvflow.errors import UserError
-from qkvflow.tracking import JsonlTrackerConfig, drop_steps_from, metrics_file
+from qkvflow.training import faults, preflight
+from qkvflow.training.checkpoints import restore_error
+from qkvflow.training.tracking import JsonlTrackerConfig, drop_steps_from, metrics_file
 
 logger = logging.getLogger("qkvflow.training")
 

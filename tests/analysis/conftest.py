@@ -51,8 +51,8 @@ def diffeqformer_run(tmp_path_factory, corpus_root):
     """(config path, checkpoint dir) of a tiny DiffEqFormer over the pydoc tokenizer, saved untrained."""
     import draccus
 
-    from qkvflow.config import TrainConfig
-    from qkvflow.train import with_corpus
+    from qkvflow.training.config import TrainConfig
+    from qkvflow.training.session import with_corpus
 
     workdir = tmp_path_factory.mktemp("diffeqformer_run")
     config_path = _write_config(workdir / "tiny.yaml", corpus_root, TINY_MODEL_YAML)
@@ -66,8 +66,8 @@ def gpt2_run(tmp_path_factory, corpus_root):
     """(config path, checkpoint dir) of a tiny discrete Levanter GPT-2 with random weights."""
     import draccus
 
-    from qkvflow.config import TrainConfig
-    from qkvflow.train import with_corpus
+    from qkvflow.training.config import TrainConfig
+    from qkvflow.training.session import with_corpus
     workdir = tmp_path_factory.mktemp("gpt2_run")
     config_path = _write_config(workdir / "gpt2.yaml", corpus_root, GPT2_YAML)
     config = draccus.parse(TrainConfig, config_path=config_path, args=[])

@@ -7,7 +7,8 @@ import draccus
 import numpy as np
 import pytest
 
-from qkvflow import analyze, cli
+from qkvflow import cli
+from qkvflow.cli import analyze
 from qkvflow.errors import UserError
 
 TEXT = "def f(x): return x < 2"
@@ -46,8 +47,8 @@ def test_spectra_of_a_levanter_gpt2_checkpoint_runs_over_layers(gpt2_run, tmp_pa
 
 def test_lyapunov_of_a_checkpoint_writes_page_and_figures(diffeqformer_run, tmp_path, capsys):
     from qkvflow.analysis.lyapunov import token_lyapunov
-    from qkvflow.checkpoints import load_model
-    from qkvflow.config import TrainConfig
+    from qkvflow.training.checkpoints import load_model
+    from qkvflow.training.config import TrainConfig
 
     config, checkpoint = diffeqformer_run
     run = ("--config_path", config, "--checkpoint", checkpoint)
@@ -78,8 +79,8 @@ BAD = [
 
 @pytest.mark.parametrize("args,message", BAD, ids=["empty", "blank", "too-long", "steps"])
 def test_lyapunov_bad_text_is_a_user_error(diffeqformer_run, args, message):
-    from qkvflow.config import TrainConfig
-    from qkvflow.train import with_corpus
+    from qkvflow.training.config import TrainConfig
+    from qkvflow.training.session import with_corpus
 
     config, checkpoint = diffeqformer_run
     tokenizer = with_corpus(draccus.parse(TrainConfig, config_path=config, args=[])).data.the_tokenizer

@@ -206,7 +206,7 @@ def test_quality_configs_share_one_budget():
     import draccus
     import yaml
 
-    from qkvflow.config import TrainConfig
+    from qkvflow.training.config import TrainConfig
 
     configs = quality.ROOT / "benchmarks" / "configs"
     reference = yaml.safe_load((configs / "quality_ode.yaml").read_text())

@@ -119,7 +119,7 @@ def test_non_text_formats_hash_the_whole_document() -> None:
 def test_yaml_selects_the_held_out_config(tmp_path: Path) -> None:
     import draccus
 
-    from qkvflow.config import TrainConfig
+    from qkvflow.training.config import TrainConfig
 
     path = tmp_path / "c.yaml"
     head = "data:\n  cache_dir: cache/owt\n  components:\n    owt:\n      source:\n        type: hf_heldout\n"

@@ -52,8 +52,8 @@ def _save_run(workdir: Path, corpus_root: Path, model_yaml: str, *, seed=0):
     from haliax import Axis
 
     import qkvflow.models.discrete  # noqa: F401
-    from qkvflow.config import TrainConfig
-    from qkvflow.train import with_corpus
+    from qkvflow.training.config import TrainConfig
+    from qkvflow.training.session import with_corpus
     from tests.analysis.builders import filled
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -124,7 +124,7 @@ def exported(runs, tmp_path_factory):
 
 @pytest.mark.parametrize("kind", ["diffeqformer_gpt2", "diffeqformer_llama", "shared_ode_gpt2"])
 def test_export_at_n_steps_gives_the_ode_models_logits_in_torch(runs, exported, kind):
-    from qkvflow.discretise import discretise
+    from qkvflow.export.discretise import discretise
 
     model = runs[kind][2]
     folder, summary = exported[kind]
@@ -141,7 +141,7 @@ def test_other_depths_match_the_discrete_model_generate_and_overwrite(runs, tmp_
     import torch
     from transformers import AutoModelForCausalLM
 
-    from qkvflow.discretise import discretise
+    from qkvflow.export.discretise import discretise
     from qkvflow.outputs import MARKER
 
     config_path, checkpoint, model = runs["diffeqformer_llama"]
@@ -202,12 +202,12 @@ def test_generate_from_a_prompt_continues_as_jax_greedy_decoding(runs, exported,
 def test_register_loads_without_remote_code_and_the_tokenizer_is_there(runs, exported):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import qkvflow.hf
+    import qkvflow.export.hf
 
     folder, _ = exported["diffeqformer_gpt2"]
-    qkvflow.hf.register()
+    qkvflow.export.hf.register()
     hf = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=False)
-    assert type(hf).__module__ == "qkvflow.hf.modeling_qkvflow"
+    assert type(hf).__module__ == "qkvflow.export.hf.modeling_qkvflow"
     assert len(AutoTokenizer.from_pretrained(str(folder))) == runs["diffeqformer_gpt2"][2].Vocab.size
 
 
@@ -228,7 +228,7 @@ def test_exported_folder_loads_with_qkvflow_unimportable(exported, tmp_path):
 def test_ode_export_round_trip(runs, exported):
     import jax
 
-    from qkvflow.ode_export import load_ode_export
+    from qkvflow.export.ode import load_ode_export
 
     for kind in ("diffeqformer_llama", "shared_ode_gpt2"):
         model = runs[kind][2]
@@ -314,7 +314,7 @@ def _snapshot(folder: Path) -> dict:
 def test_overwrite_never_replaces_what_export_did_not_write(runs, tmp_path, capsys, monkeypatch):
     """--output ., an ancestor of the current folder, the folder holding the checkpoint or the config,
     and a folder of the user's: exit 2, one line, every file still there (before any model is loaded)."""
-    import qkvflow.checkpoints
+    import qkvflow.training.checkpoints
 
     config_path, checkpoint, _ = runs["diffeqformer_gpt2"]
     work = tmp_path / "work"
@@ -326,7 +326,7 @@ def test_overwrite_never_replaces_what_export_did_not_write(runs, tmp_path, caps
     (work / "theirs").mkdir()
     (work / "theirs" / "thesis.tex").write_text("years of work")
     monkeypatch.chdir(work / "here")
-    monkeypatch.setattr(qkvflow.checkpoints, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    monkeypatch.setattr(qkvflow.training.checkpoints, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
     run_folder = Path(checkpoint).parent  # holds config.yaml and checkpoints/
     before = _snapshot(tmp_path), _snapshot(run_folder)
     cases = [
@@ -345,20 +345,20 @@ def test_overwrite_never_replaces_what_export_did_not_write(runs, tmp_path, caps
 
 
 def test_a_failing_export_leaves_the_earlier_one_intact(runs, tmp_path, capsys, monkeypatch):
-    import qkvflow.hf_folder
+    import qkvflow.export.hf_folder
 
     config_path, checkpoint, _ = runs["diffeqformer_gpt2"]
     out = tmp_path / "hf"
     _export(capsys, config_path, checkpoint, out, "--steps", "2")
     before = _snapshot(out)
-    real = qkvflow.hf_folder.save_hf_folder
+    real = qkvflow.export.hf_folder.save_hf_folder
 
     def dies_midway(model, folder, **kwargs):
         real(model, folder, **kwargs)
         Path(folder, "model.safetensors").write_bytes(b"half written")
         raise OSError("disk full")
 
-    monkeypatch.setattr(qkvflow.hf_folder, "save_hf_folder", dies_midway)
+    monkeypatch.setattr(qkvflow.export.hf_folder, "save_hf_folder", dies_midway)
     from qkvflow.cli import main
 
     with pytest.raises(OSError, match="disk full"):

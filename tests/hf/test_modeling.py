@@ -10,8 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from qkvflow.hf.configuration_qkvflow import QkvflowParallelGpt2Config, QkvflowParallelLlamaConfig  # noqa: E402
-from qkvflow.hf.modeling_qkvflow import make_norm  # noqa: E402
+from qkvflow.export.hf.configuration_qkvflow import QkvflowParallelGpt2Config, QkvflowParallelLlamaConfig  # noqa: E402
+from qkvflow.export.hf.modeling_qkvflow import make_norm  # noqa: E402
 
 H = 16
 

@@ -1,6 +1,6 @@
 import pytest
 
-from qkvflow.describe import DescribeConfig, describe
+from qkvflow.cli.describe import DescribeConfig, describe
 from qkvflow.models.accounting import parameter_counts
 from qkvflow.models.config import DiffEqFormerGpt2Config
 

@@ -125,7 +125,7 @@ def test_recursive_checkpoint_with_few_checkpoints_gives_same_gradients():
 
 
 def test_kinetic_energy_is_integral_of_squared_speed():
-    from qkvflow.loss import lm_loss
+    from qkvflow.training.loss import lm_loss
 
     n = 4
     config = tiny_config("gpt2", ode=OdeConfig(n), kinetic_weight=0.5, initializer_range=0.2)
@@ -162,14 +162,14 @@ def _reference_loss(logits, ids, weight, z=0.0) -> float:
 
 @pytest.mark.parametrize("kind", ["diffeqformer_gpt2", "gpt2"])
 def test_lm_loss_is_the_weighted_cross_entropy_whatever_the_weights_dtype(kind):
-    """qkvflow.loss.lm_loss against the formula, for a DiffEqFormer and for Levanter's GPT-2 (which it
+    """qkvflow.training.loss.lm_loss against the formula, for a DiffEqFormer and for Levanter's GPT-2 (which it
     hands to Levanter), with z-loss and a weight that drops positions and counts one twice, given as
     floats and as integers (marin-levanter takes the loss's dtype from the weight: an int weight must be
     cast, or the loss comes out as a wrong integer)."""
     import jax.random as jrandom
     from levanter.models.gpt2 import Gpt2Config
 
-    from qkvflow.loss import lm_loss
+    from qkvflow.training.loss import lm_loss
 
     config = tiny_config("gpt2", initializer_range=0.2)
     if kind == "gpt2":
@@ -232,7 +232,7 @@ def test_matrix_init_rejects_unknown_value():
 def test_ode_export_keeps_the_opt_in_knobs(tmp_path):
     """time_embed_norm and matrix_init travel in the ODE export's config, so the reloaded model
     computes the same logits (a loader that dropped time_embed_norm would not)."""
-    from qkvflow.ode_export import load_ode_export, save_ode_export
+    from qkvflow.export.ode import load_ode_export, save_ode_export
 
     config = tiny_config("gpt2", time_embed_norm=True, matrix_init="fan_in")
     model = tiny_model(config)

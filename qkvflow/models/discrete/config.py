@@ -6,7 +6,7 @@
 | parallel_llama  | RMSNorm   | SwiGLU (gate, up)     | rotary (half-split) |
 
 Each of the `num_layers` blocks is one Euler step of a DiffEqFormer's field (see
-`qkvflow.models.discrete.model`); `qkvflow.discretise` builds one from an ODE checkpoint, and
+`qkvflow.models.discrete.model`); `qkvflow.export.discretise` builds one from an ODE checkpoint, and
 Levanter's trainer can also train one from scratch (`model: {type: parallel_gpt2, ...}`).
 """
 

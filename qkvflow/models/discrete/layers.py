@@ -4,7 +4,7 @@
 
 which is one Euler step x + dt F(W(t_k), x) of a DiffEqFormer field once dt is folded into o_proj
 and the feed-forward's output projection. Every projection is an `haliax.nn.Linear`, so Levanter's
-`loraize` can wrap it; field names are the Hugging Face module names of `qkvflow.hf`.
+`loraize` can wrap it; field names are the Hugging Face module names of `qkvflow.export.hf`.
 
 Attention is computed as in `qkvflow.models.fields.common.self_attention` (Levanter's
 `dot_product_attention`, scale 1/sqrt(head_size), Levanter's half-split rotary for Llama).

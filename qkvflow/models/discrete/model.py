@@ -5,7 +5,7 @@
     logits = norm(x_L) @ unembedding
 
 The blocks are stacked with `haliax.nn.Stacked` over a `layers` axis. Module names mirror the
-torch modules of `qkvflow.hf.modeling_qkvflow`, so `haliax.state_dict.to_torch_compatible_state_dict`
+torch modules of `qkvflow.export.hf.modeling_qkvflow`, so `haliax.state_dict.to_torch_compatible_state_dict`
 of this model (and Levanter's `save_peft_pretrained` of a LoRA on it, with prefix
 "base_model.model") gives the torch state dict:
 

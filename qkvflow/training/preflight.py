@@ -286,7 +286,7 @@ def _positive(key: str, value, *, allow_none=False, minimum=1) -> None:
 
 
 def check_values(config) -> None:
-    from qkvflow.faults import NONFINITE_MODES
+    from qkvflow.training.faults import NONFINITE_MODES
 
     t = config.trainer
     if t.id is not None and (not t.id or any(c in t.id for c in "/\\") or t.id != t.id.strip() or " " in t.id):
@@ -364,7 +364,7 @@ def check_resume(config, Vocab):
     from haliax import NamedArray
     from levanter.utils.jax_utils import leaf_key_paths
 
-    from qkvflow.checkpoint_arrays import array_shapes, is_ocdbt
+    from qkvflow.training.checkpoint_arrays import array_shapes, is_ocdbt
 
     t = config.trainer
     if t.load_checkpoint is False:
@@ -458,7 +458,7 @@ def check_outputs(config) -> None:
     from levanter.tracker.tensorboard import TensorboardConfig
 
     from qkvflow.outputs import check_writable
-    from qkvflow.tracking import JsonlTrackerConfig
+    from qkvflow.training.tracking import JsonlTrackerConfig
 
     t = config.trainer
     check_writable(t.checkpointer.base_path, "trainer.checkpointer.base_path")

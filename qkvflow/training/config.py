@@ -17,7 +17,7 @@ from levanter.trainer import TrainerConfig
 import qkvflow.data.heldout  # noqa: F401  (registers the `hf_heldout` data source)
 import qkvflow.models.config  # noqa: F401  (registers the model types with Levanter)
 import qkvflow.models.discrete  # noqa: F401  (registers parallel_gpt2 / parallel_llama: discretised models)
-import qkvflow.tracking  # noqa: F401  (registers the jsonl tracker, so that any verb parses `type: jsonl`)
+import qkvflow.training.tracking  # noqa: F401  (registers the jsonl tracker, so that any verb parses `type: jsonl`)
 from qkvflow.models.config import DiffEqFormerGpt2Config
 
 

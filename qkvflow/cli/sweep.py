@@ -83,7 +83,7 @@ def parse_depths(values, key: str = "--depths") -> list[int]:
 
 
 def parse_methods(values, key: str = "--methods") -> list[str]:
-    from qkvflow.finetune import METHODS
+    from qkvflow.cli.finetune import METHODS
 
     methods = list(values)
     for m in methods:
@@ -177,8 +177,8 @@ def plot_sweep(rows: list[dict], out_png: str, pretrained_steps=None, title: str
 
 
 def sweep(config, depths: list[int], methods: list[str]) -> dict:
-    from qkvflow import preflight
-    from qkvflow.finetune import check_exports, check_values, finetune, read_summary
+    from qkvflow.cli.finetune import check_exports, check_values, finetune, read_summary
+    from qkvflow.training import preflight
 
     if not config.trainer.id:
         raise UserError("trainer.id is missing: the sweep names its runs <trainer.id>-<method>-M<depth>")
@@ -234,8 +234,9 @@ def _write_outputs(rows, out_dir, config, pretrained_steps) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from qkvflow import cli, usage
-    from qkvflow.finetune import FinetuneConfig
+    from qkvflow import cli
+    from qkvflow.cli import usage
+    from qkvflow.cli.finetune import FinetuneConfig
 
     if usage.HELP_ALL in argv:  # the config keys, as `qkvflow finetune --help-all`
         cli.parse(FinetuneConfig, ["--help"], "sweep")
@@ -262,6 +263,6 @@ def main(argv: list[str]) -> int:
         print(f"{key:>4}: {result[key]}")
     if result["complete"]:
         return 0
-    from qkvflow.train import stop_status
+    from qkvflow.cli.train import stop_status
 
     return stop_status(result) or 1  # 130 when Ctrl-C stopped a cell

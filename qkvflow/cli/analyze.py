@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _train_config(path: str, overrides: list[str]):
     from qkvflow import cli
-    from qkvflow.config import TrainConfig
+    from qkvflow.training.config import TrainConfig
 
     return cli.parse(TrainConfig, [cli.CONFIG_PATH, path, *overrides], "analyze")
 
@@ -63,7 +63,7 @@ def _require_ode_model(config, analysis: str, path: str) -> None:
 
 def spectra(args, overrides: list[str]) -> dict:
     from qkvflow.analysis.spectra import analyze_spectra
-    from qkvflow.checkpoints import load_model
+    from qkvflow.training.checkpoints import load_model
 
     if args.num_times < 2:
         raise UserError(f"spectra: --num_times {args.num_times} is invalid: expected an integer >= 2")
@@ -73,8 +73,8 @@ def spectra(args, overrides: list[str]) -> dict:
 
 def lyapunov(args, overrides: list[str]) -> dict:
     from qkvflow.analysis.lyapunov import analyze_lyapunov, encode_prompt
-    from qkvflow.checkpoints import load_model
-    from qkvflow.train import with_corpus
+    from qkvflow.training.checkpoints import load_model
+    from qkvflow.training.session import with_corpus
 
     config = _train_config(args.config_path, overrides)
     _require_ode_model(config, "lyapunov", args.config_path)

@@ -23,7 +23,7 @@ from qkvflow.errors import UserError
 
 HF_DIR = os.path.join(os.path.dirname(__file__), "hf")
 WEIGHTS_FILE = "model.safetensors"
-logger = logging.getLogger("qkvflow.hf_folder")
+logger = logging.getLogger("qkvflow.export.hf_folder")
 
 
 def prompt_tokenizer(tokenizer):
@@ -85,7 +85,7 @@ def _drop_trailing_eos(processor, eos_id: int) -> bool:
 
 def hf_config(model, *, ode_steps=None, tokenizer=None):
     """The transformers config of `model` (a ParallelLMHeadModel)."""
-    from qkvflow.hf.configuration_qkvflow import QkvflowParallelGpt2Config, QkvflowParallelLlamaConfig
+    from qkvflow.export.hf.configuration_qkvflow import QkvflowParallelGpt2Config, QkvflowParallelLlamaConfig
 
     config = model.config
     if config.flavour == "llama" and type(config.rope) is not DefaultRotaryEmbeddingsConfig:

@@ -4,7 +4,7 @@ Exported folders carry `configuration_qkvflow.py` and `modeling_qkvflow.py` with
 
     AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
 
-works without qkvflow installed. With qkvflow installed, `qkvflow.hf.register()` makes the
+works without qkvflow installed. With qkvflow installed, `qkvflow.export.hf.register()` makes the
 Auto classes know the model types, and `from_pretrained(DIR)` needs no remote code.
 """
 

@@ -98,7 +98,7 @@ def _shard_shape(shape, spec: PartitionSpec, mesh: AbstractMesh) -> tuple[int, .
 
 def array_bytes(tree, mapping, mesh) -> list[tuple[str, int, int]]:
     """(path, bytes on the fullest device, bytes unsharded) for each array of a tree of shapes."""
-    from qkvflow.faults import leaf_paths
+    from qkvflow.training.faults import leaf_paths
 
     is_named = lambda x: isinstance(x, NamedArray)  # noqa: E731
     leaves = jax.tree_util.tree_leaves(tree, is_leaf=is_named)

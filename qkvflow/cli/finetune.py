@@ -2,7 +2,7 @@
 
 A DiffEqFormer trained with N ODE steps defines weights W(t) for every t in [0, 1]. Evaluating them
 at M step times (dt = 1/M folded into the output projections) gives an ordinary parallel-block
-transformer with M layers (`qkvflow.discretise`), for any M (the paper's Fig. 6: pretrain 18 steps,
+transformer with M layers (`qkvflow.export.discretise`), for any M (the paper's Fig. 6: pretrain 18 steps,
 fine-tune at 9, 12, 18, 24 layers). This verb loads the ODE checkpoint, discretises it at
 `steps: M`, and trains the result with Levanter's trainer on the configured data:
 
@@ -47,15 +47,15 @@ from haliax.partitioning import round_axis_for_partitioning
 from levanter.adaptor.lora import LoraConfig, lora_trainable_params_filter, loraize, merge_lora_modules
 from levanter.models.lm_model import LmConfig
 
-from qkvflow import faults, outputs, preflight
-from qkvflow.config import TrainConfig
+from qkvflow import outputs
 from qkvflow.errors import UserError
-from qkvflow.loss import lm_loss
 from qkvflow.plotting import plot_loss_curve
-from qkvflow.tracking import metrics_file
-from qkvflow.training import loop
+from qkvflow.training import faults, loop, preflight
+from qkvflow.training.config import TrainConfig
+from qkvflow.training.loss import lm_loss
+from qkvflow.training.tracking import metrics_file
 
-logger = logging.getLogger("qkvflow.finetune")
+logger = logging.getLogger("qkvflow.cli.finetune")
 
 METHODS = ("lora", "full")
 SOLVERS = ("euler",)
@@ -121,8 +121,8 @@ class FinetuneConfig(TrainConfig):
 
 
 def discretise_model(model, steps: int, solver: str):
-    """The ODE model as an M-layer parallel-block transformer (qkvflow.discretise)."""
-    from qkvflow.discretise import discretise
+    """The ODE model as an M-layer parallel-block transformer (qkvflow.export.discretise)."""
+    from qkvflow.export.discretise import discretise
 
     return discretise(model, steps, solver=solver)
 
@@ -189,7 +189,7 @@ def load_pretrained_config(config: FinetuneConfig) -> TrainConfig:
 def check_pretrained_checkpoint(config: FinetuneConfig, pretrained: TrainConfig) -> None:
     """The checkpoint must hold a DiffEqFormer (a generator of W(t)), not e.g. a GPT-2 baseline's
     model: read from its array layout, before any device work."""
-    from qkvflow.checkpoint_arrays import array_shapes
+    from qkvflow.training.checkpoint_arrays import array_shapes
 
     latest = levanter.checkpoint.discover_latest_checkpoint(config.pretrained.checkpoint)
     arrays = [name.split("/") for name in array_shapes(str(latest)) if name.startswith("model/")]
@@ -205,7 +205,7 @@ def check_pretrained_checkpoint(config: FinetuneConfig, pretrained: TrainConfig)
 
 def _checkpoint_vocab(checkpoint: str) -> Optional[int]:
     """The vocabulary size the ODE checkpoint was trained with (its token embedding's rows)."""
-    from qkvflow.checkpoint_arrays import array_shapes
+    from qkvflow.training.checkpoint_arrays import array_shapes
 
     latest = levanter.checkpoint.discover_latest_checkpoint(checkpoint)
     shape = array_shapes(str(latest)).get("model/token_embeddings/weight")
@@ -214,7 +214,7 @@ def _checkpoint_vocab(checkpoint: str) -> Optional[int]:
 
 def load_base(config: FinetuneConfig, pretrained: TrainConfig, tokenizer, Vocab: Axis):
     """(ODE model, discretised model): the pretrained checkpoint, discretised at `steps`."""
-    from qkvflow.checkpoints import load_model
+    from qkvflow.training.checkpoints import load_model
 
     stored = _checkpoint_vocab(config.pretrained.checkpoint)
     if stored is not None and stored < len(tokenizer):
@@ -261,7 +261,7 @@ def _carry_over(summary: dict, previous: dict, jsonl) -> None:
         if key not in summary and key in previous:
             summary[key] = previous[key]
     if "train_loss" not in summary and jsonl is not None:  # no summary written before (e.g. a crash): the metrics
-        from qkvflow.tracking import read_metrics
+        from qkvflow.training.tracking import read_metrics
 
         steps = read_metrics(metrics_file(jsonl.path, summary["run_id"]))
         losses = [steps[s]["train/loss"] for s in sorted(steps) if "train/loss" in steps[s]]
@@ -310,7 +310,7 @@ def finetune(config: FinetuneConfig) -> dict:
 
 
 def _finetune(config: FinetuneConfig, preemption: faults.Preemption, cleanup: contextlib.ExitStack) -> dict:
-    from qkvflow.train import announce_corpus, initialize, with_corpus
+    from qkvflow.training.session import announce_corpus, initialize, with_corpus
 
     preflight.check_outputs(config)  # the write probes first: before any work
     check_exports(config)
@@ -458,11 +458,11 @@ def check_exports(config: FinetuneConfig) -> None:
 
 
 def export(config: FinetuneConfig, model, base, tokenizer, run_id: str, summary: dict) -> None:
-    from qkvflow.hf_folder import save_hf_folder
+    from qkvflow.export.hf_folder import save_hf_folder
 
     e = config.export
     # Levanter loads a MarinTokenizer; the transformers folder and the PEFT adapter are saved with the
-    # Hugging Face tokenizer it wraps (as qkvflow.checkpoints.load_model hands to `qkvflow export`).
+    # Hugging Face tokenizer it wraps (as qkvflow.training.checkpoints.load_model hands to `qkvflow export`).
     if hasattr(tokenizer, "as_hf_tokenizer"):
         tokenizer = tokenizer.as_hf_tokenizer()
     ode_steps = summary.get("pretrained_steps_N")
@@ -483,7 +483,7 @@ def export(config: FinetuneConfig, model, base, tokenizer, run_id: str, summary:
     elif e.peft_dir is not None:
         from levanter.adaptor.lora import save_peft_pretrained
 
-        from qkvflow.hf_folder import prompt_tokenizer
+        from qkvflow.export.hf_folder import prompt_tokenizer
 
         path = os.path.join(e.peft_dir, run_id)
         base_path = os.path.abspath(os.path.join(e.hf_dir, run_id)) if (e.hf_dir and not e.merged) else None
@@ -517,8 +517,9 @@ def _run(config: FinetuneConfig) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from qkvflow import cli, usage
-    from qkvflow.train import NONFINITE_EXIT, stop_status
+    from qkvflow import cli
+    from qkvflow.cli import usage
+    from qkvflow.cli.train import NONFINITE_EXIT, stop_status
 
     if usage.wants_help(argv):
         summary = "Discretise a pretrained ODE model at `steps: M` layers and fine-tune it (LoRA or full)."

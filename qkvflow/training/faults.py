@@ -49,7 +49,7 @@ import optax
 
 from qkvflow.errors import UserError
 
-logger = logging.getLogger("qkvflow.faults")
+logger = logging.getLogger("qkvflow.training.faults")
 
 INJECT_ENV = "QKVFLOW_TEST_INJECT_NONFINITE"
 NONFINITE_MODES = ("stop", "skip")

@@ -25,7 +25,7 @@ from typing import Optional
 
 from qkvflow.errors import UserError
 
-logger = logging.getLogger("qkvflow.runlock")
+logger = logging.getLogger("qkvflow.training.runlock")
 
 LOCK_FILE = ".qkvflow.lock"
 

@@ -11,10 +11,10 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from qkvflow.config import TrainConfig
 from qkvflow.errors import UserError
 from qkvflow.models import accounting
 from qkvflow.models.config import DiffEqFormerConfig
+from qkvflow.training.config import TrainConfig
 
 GPT2_VOCAB = 50257
 
@@ -33,7 +33,7 @@ def vocabulary(config: DescribeConfig) -> tuple[int, str]:
         return config.vocab_size, "vocab_size"
     if config.corpus is not None:
         from qkvflow.data.corpora import corpus_vocab_size
-        from qkvflow.train import check_corpus
+        from qkvflow.training.session import check_corpus
 
         c = config.corpus
         check_corpus(c)
@@ -79,7 +79,8 @@ def describe(config: DescribeConfig) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from qkvflow import cli, usage
+    from qkvflow import cli
+    from qkvflow.cli import usage
 
     if usage.wants_help(argv):
         print(usage.short_help("qkvflow describe", DescribeConfig, "Parameter counts and FLOPs of a config, as JSON."))

@@ -3,7 +3,7 @@
 Bad input (unknown or mistyped config keys, unreadable YAML, missing files, invalid values) ends
 with one line naming the problem and exit status 2, not a traceback. Every verb goes through `main`,
 which first checks the --config_path file and refuses Levanter 1.2 keys there and in the overrides
-(qkvflow.compat). Each verb then reads its config with `parse` (the --config_path file and the
+(qkvflow.cli.compat). Each verb then reads its config with `parse` (the --config_path file and the
 overrides, two kinds of which draccus cannot read are rewritten by `overrides`), and nothing else.
 """
 
@@ -14,17 +14,17 @@ import json
 import sys
 
 VERBS = {
-    "train": ("qkvflow.train", "train a model with Levanter (--config_path CFG [--key value ...])"),
-    "describe": ("qkvflow.describe", "parameter counts and FLOPs of a config, as JSON"),
-    "analyze": ("qkvflow.analyze", "spectra | lyapunov | clusters: the paper's analyses, figures and JSON"),
-    "export": ("qkvflow.export", "a DiffEqFormer checkpoint as a Hugging Face model (--steps M layers) [+ --ode]"),
-    "bench": ("qkvflow.bench", "speed | scaling | quality: throughput, memory scaling and Tiny Shakespeare benchmarks"),
-    "finetune": ("qkvflow.finetune", "discretise a pretrained ODE model at M layers and fine-tune it (LoRA or full)"),
-    "sweep": ("qkvflow.sweep", "fine-tune over a grid of depths x methods; table and figure (--depths 9,12 --methods lora,full)"),
+    "train": ("qkvflow.cli.train", "train a model with Levanter (--config_path CFG [--key value ...])"),
+    "describe": ("qkvflow.cli.describe", "parameter counts and FLOPs of a config, as JSON"),
+    "analyze": ("qkvflow.cli.analyze", "spectra | lyapunov | clusters: the paper's analyses, figures and JSON"),
+    "export": ("qkvflow.cli.export", "a DiffEqFormer checkpoint as a Hugging Face model (--steps M layers) [+ --ode]"),
+    "bench": ("qkvflow.cli.bench", "speed | scaling | quality: throughput, memory scaling and Tiny Shakespeare benchmarks"),
+    "finetune": ("qkvflow.cli.finetune", "discretise a pretrained ODE model at M layers and fine-tune it (LoRA or full)"),
+    "sweep": ("qkvflow.cli.sweep", "fine-tune over a grid of depths x methods; table and figure (--depths 9,12 --methods lora,full)"),
 }
 
 
-def usage() -> str:
+def overview() -> str:
     lines = ["usage: qkvflow VERB [--config_path CFG] [--dotted.key value ...]", "", "verbs:"]
     lines += [f"  {verb:<10} {help}" for verb, (_, help) in VERBS.items()]
     return "\n".join(lines)
@@ -205,11 +205,11 @@ def _user_cause(error: BaseException):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):
-        print(usage())
+        print(overview())
         return 0
     verb, rest = argv[0], argv[1:]
     if verb not in VERBS:
-        print(f"qkvflow: unknown verb {verb!r}\n\n{usage()}", file=sys.stderr)
+        print(f"qkvflow: unknown verb {verb!r}\n\n{overview()}", file=sys.stderr)
         return 2
 
     import draccus.utils
@@ -218,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
 
     where = _config_path(rest)
     try:
-        from qkvflow.compat import check_config
-        from qkvflow.preflight import check_config_file
+        from qkvflow.cli.compat import check_config
+        from qkvflow.training.preflight import check_config_file
 
         path = check_config_file(None if where == "the config" else where)
         check_config(path, rest)  # Levanter 1.2 keys, before anything is imported or parsed

@@ -14,8 +14,8 @@ import levanter.checkpoint
 import numpy as np
 from haliax import Axis
 
-from qkvflow.config import TrainConfig
 from qkvflow.errors import UserError
+from qkvflow.training.config import TrainConfig
 
 
 def load_model(config: TrainConfig, checkpoint: str, *, vocab_size: int | None = None):
@@ -24,7 +24,7 @@ def load_model(config: TrainConfig, checkpoint: str, *, vocab_size: int | None =
     The tokenizer is the Hugging Face one (Levanter loads a `MarinTokenizer`; exports and prompts need
     the transformers API). The vocabulary size comes from it unless `vocab_size` is given.
     """
-    from qkvflow.train import with_corpus
+    from qkvflow.training.session import with_corpus
 
     config = with_corpus(config)
     tokenizer = config.data.the_tokenizer

@@ -2,10 +2,10 @@
 
     qkvflow export --checkpoint DIR --config_path CFG [--steps M] --output OUT [--overwrite] [--solver euler] [--ode]
 
-Discretises the ODE model into M parallel blocks (`qkvflow.discretise`; M defaults to the config's
+Discretises the ODE model into M parallel blocks (`qkvflow.export.discretise`; M defaults to the config's
 ode.num_steps, where the export computes exactly the model's Euler solve) and writes OUT as a
-transformers folder (`qkvflow.hf_folder`) with the run's tokenizer. `--ode` also writes the full
-ODE model to OUT/ode (`qkvflow.ode_export`). Further `--dotted.key value` arguments override the
+transformers folder (`qkvflow.export.hf_folder`) with the run's tokenizer. `--ode` also writes the full
+ODE model to OUT/ode (`qkvflow.export.ode`). Further `--dotted.key value` arguments override the
 config as in `qkvflow train` (e.g. `--corpus.root`). Prints a JSON summary. See docs/export.md.
 
 OUT is written into a temporary sibling and swapped in when complete (`qkvflow.outputs`); it must
@@ -51,8 +51,8 @@ def check_output(args) -> None:
 def _train_config(path: str, overrides: list[str]):
     import qkvflow.models.discrete  # noqa: F401  (registers parallel_*, so such configs parse and are refused)
     from qkvflow import cli
-    from qkvflow.config import TrainConfig
     from qkvflow.models.config import DiffEqFormerConfig
+    from qkvflow.training.config import TrainConfig
 
     config = cli.parse(TrainConfig, [cli.CONFIG_PATH, path, *overrides], "export")
     if not isinstance(config.model, DiffEqFormerConfig):
@@ -64,7 +64,7 @@ def _train_config(path: str, overrides: list[str]):
 
 
 def export(args, overrides: list[str]) -> dict:
-    from qkvflow.discretise import SOLVERS, discretise
+    from qkvflow.export.discretise import SOLVERS, discretise
 
     if args.steps is not None and args.steps < 1:
         raise UserError(f"export: --steps {args.steps} is invalid: expected an integer >= 1 (the number of layers)")
@@ -73,9 +73,9 @@ def export(args, overrides: list[str]) -> dict:
     check_output(args)
     config = _train_config(args.config_path, overrides)
 
-    from qkvflow.checkpoints import load_model
-    from qkvflow.hf_folder import save_hf_folder
-    from qkvflow.ode_export import save_ode_export
+    from qkvflow.export.hf_folder import save_hf_folder
+    from qkvflow.export.ode import save_ode_export
+    from qkvflow.training.checkpoints import load_model
 
     model, tokenizer = load_model(config, args.checkpoint)
     steps = args.steps or config.model.ode.num_steps

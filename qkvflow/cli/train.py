@@ -1,0 +1,135 @@
+"""`qkvflow train`: pretrain a language model with Levanter's trainer.
+
+Levanter owns the loop, sharding, data, checkpoints and logging; this module picks the loss,
+adds evaluation with perplexity, and writes a loss curve. Resuming: run the same command with the
+same `--trainer.id`; the newest complete checkpoint of that run is loaded and the data loader
+continues from its step.
+
+Faults (see qkvflow.training.faults): SIGTERM saves a checkpoint after the current step and exits 0;
+interrupted checkpoint writes are removed before resuming; a non-finite loss or gradient stops the
+run with exit status 3 (`nonfinite: stop`) or skips the step (`nonfinite: skip`).
+
+Several processes (multi-host, or several processes on one machine) run the same command; Levanter's
+`trainer.distributed` section (or SLURM / TPU auto-detection) connects them. Only process 0 writes
+metrics, the loss curve and checkpoint metadata; every process writes its shards of the arrays.
+"""
+
+import contextlib
+import functools
+import logging
+import os
+import signal
+import sys
+
+import haliax.partitioning
+import jax
+import jax.random as jrandom
+import levanter
+import levanter.tracker
+from haliax import Axis
+from haliax.partitioning import round_axis_for_partitioning
+
+from qkvflow.errors import UserError
+from qkvflow.plotting import plot_loss_curve
+from qkvflow.training import faults, loop, preflight
+from qkvflow.training.config import TrainConfig
+from qkvflow.training.loss import lm_loss
+from qkvflow.training.session import announce_corpus, initialize, with_corpus
+from qkvflow.training.tracking import metrics_file
+
+logger = logging.getLogger("qkvflow.cli.train")
+
+
+def train(config: TrainConfig) -> dict:
+    """Train; return a summary of the final step (losses, perplexities, where outputs went)."""
+    with contextlib.ExitStack() as cleanup:
+        preemption = cleanup.enter_context(faults.Preemption())  # from here on, SIGTERM and SIGINT mean "stop cleanly"
+        return _train(config, preemption, cleanup)
+
+
+def _train(config: TrainConfig, preemption: faults.Preemption, cleanup: contextlib.ExitStack) -> dict:
+    preflight.check_outputs(config)  # before the corpus, the tokenizer and Levanter start
+    announce_corpus(config)
+    config = with_corpus(config)
+    preflight.check(config)
+    tokenizer = preflight.load_tokenizer(config.data)
+    try:
+        inject = faults.Injection.from_env()
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    initialize(config, cleanup)
+    t = config.trainer
+    with haliax.partitioning.set_mesh(t.device_mesh):
+        Vocab = round_axis_for_partitioning(Axis("vocab", len(tokenizer)), t.parameter_axis_mapping)
+    if t.load_checkpoint_path is None:  # this run's own folder: drop writes a kill interrupted
+        checkpointer = t.checkpointer
+        faults.remove_incomplete_checkpoints(checkpointer.expanded_path(t.id), checkpointer.delete_old_temp_checkpoints)
+    resume_from = preflight.check_resume(config, Vocab)
+    model_key = jrandom.split(jrandom.PRNGKey(t.seed), 4)[2]
+    Pos = config.model.max_Pos
+    run = loop.Run(
+        config,
+        "qkvflow train",
+        Pos,
+        init=lambda: config.model.build(Vocab, key=model_key),
+        flops_per_token=config.model.flops_per_token(len(tokenizer), Pos.size),
+    )
+    loss_fn = functools.partial(lm_loss, z_loss_weight=config.z_loss_weight)
+    summary, _ = loop.train_run(run, loss_fn, tokenizer, preemption, inject, resume_from)
+
+    jsonl = loop.jsonl_tracker(t)
+    if jsonl is not None and jax.process_index() == 0 and "run_id" in summary:
+        summary["metrics"] = metrics_file(jsonl.path, summary["run_id"])
+        if config.loss_curve and os.path.exists(summary["metrics"]):
+            out = os.path.join(os.path.dirname(summary["metrics"]), config.loss_curve)
+            summary["loss_curve"] = plot_loss_curve(summary["metrics"], out, title=f"{type(config.model).__name__}")
+    levanter.tracker.current_tracker().finish()
+    return summary
+
+
+def print_summary(summary: dict) -> None:
+    print("\n== qkvflow train: " + ("preempted ==" if summary.get("preempted") else "done =="))
+    for key in ("run_id", "steps", "skipped_steps", "train_loss", "train_perplexity", "eval_loss", "eval_perplexity"):
+        if key in summary:
+            value = summary[key]
+            print(f"{key:>17}: {value:.4f}" if isinstance(value, float) else f"{key:>17}: {value}")
+    for key in ("checkpoints", "metrics", "loss_curve"):
+        if key in summary:
+            print(f"{key:>17}: {summary[key]}")
+
+
+def _run(config: TrainConfig) -> dict:
+    summary = train(config)
+    print_summary(summary)
+    return summary
+
+
+NONFINITE_EXIT = 3
+"""Exit status of a run stopped by a non-finite loss or gradient (bad input is 2)."""
+
+
+def stop_status(summary) -> int:
+    """The exit status of a run that ended without an error: 130 (128 + SIGINT, what a shell reports
+    for Ctrl-C) when Ctrl-C stopped it, so that `qkvflow train && next` does not go on; 0 otherwise,
+    a SIGTERM preemption included (the checkpoint is saved; the scheduler restarts the run)."""
+    stopped_by = summary.get("stopped_by") if isinstance(summary, dict) else None
+    return 128 + signal.SIGINT if stopped_by == "SIGINT" else 0
+
+
+def main(argv: list[str]) -> int:
+    from qkvflow import cli
+    from qkvflow.cli import usage
+
+    if usage.wants_help(argv):
+        print(usage.short_help("qkvflow train", TrainConfig, "Pretrain a language model with Levanter's trainer."))
+        return 0
+    try:
+        summary = _run(cli.parse(TrainConfig, usage.full_listing_args(argv), "train"))
+    except faults.NonFiniteError as e:
+        print(
+            f"qkvflow train: error: {e}. Nothing was saved for this step; the newest checkpoint is from before it. "
+            "Lower the learning rate, or set `nonfinite: skip` to skip such steps.",
+            file=sys.stderr,
+        )
+        return NONFINITE_EXIT
+    return stop_status(summary)

@@ -1,0 +1,148 @@
+"""Setting up a training run: the corpus, Levanter's initialisation, the run lock and the terminal.
+
+Shared by the verbs that train (`qkvflow train`, `qkvflow finetune`) and by those that read a
+training config's data (`analyze`, `eval`, the checkpoint loader): `with_corpus` builds the configured
+offline corpus and points `data` at it; `initialize` connects processes (`jax.distributed`), runs the
+device checks, takes the run lock (qkvflow.training.runlock) and lets Levanter open its trackers and log
+file; `quiet_console` keeps Levanter's INFO lines out of the terminal (they still go to the log file).
+"""
+
+import contextlib
+import dataclasses
+import logging
+import os
+from typing import Optional
+
+import jax
+import levanter
+
+from qkvflow.errors import UserError
+from qkvflow.training import preflight
+from qkvflow.training.config import TrainConfig
+from qkvflow.training.runlock import RunLock
+
+
+def check_corpus(c) -> None:
+    """UserError unless the `corpus:` section names a known corpus and a usable vocabulary size."""
+    from qkvflow.data.corpora import NAMES
+
+    if c.name not in NAMES:
+        raise UserError(f"corpus.name={c.name!r} is invalid: expected one of {', '.join(NAMES)}")
+    if c.vocab_size is not None and (isinstance(c.vocab_size, bool) or c.vocab_size < 1):
+        raise UserError(f"corpus.vocab_size={c.vocab_size!r} is invalid: expected null or an integer >= 1")
+
+
+def with_corpus(config: TrainConfig) -> TrainConfig:
+    """Build the configured offline corpus (if any) and point `data` at its files and tokenizer."""
+    if config.corpus is None:
+        return config
+    from qkvflow.data.corpora import prepare_corpus
+
+    c = config.corpus
+    check_corpus(c)
+    try:
+        corpus = prepare_corpus(c.name, c.root, vocab_size=c.vocab_size)
+    except (ValueError, RuntimeError) as e:  # e.g. a vocabulary size the corpus cannot have
+        raise UserError(f"corpus: {e}") from None
+    data = corpus.data_config(c.name, config.data)
+    return dataclasses.replace(config, data=data)
+
+
+def announce_corpus(config) -> None:
+    """Say which corpus is prepared (building it trains a tokenizer); printed before JAX starts, so by
+    every process."""
+    if config.corpus is not None:
+        print(f"preparing corpus {config.corpus.name} in {os.path.join(config.corpus.root, config.corpus.name)} ...", flush=True)
+
+
+def _initialize(config: TrainConfig) -> Optional[RunLock]:
+    """Levanter's initialisation, with the device-dependent checks between `jax.distributed` and
+    Levanter's own validation (which would fail with a traceback on the same problems). Takes the
+    run lock (returned; process 0 only) before Levanter opens the run's trackers."""
+    t = config.trainer
+    for key, value in t.jax_config.items():  # e.g. jax_cpu_collectives_implementation before distributed
+        jax.config.update(key, value)
+    t.distributed.initialize()  # jax.distributed when configured, or detected (SLURM, TPU pods)
+    t.distributed = dataclasses.replace(t.distributed, initialize_jax_distributed=False)
+    if jax.process_count() > 1:
+        print(
+            f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} local devices, "
+            f"{jax.device_count()} in all",
+            flush=True,
+        )
+    lock = _lock_run(t) if t.id is not None else None
+    try:
+        preflight.check_devices(t)
+        log_dir = str(t.log_dir)
+        before = set(os.listdir(log_dir)) if os.path.isdir(log_dir) else set()
+        levanter.initialize(config)
+        _fix_log_file_name(log_dir, before)
+        quiet_console(getattr(config, "verbose", False))
+        return lock or _lock_run(t)  # or the id Levanter chose (RUN_ID, wandb's, a random one)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+class _ConsoleFilter(logging.Filter):
+    """What the terminal shows of the logs: qkvflow's warnings and everyone's errors. Levanter's INFO
+    lines (cache loading, tracing, checkpoint commits) and its benign warnings still go to the log file."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR or (record.levelno >= logging.WARNING and record.name.startswith("qkvflow"))
+
+
+def quiet_console(verbose: bool) -> None:
+    """Filter the root logger's terminal handlers (those Levanter installs) unless `verbose`; file
+    handlers are left alone, so `<log_dir>/<run_id>.log` keeps everything."""
+    if verbose:
+        return
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+            if not any(isinstance(f, _ConsoleFilter) for f in handler.filters):
+                handler.addFilter(_ConsoleFilter())
+
+
+def _fix_log_file_name(log_dir: str, before: set) -> None:
+    """Log to `<log_dir>/<run_id>.log`, not Levanter 1.2's `<run_id>.log.log`.
+
+    Levanter's TrainerConfig.initialize passes "<id>.log" to init_logging, which appends ".log" again.
+    The root logger's handler on such a file is replaced by one on the intended name; what was already
+    written moves there, and the stray file is removed only if it did not exist before this run (a
+    no-op once Levanter names the file itself).
+    """
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        stray = getattr(handler, "baseFilename", "")
+        if not (isinstance(handler, logging.FileHandler) and stray.endswith(".log.log")):
+            continue
+        if os.path.dirname(stray) != os.path.abspath(log_dir):
+            continue
+        fixed = logging.FileHandler(stray[: -len(".log")], mode="a")
+        fixed.setFormatter(handler.formatter)
+        fixed.setLevel(handler.level)
+        root.removeHandler(handler)
+        handler.close()
+        if os.path.basename(stray) not in before:
+            with contextlib.suppress(FileNotFoundError):  # another process of this run moved it first
+                with open(stray) as src:
+                    text = src.read()
+                with open(fixed.baseFilename, "a") as dst:
+                    dst.write(text)
+                os.remove(stray)
+        root.addHandler(fixed)
+
+
+def _lock_run(trainer_config) -> Optional[RunLock]:
+    """The run's lock (qkvflow.training.runlock), taken by process 0 of a run (after `jax.distributed`)."""
+    if jax.process_index() != 0:
+        return None
+    return RunLock(trainer_config.checkpointer.expanded_path(trainer_config.id)).acquire()
+
+
+def initialize(config: TrainConfig, cleanup: contextlib.ExitStack) -> None:
+    """`_initialize`, holding the run lock until `cleanup` closes."""
+    lock = _initialize(config)
+    if lock is not None:
+        cleanup.callback(lock.release)
