@@ -3,7 +3,7 @@
 Bad input (unknown or mistyped config keys, unreadable YAML, missing files, invalid values) ends
 with one line naming the problem and exit status 2, not a traceback. Every verb goes through `main`,
 which first checks the --config_path file and refuses Levanter 1.2 keys there and in the overrides
-(qkvflow.cli.compat). Each verb then reads its config with `parse` (the --config_path file and the
+(qkvflow.training.compat). Each verb then reads its config with `parse` (the --config_path file and the
 overrides, two kinds of which draccus cannot read are rewritten by `overrides`), and nothing else.
 """
 
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
 
     where = _config_path(rest)
     try:
-        from qkvflow.cli.compat import check_config
+        from qkvflow.training.compat import check_config
         from qkvflow.training.preflight import check_config_file
 
         path = check_config_file(None if where == "the config" else where)
