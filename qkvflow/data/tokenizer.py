@@ -147,9 +147,9 @@ def _decode(path: str, raw: bytes, offset: int = 0, line: int | None = None) -> 
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        where = f"line {line}, " if line is not None else ""
+        line = raw[: e.start].count(b"\n") + 1 if line is None else line
         raise UserError(
-            f"--files: {path!r} is not UTF-8 text ({where}byte offset {offset + e.start}: {raw[e.start:e.start + 1]!r})"
+            f"--files: {path!r} is not UTF-8 text (line {line}, byte offset {offset + e.start}: {raw[e.start:e.start + 1]!r})"
         ) from None
 
 
