@@ -156,7 +156,7 @@ def test_char_tokenizer_is_the_sorted_alphabet_and_round_trips(sample: dict, tmp
     for doc in docs:
         ids = tok(doc, add_special_tokens=False)["input_ids"]
         assert ids == [chars.index(c) for c in doc] and tok.decode(ids) == doc
-    with pytest.raises(Exception):  # outside the alphabet: an error, never a silent token
+    with pytest.raises(Exception, match="Missing \\[UNK\\] token"):  # outside the alphabet: an error, never a silent token
         tok("Z" if "Z" not in chars else "\u2603", add_special_tokens=False)
 
     # A text without a space still gets " " (Levanter writes `text + " " + eos`); vocab_size is a cap.
@@ -324,3 +324,21 @@ def test_own_text_trains_offline_end_to_end(sample: dict, tmp_path: Path) -> Non
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
     assert any(line.startswith("eval after step 4: loss ") for line in lines)
     assert (folder / "levanter_cache").is_dir() and (tmp_path / "checkpoints" / "own_text").is_dir()
+
+
+def test_command_line_forms_and_a_config_file_give_the_same_output(sample: dict, tmp_path: Path, capsys) -> None:
+    from qkvflow.tokenizer import draccus_args
+
+    assert draccus_args(["--files", "a.txt", "b c.jsonl", "--overwrite", "--output=o", "--write_data"]) == [
+        "--files", '["a.txt", "b c.jsonl"]', "--overwrite", "true", "--output=o", "--write_data", "true",
+    ]  # fmt: skip
+    assert draccus_args(["--files=a.txt", "--overwrite", "false"]) == ["--files", '["a.txt"]', "--overwrite", "false"]
+    config = tmp_path / "tok.yaml"
+    config.write_text(json.dumps({"files": sample["files"], "vocab_size": VOCAB, "text_key": "body", "chunk_chars": CHUNK,
+                                  "validation_fraction": FRACTION, "output": str(tmp_path / "from_yaml")}))  # fmt: skip
+    assert _tokenizer_cli(capsys, "--config_path", str(config))[0] == 0
+    assert (tmp_path / "from_yaml" / "tokenizer.json").read_bytes() == (sample["bpe"] / "tokenizer.json").read_bytes()
+    rc, out, _ = _tokenizer_cli(capsys, "--help")
+    assert rc == 0 and out.startswith("usage: qkvflow tokenizer --files A.txt B.jsonl --output DIR")
+    for option in ("--files", "--output", "--vocab_size", "--kind", "--text_key", "--validation_fraction", "--overwrite"):
+        assert f"\n  {option} " in out
