@@ -5,7 +5,7 @@ import jax.random as jrandom
 from haliax import Axis
 
 from qkvflow.integrate.config import OdeConfig
-from qkvflow.models.config import DiffEqFormerGpt2Config, DiffEqFormerLlamaConfig
+from qkvflow.models.diffeqformer import DiffEqFormerGpt2Config, DiffEqFormerLlamaConfig
 
 FLAVOURS = {"gpt2": DiffEqFormerGpt2Config, "llama": DiffEqFormerLlamaConfig}
 Vocab = Axis("vocab", 61)

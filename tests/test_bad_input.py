@@ -35,7 +35,7 @@ def world(tmp_path_factory, corpus_root):
     from haliax import Axis
 
     from qkvflow.integrate.config import OdeConfig
-    from qkvflow.models.config import DiffEqFormerGpt2Config
+    from qkvflow.models.diffeqformer import DiffEqFormerGpt2Config
 
     w = tmp_path_factory.mktemp("bad_input")
     base = Path(TINY).read_text()

@@ -20,7 +20,7 @@ from qkvflow.cli.describe import DescribeConfig, describe
 from qkvflow.cli.describe import main as describe_main
 from qkvflow.cli.finetune import FinetuneConfig
 from qkvflow.data.heldout import HeldOutHfDatasetSourceConfig
-from qkvflow.models.config import DiffEqFormerGpt2Config, DiffEqFormerLlamaConfig
+from qkvflow.models.diffeqformer import DiffEqFormerGpt2Config, DiffEqFormerLlamaConfig
 from qkvflow.training.config import TrainConfig
 from tests.helpers import config_class
 

@@ -5,7 +5,7 @@ import pytest
 
 from qkvflow.errors import UserError
 from qkvflow.export.discretise import discretise, step_times
-from qkvflow.models.config import SharedOdeLlamaConfig
+from qkvflow.models.diffeqformer import SharedOdeLlamaConfig
 from tests.analysis.builders import filled
 from tests.helpers import Vocab, random_tokens, tiny_config
 

@@ -29,7 +29,7 @@ VOCAB = 300
 
 def _model_config(**overrides):
     from qkvflow.integrate.config import OdeConfig
-    from qkvflow.models.config import DiffEqFormerGpt2Config
+    from qkvflow.models.diffeqformer import DiffEqFormerGpt2Config
 
     fields = dict(max_seq_len=32, hidden_dim=16, num_heads=2, time_embed_dim=4, num_frequencies=4)
     return DiffEqFormerGpt2Config(ode=OdeConfig(num_steps=2), **(fields | overrides))
@@ -143,7 +143,7 @@ def test_the_whole_trainer_state_restores_into_a_fresh_states_shapes(loaded):
 )
 def test_a_config_that_does_not_describe_it_gets_one_line(model, vocab, says):
     from qkvflow.errors import UserError
-    from qkvflow.models.config import DiffEqFormerLlamaConfig
+    from qkvflow.models.diffeqformer import DiffEqFormerLlamaConfig
     from qkvflow.training.checkpoints import load_model
 
     if model == "llama":

@@ -95,7 +95,7 @@ def circuits_of(model, num_times: int, times: Optional[np.ndarray] = None) -> At
     from levanter.models.gpt2 import Gpt2LMHeadModel
     from levanter.models.llama import LlamaLMHeadModel
 
-    from qkvflow.models.lm import DiffEqFormerLMHeadModel
+    from qkvflow.models.diffeqformer import DiffEqFormerLMHeadModel
 
     if isinstance(model, DiffEqFormerLMHeadModel):
         return from_generator(model.generator, np.linspace(0.0, 1.0, num_times) if times is None else times)

@@ -71,7 +71,7 @@ def load_config(path: str) -> tuple:
     from levanter.models.lm_model import LmConfig
 
     import qkvflow.training.config  # noqa: F401  (registers model types)
-    from qkvflow.models.config import DiffEqFormerConfig
+    from qkvflow.models.diffeqformer import DiffEqFormerConfig
     from qkvflow.training.compat import check_config
 
     file = Path(path)
@@ -138,7 +138,7 @@ def train_flops_per_token(config, vocab: int, tokens_per_batch: int) -> dict:
     """Model FLOPs of one training step per token: 3 x forward, plus the hypernetwork's share.
     Attention's FLOPs are at the full context (`max_seq_len`), as every benchmark step uses it."""
     from qkvflow.models import accounting
-    from qkvflow.models.config import DiffEqFormerConfig
+    from qkvflow.models.diffeqformer import DiffEqFormerConfig
 
     forward = float(config.flops_per_token(vocab, config.max_seq_len))
     hyper = 0.0

@@ -52,7 +52,7 @@ def _train_config(path: str, overrides: list[str]):
 
 
 def _require_ode_model(config, analysis: str, path: str) -> None:
-    from qkvflow.models.config import DiffEqFormerConfig
+    from qkvflow.models.diffeqformer import DiffEqFormerConfig
 
     if not isinstance(config.model, DiffEqFormerConfig):
         raise UserError(

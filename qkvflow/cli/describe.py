@@ -13,7 +13,7 @@ from typing import Optional
 
 from qkvflow.errors import UserError
 from qkvflow.models import accounting
-from qkvflow.models.config import DiffEqFormerConfig
+from qkvflow.models.diffeqformer import DiffEqFormerConfig
 from qkvflow.training.config import TrainConfig
 
 GPT2_VOCAB = 50257

@@ -51,7 +51,7 @@ def check_output(args) -> None:
 def _train_config(path: str, overrides: list[str]):
     import qkvflow.models.discrete  # noqa: F401  (registers parallel_*, so such configs parse and are refused)
     from qkvflow import cli
-    from qkvflow.models.config import DiffEqFormerConfig
+    from qkvflow.models.diffeqformer import DiffEqFormerConfig
     from qkvflow.training.config import TrainConfig
 
     config = cli.parse(TrainConfig, [cli.CONFIG_PATH, path, *overrides], "export")

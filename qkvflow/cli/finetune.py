@@ -131,7 +131,7 @@ def discretise_model(model, steps: int, solver: str):
 
 
 def _is_ode_config(model_config) -> bool:
-    from qkvflow.models.config import DiffEqFormerConfig
+    from qkvflow.models.diffeqformer import DiffEqFormerConfig
 
     return isinstance(model_config, DiffEqFormerConfig)
 

@@ -23,10 +23,9 @@ from haliax.nn.scan import ScanCheckpointPolicy, Stacked
 from qkvflow.errors import UserError
 from qkvflow.integrate.config import OdeConfig
 from qkvflow.integrate.weight_source import evaluation_times, generate_batched
-from qkvflow.models.config import DiffEqFormerConfig
-from qkvflow.models.discrete.config import PARALLEL_CONFIGS, ParallelConfig
+from qkvflow.models.diffeqformer import DiffEqFormerConfig
 from qkvflow.models.discrete.layers import Gpt2Mlp, ParallelAttention, ParallelBlock, SwiGluMlp, make_norm
-from qkvflow.models.discrete.model import ParallelLMHeadModel, ParallelTransformer
+from qkvflow.models.discrete.model import PARALLEL_CONFIGS, ParallelConfig, ParallelLMHeadModel, ParallelTransformer
 
 SOLVERS = ("euler",)
 
@@ -98,7 +97,7 @@ def _blocks(config: ParallelConfig, w: dict, dt: float) -> ParallelBlock:
 
 def discretise(model, steps: int, solver: str = "euler") -> ParallelLMHeadModel:
     """The M = `steps`-layer parallel transformer that computes `model`'s M-step Euler solve."""
-    from qkvflow.models.lm import DiffEqFormerLMHeadModel
+    from qkvflow.models.diffeqformer import DiffEqFormerLMHeadModel
 
     if not isinstance(model, DiffEqFormerLMHeadModel):
         raise UserError(f"discretise needs a DiffEqFormerLMHeadModel; got {type(model).__name__}")

@@ -1,7 +1,7 @@
 """The configuration of a training run, parsed by draccus from YAML plus `--dotted.key value` overrides.
 
 The sections are Levanter's own (data, trainer, optimizer) and a `model` chosen by `type`:
-qkvflow's ODE models (see qkvflow.models.config), their discretised parallel-block transformers
+qkvflow's ODE models (see qkvflow.models.diffeqformer), their discretised parallel-block transformers
 (`parallel_gpt2` / `parallel_llama`, qkvflow.models.discrete) or Levanter's `gpt2` / `llama`.
 `corpus` optionally builds one of qkvflow's offline corpora and points `data` at it.
 """
@@ -15,10 +15,10 @@ from levanter.optim import AdamConfig, OptimizerConfig
 from levanter.trainer import TrainerConfig
 
 import qkvflow.data.heldout  # noqa: F401  (registers the `hf_heldout` data source)
-import qkvflow.models.config  # noqa: F401  (registers the model types with Levanter)
+import qkvflow.models.diffeqformer  # noqa: F401  (registers the model types with Levanter)
 import qkvflow.models.discrete  # noqa: F401  (registers parallel_gpt2 / parallel_llama: discretised models)
 import qkvflow.training.tracking  # noqa: F401  (registers the jsonl tracker, so that any verb parses `type: jsonl`)
-from qkvflow.models.config import DiffEqFormerGpt2Config
+from qkvflow.models.diffeqformer import DiffEqFormerGpt2Config
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from levanter.metrics import Metric, ReductionType
 from levanter.models.lm_model import LmExample, LmHeadModel
 from levanter.models.loss import maybe_fused_next_token_loss
 
-from qkvflow.models.lm import DiffEqFormerLMHeadModel
+from qkvflow.models.diffeqformer import DiffEqFormerLMHeadModel
 
 
 def lm_loss(model: LmHeadModel, example: LmExample, *, key=None, z_loss_weight: float = 0.0):

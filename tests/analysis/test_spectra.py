@@ -9,7 +9,7 @@ import pytest
 from qkvflow.analysis.circuits import circuits_of
 from qkvflow.analysis.spectra import analyze_spectra, ov_spectrum, qk_spectrum, relative_variation, sorted_real
 from qkvflow.integrate.config import OdeConfig
-from qkvflow.models.config import SharedOdeGpt2Config
+from qkvflow.models.diffeqformer import SharedOdeGpt2Config
 from tests.analysis.builders import filled
 
 E, D = 6, 3  # hidden 6, two heads of size 3

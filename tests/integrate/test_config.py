@@ -1,7 +1,7 @@
 import pytest
 
 from qkvflow.integrate.config import OdeConfig
-from qkvflow.models.config import DiffEqFormerGpt2Config
+from qkvflow.models.diffeqformer import DiffEqFormerGpt2Config
 
 BAD = [
     (dict(num_steps=0), "ode.num_steps"),

@@ -8,7 +8,7 @@ import pytest
 
 from qkvflow.integrate.config import OdeConfig
 from qkvflow.integrate.weight_source import WeightSource, evaluation_times, generate_batched
-from qkvflow.models.config import SharedOdeGpt2Config
+from qkvflow.models.diffeqformer import SharedOdeGpt2Config
 from tests.helpers import tiny_config, tiny_model
 
 

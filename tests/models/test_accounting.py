@@ -2,7 +2,7 @@ import pytest
 
 from qkvflow.cli.describe import DescribeConfig, describe
 from qkvflow.models.accounting import parameter_counts
-from qkvflow.models.config import DiffEqFormerGpt2Config
+from qkvflow.models.diffeqformer import DiffEqFormerGpt2Config
 
 GPT2_VOCAB = 50257
 

@@ -193,7 +193,7 @@ def test_lm_loss_is_the_weighted_cross_entropy_whatever_the_weights_dtype(kind):
 
 
 def test_shared_generator_is_constant_plus_linear_bias():
-    from qkvflow.models.config import SharedOdeLlamaConfig
+    from qkvflow.models.diffeqformer import SharedOdeLlamaConfig
 
     config = SharedOdeLlamaConfig(max_seq_len=8, hidden_dim=16, num_heads=2, ode=OdeConfig(3))
     model = config.build(Vocab, key=jax.random.PRNGKey(0))

@@ -41,7 +41,7 @@ def test_time_scale_separates_nearby_layers():
 def test_defaults_are_the_papers_and_reach_the_model():
     """Pinned defaults: F = 128 frequencies, time scale 1000, maximum period 1e4 (Vaswani et al.), and the
     model's generator is built with them. The formula is written out here for t = 0.3."""
-    from qkvflow.models.config import DiffEqFormerGpt2Config
+    from qkvflow.models.diffeqformer import DiffEqFormerGpt2Config
     from tests.helpers import tiny_model
 
     emb = SinusoidalTimeEmbedding.init()

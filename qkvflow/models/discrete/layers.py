@@ -10,7 +10,7 @@ Attention is computed as in `qkvflow.models.fields.common.self_attention` (Levan
 `dot_product_attention`, scale 1/sqrt(head_size), Levanter's half-split rotary for Llama).
 """
 
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import equinox as eqx
 import haliax as hax
@@ -22,10 +22,11 @@ from levanter.layers.attention import AttentionMask
 
 from qkvflow.models.fields.common import attend
 
-from .config import ParallelConfig
+if TYPE_CHECKING:  # annotations only: the config lives beside the model, which imports these layers
+    from .model import ParallelConfig
 
 
-def make_norm(config: ParallelConfig, weight=None, bias=None) -> hnn.LayerNorm | hnn.RmsNorm:
+def make_norm(config: "ParallelConfig", weight=None, bias=None) -> hnn.LayerNorm | hnn.RmsNorm:
     """The flavour's pre-norm: LayerNorm (GPT-2) or float32 RMSNorm (Llama), as the ODE fields use."""
     Embed, eps = config.Embed, config.layer_norm_epsilon
     if config.flavour == "gpt2":
@@ -37,14 +38,14 @@ def make_norm(config: ParallelConfig, weight=None, bias=None) -> hnn.LayerNorm |
 
 
 class ParallelAttention(eqx.Module):
-    config: ParallelConfig = eqx.field(static=True)
+    config: "ParallelConfig" = eqx.field(static=True)
     q_proj: hnn.Linear  # embed -> (heads, head_size)
     k_proj: hnn.Linear
     v_proj: hnn.Linear
     o_proj: hnn.Linear  # (heads, head_size) -> embed
 
     @staticmethod
-    def init(config: ParallelConfig, *, key) -> "ParallelAttention":
+    def init(config: "ParallelConfig", *, key) -> "ParallelAttention":
         Embed, Qkv, bias = config.Embed, (config.Heads, config.HeadSize), config.has_attention_bias
         kq, kk, kv, ko = jrandom.split(key, 4)
         q = hnn.Linear.init(Embed, Qkv, key=kq, use_bias=bias)
@@ -71,7 +72,7 @@ class Gpt2Mlp(eqx.Module):
     act: Callable = eqx.field(static=True)
 
     @staticmethod
-    def init(config: ParallelConfig, *, key) -> "Gpt2Mlp":
+    def init(config: "ParallelConfig", *, key) -> "Gpt2Mlp":
         k_up, k_down = jrandom.split(key)
         bias = config.has_mlp_bias
         up = hnn.Linear.init(config.Embed, config.Mlp, key=k_up, use_bias=bias)
@@ -90,7 +91,7 @@ class SwiGluMlp(eqx.Module):
     down_proj: hnn.Linear
 
     @staticmethod
-    def init(config: ParallelConfig, *, key) -> "SwiGluMlp":
+    def init(config: "ParallelConfig", *, key) -> "SwiGluMlp":
         kg, ku, kd = jrandom.split(key, 3)
         bias = config.has_mlp_bias
         gate = hnn.Linear.init(config.Embed, config.Mlp, key=kg, use_bias=bias)
@@ -109,7 +110,7 @@ class ParallelBlock(eqx.Module):
     mlp: Gpt2Mlp | SwiGluMlp
 
     @staticmethod
-    def init(config: ParallelConfig, *, key) -> "ParallelBlock":
+    def init(config: "ParallelConfig", *, key) -> "ParallelBlock":
         k_attn, k_mlp = jrandom.split(key)
         mlp_cls = Gpt2Mlp if config.flavour == "gpt2" else SwiGluMlp
         attn = ParallelAttention.init(config, key=k_attn)
