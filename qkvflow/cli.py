@@ -20,6 +20,7 @@ VERBS = {
     "export": ("qkvflow.export", "a DiffEqFormer checkpoint as a Hugging Face model (--steps M layers) [+ --ode]"),
     "bench": ("qkvflow.bench", "speed | scaling | quality: throughput, memory scaling and Tiny Shakespeare benchmarks"),
     "finetune": ("qkvflow.finetune", "discretise a pretrained ODE model at M layers and fine-tune it (LoRA or full)"),
+    "generate": ("qkvflow.generate", "text from a train or finetune checkpoint, KV-cached on Levanter's inference engine"),
     "sweep": ("qkvflow.sweep", "fine-tune over a grid of depths x methods; table and figure (--depths 9,12 --methods lora,full)"),
 }
 

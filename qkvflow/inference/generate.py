@@ -77,6 +77,9 @@ class EngineSizes:
     max_rounds: int = 8
     cache_dtype: str = "float32"
     """KV cache dtype; float32 keeps cached decoding equal to the uncached forward (bfloat16 is the engine's default)."""
+    max_stop_seqs: int = 4
+    max_stop_tokens: int = 8
+    """Stop sequences the engine checks on device; longer or further ones are found in the text only."""
 
 
 def encode_prompts(tokenizer, prompts: Sequence[str], context: int, max_new_tokens: int) -> list[list[int]]:
@@ -94,19 +97,15 @@ def encode_prompts(tokenizer, prompts: Sequence[str], context: int, max_new_toke
     return ids
 
 
-def _stop_sequences(tokenizer, options: SamplingOptions) -> list[list[int]]:
+def _stop_array(tokenizer, options: SamplingOptions, sizes: "EngineSizes"):
+    """The stop sequences the engine checks: stop token ids first, then the stop strings' tokens."""
     seqs = [[int(t)] for t in options.stop_token_ids]
     for s in options.stop:
-        tokens = tokenizer(s, add_special_tokens=False)["input_ids"]
-        if tokens:
-            seqs.append(list(map(int, tokens)))
-    return seqs
-
-
-def _stop_array(seqs: list[list[int]]):
+        seqs.append(list(map(int, tokenizer(s, add_special_tokens=False)["input_ids"])))
+    seqs = [s for s in seqs if 0 < len(s) <= sizes.max_stop_tokens][: sizes.max_stop_seqs]
     if not seqs:
         return None
-    width = max(map(len, seqs))
+    width = sizes.max_stop_tokens
     rows = [[INVALID] * (width - len(s)) + s for s in seqs]  # right-aligned, as the engine compares tails
     return hax.named(jnp.asarray(rows, dtype=jnp.int32), ("stop_seq", "position"))
 
@@ -126,7 +125,10 @@ def finish(tokenizer, prompt: str, tokens: list[int], options: SamplingOptions) 
     return Completion(prompt, text, tokens, reason)
 
 
-def build_engine(decoder, tokenizer, length: int, sizes: EngineSizes, stop_seqs: int, stop_len: int, top_k):
+def build_engine(decoder, tokenizer, sizes: EngineSizes, top_k: Optional[int] = None) -> InferenceEngine:
+    """An engine for sequences up to the model's context; its shapes depend only on `decoder` and
+    `sizes`, so engines built again for the same model reuse the compiled prefill and decode loop."""
+    length = decoder.Pos.size
     rounds = min(sizes.max_rounds, length)
     length = -(-length // rounds) * rounds  # the engine runs max_seq_len // max_rounds decode calls
     config = InferenceEngineConfig(
@@ -136,8 +138,8 @@ def build_engine(decoder, tokenizer, length: int, sizes: EngineSizes, stop_seqs:
         max_seqs=sizes.max_seqs,
         max_pages=sizes.max_seqs * (-(-length // sizes.page_size)),
         compute_dtype=jnp.dtype(sizes.cache_dtype),
-        max_stop_seqs=max(stop_seqs, 1),
-        max_stop_tokens=max(stop_len, 1),
+        max_stop_seqs=sizes.max_stop_seqs,
+        max_stop_tokens=sizes.max_stop_tokens,
         max_queued_tokens=max(64, sizes.max_seqs),
         max_seqs_in_prefill=sizes.max_seqs,
         max_prefill_size=sizes.max_seqs * length,
@@ -169,12 +171,8 @@ def generate(
     decoder = decoder if decoder is not None else decoder_for(model, steps)
     context = decoder.Pos.size
     ids = encode_prompts(tokenizer, prompts, context, options.max_new_tokens)
-    stop_seqs = _stop_sequences(tokenizer, options)
-    length = max(map(len, ids)) + options.max_new_tokens
-    engine = build_engine(
-        decoder, tokenizer, length, sizes, len(stop_seqs), max(map(len, stop_seqs), default=0), options.top_k
-    )
-    stop = _stop_array(stop_seqs)
+    engine = build_engine(decoder, tokenizer, sizes, options.top_k)
+    stop = _stop_array(tokenizer, options, sizes)
     base = jrandom.PRNGKey(options.seed)
     out: list[Completion] = []
     for start in range(0, len(prompts), sizes.max_seqs):

@@ -1,0 +1,214 @@
+"""`qkvflow generate`: text from a checkpoint of `qkvflow train` or `qkvflow finetune`, with KV caches.
+
+    qkvflow generate --config_path CFG --checkpoint CKPT --prompt TEXT [--max_new_tokens K] [--temperature T]
+                     [--prompts_file F] [--output_jsonl F] [--steps N'] [--top_p P] [--top_k K] [--stop S]
+                     [--stop_token_ids '[ID, ...]'] [--seed S] [--stream true] [--dotted.key value ...]
+
+CFG is the config the checkpoint was trained with: a training config (as `qkvflow export` reads it)
+or a fine-tuning config (one with a `pretrained:` section; its fine-tuned, LoRA-merged model is
+decoded). Decoding runs on Levanter's `InferenceEngine` (`qkvflow.inference`): a DiffEqFormer on its
+fixed grid, or on `--steps N'` steps of the same solver; an adaptive solver is refused (pass
+`--model.ode.solver euler` or `--model.ode.adaptive false`). Temperature 0 (the default) is greedy.
+
+Prints each completion (the generated text without the prompt) on stdout, one per prompt in order;
+`--output_jsonl F` also writes one JSON object per prompt: prompt, completion, finish_reason, tokens.
+`--stop S` ends a completion at the first S (excluded; `\\n` and `\\t` stand for newline and tab).
+"""
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from qkvflow.config import TrainConfig
+from qkvflow.errors import UserError
+from qkvflow.finetune import FinetuneConfig
+
+
+@dataclass
+class GenerateOptions:
+    checkpoint: Optional[str] = None
+    """checkpoints/<run_id> or one of its step-N folders (the run of --config_path)."""
+    prompt: Optional[str] = None
+    prompts_file: Optional[str] = None
+    """A text file with one prompt per line (blank lines skipped), decoded in batches."""
+    output_jsonl: Optional[str] = None
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: Optional[int] = None
+    stop: Optional[str] = None
+    stop_token_ids: List[int] = field(default_factory=list)
+    seed: int = 0
+    steps: Optional[int] = None
+    """N': decode a DiffEqFormer on this fixed grid instead of its trained ode.num_steps."""
+    max_seqs: int = 8
+    """Sequences the engine decodes at once."""
+    stream: bool = False
+    """Print the text as it is generated (one prompt only)."""
+
+
+@dataclass
+class GenerateConfig(TrainConfig, GenerateOptions):
+    """A training config plus the generation options."""
+
+
+@dataclass
+class FinetuneGenerateConfig(FinetuneConfig, GenerateOptions):
+    """A fine-tuning config plus the generation options."""
+
+
+def _is_finetune_config(path: Optional[str]) -> bool:
+    import yaml
+
+    from qkvflow.cli import _readable_config
+
+    if path is None:
+        return False
+    with open(_readable_config(path)) as f:
+        loaded = yaml.safe_load(f)
+    return isinstance(loaded, dict) and "pretrained" in loaded
+
+
+def read_config(argv: list[str]):
+    from qkvflow import cli
+
+    path, _ = cli.split_config_path(argv)
+    cls = FinetuneGenerateConfig if _is_finetune_config(path) else GenerateConfig
+    return cli.parse(cls, argv, "generate", required="the config the checkpoint was trained with (YAML)")
+
+
+def _unescape(text: str) -> str:
+    return text.replace("\\n", "\n").replace("\\t", "\t")
+
+
+def sampling_options(config: GenerateOptions):
+    from qkvflow.inference.generate import SamplingOptions
+
+    options = SamplingOptions(
+        max_new_tokens=config.max_new_tokens,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        top_k=config.top_k,
+        stop=(_unescape(config.stop),) if config.stop is not None else (),
+        stop_token_ids=tuple(config.stop_token_ids),
+        seed=config.seed,
+    )
+    options.check()
+    return options
+
+
+def read_prompts(config: GenerateOptions) -> list[str]:
+    if (config.prompt is None) == (config.prompts_file is None):
+        raise UserError("give one of --prompt TEXT or --prompts_file F (one prompt per line)")
+    if config.prompt is not None:
+        if not config.prompt.strip():
+            raise UserError("--prompt is empty: expected text to continue")
+        return [config.prompt]
+    if not os.path.isfile(config.prompts_file):
+        raise UserError(f"--prompts_file {config.prompts_file!r} does not exist: expected a text file, one prompt per line")
+    with open(config.prompts_file, encoding="utf-8") as f:
+        prompts = [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        raise UserError(f"--prompts_file {config.prompts_file!r} has no prompts: expected one prompt per line")
+    return prompts
+
+
+def check_solver(config) -> None:
+    """Refuse an adaptive solver (or a bad --steps) before any model is loaded."""
+    import dataclasses
+
+    from qkvflow.inference.schedule import schedule
+    from qkvflow.models.config import DiffEqFormerConfig
+
+    if config.steps is not None and config.steps < 1:
+        raise UserError(f"--steps {config.steps} is invalid: expected an integer >= 1 (the fixed grid N')")
+    model = config.model
+    if isinstance(model, DiffEqFormerConfig):
+        ode = model.ode if config.steps is None else dataclasses.replace(model.ode, num_steps=config.steps)
+        schedule(ode)
+
+
+def load(config):
+    """(model, tokenizer) of the checkpoint: the trained model, or the fine-tuned one with LoRA merged."""
+    if config.checkpoint is None:
+        raise UserError("--checkpoint is missing: expected checkpoints/<run_id> or one of its step-N folders")
+    if isinstance(config, FinetuneConfig):
+        return load_finetuned(config)
+    from qkvflow.checkpoints import load_model
+
+    return load_model(config, config.checkpoint)
+
+
+def load_finetuned(config: FinetuneConfig):
+    """The fine-tuned model of `config`'s run: the discretised base (`finetune.load_base`), LoRA added
+    as fine-tuning added it, the checkpoint's model restored into that shape, the adapters merged."""
+    import equinox as eqx
+    import jax
+    import levanter.checkpoint
+    import numpy as np
+    from haliax import Axis
+
+    from qkvflow import finetune, preflight
+    from qkvflow.checkpoints import restore_error
+    from qkvflow.train import with_corpus
+
+    pretrained = finetune.load_pretrained_config(config)
+    config = with_corpus(config)
+    tokenizer = preflight.load_tokenizer(config.data)
+    if hasattr(tokenizer, "as_hf_tokenizer"):
+        tokenizer = tokenizer.as_hf_tokenizer()
+    _, base = finetune.load_base(config, pretrained, tokenizer, Axis("vocab", len(tokenizer)))
+    shape = base
+    if config.finetune == "lora":
+        shape = finetune.add_lora(base, config.lora, config.lora_seed)
+    path = levanter.checkpoint.discover_latest_checkpoint(config.checkpoint)
+    if path is None:
+        raise UserError(f"checkpoint {config.checkpoint!r}: no checkpoint found (expected checkpoints/<run_id>[/step-N])")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    try:
+        with jax.set_mesh(mesh):
+            model = levanter.checkpoint.load_checkpoint(eqx.filter_eval_shape(lambda: shape), path, subpath="model", mesh=mesh)
+    except (KeyError, ValueError, FileNotFoundError) as e:
+        raise restore_error(path, e, advice="use an earlier step-N folder of the run") or UserError(
+            f"checkpoint {path!r} does not hold the fine-tuned model that {config.finetune} fine-tuning of this "
+            f"config builds ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        ) from None
+    return finetune.merged_model(model, base, config.lora, config.lora_seed), tokenizer
+
+
+def run(config) -> list:
+    from qkvflow.inference.generate import EngineSizes, generate
+
+    options = sampling_options(config)
+    prompts = read_prompts(config)
+    if config.max_seqs < 1:
+        raise UserError(f"--max_seqs {config.max_seqs} is invalid: expected an integer >= 1")
+    if config.stream and len(prompts) > 1:
+        raise UserError("--stream true takes one --prompt: expected --stream false with --prompts_file")
+    check_solver(config)
+    model, tokenizer = load(config)
+    stream = None
+    if config.stream:
+        stream = lambda i, text: print(text, end="", flush=True)  # noqa: E731
+    completions = generate(
+        model, tokenizer, prompts, options, steps=config.steps, sizes=EngineSizes(max_seqs=config.max_seqs), stream=stream
+    )
+    if config.output_jsonl:
+        with open(config.output_jsonl, "w", encoding="utf-8") as f:
+            for c in completions:
+                f.write(json.dumps({"prompt": c.prompt, "completion": c.text, "finish_reason": c.finish_reason, "tokens": c.tokens}) + "\n")
+    return completions
+
+
+def main(argv: list[str]) -> int:
+    config = read_config(argv)
+    completions = run(config)
+    for c in completions:
+        if config.stream:
+            print()
+        else:
+            print(c.text)
+    sys.stdout.flush()
+    return 0
