@@ -132,8 +132,6 @@ def check_solver(config) -> None:
 
 def load(config):
     """(model, tokenizer) of the checkpoint: the trained model, or the fine-tuned one with LoRA merged."""
-    if config.checkpoint is None:
-        raise UserError("--checkpoint is missing: expected checkpoints/<run_id> or one of its step-N folders")
     if isinstance(config, FinetuneConfig):
         return load_finetuned(config)
     from qkvflow.checkpoints import load_model
@@ -178,8 +176,25 @@ def load_finetuned(config: FinetuneConfig):
     return finetune.merged_model(model, base, config.lora, config.lora_seed), tokenizer
 
 
+def tokenizer_of(config):
+    """The run's tokenizer (Hugging Face API), read before the model so that prompts are checked first."""
+    from qkvflow import preflight
+    from qkvflow.train import with_corpus
+
+    tokenizer = preflight.load_tokenizer(with_corpus(config).data)
+    return tokenizer.as_hf_tokenizer() if hasattr(tokenizer, "as_hf_tokenizer") else tokenizer
+
+
+def quiet_restore_warnings() -> None:
+    """Levanter's checkpoint restore warns "Unknown leaf type <class 'NoneType'>" for each absent
+    submodule (e.g. a tied lm_head); they are expected here, and stdout/stderr stay the completions' and errors'."""
+    import logging
+
+    logging.getLogger("levanter.tensorstore_serialization").setLevel(logging.ERROR)
+
+
 def run(config) -> list:
-    from qkvflow.inference.generate import EngineSizes, generate
+    from qkvflow.inference.generate import EngineSizes, encode_prompts, generate
 
     options = sampling_options(config)
     prompts = read_prompts(config)
@@ -188,6 +203,12 @@ def run(config) -> list:
     if config.stream and len(prompts) > 1:
         raise UserError("--stream true takes one --prompt: expected --stream false with --prompts_file")
     check_solver(config)
+    if config.checkpoint is None:
+        raise UserError("--checkpoint is missing: expected checkpoints/<run_id> or one of its step-N folders")
+    context = config.model.max_seq_len if config.model is not None else None
+    if context is not None:
+        encode_prompts(tokenizer_of(config), prompts, context, options.max_new_tokens)
+    quiet_restore_warnings()
     model, tokenizer = load(config)
     stream = None
     if config.stream:

@@ -50,23 +50,23 @@ def _forward(model, ids):
     return model(ids)
 
 
-def full_logits(model, tokens: list[int]) -> np.ndarray:
+def full_logits(model, tokens: list[int], context: int = CONTEXT) -> np.ndarray:
     """Logits [len(tokens), vocab] of the uncached full-sequence forward. The sequence is padded to the
     context (the model is causal, so padding after position i cannot change its logits) so that every
     prefix length runs the same compiled forward."""
-    padded = np.zeros(CONTEXT, dtype=np.int32)
+    padded = np.zeros(context, dtype=np.int32)
     padded[: len(tokens)] = tokens
     logits = _forward(model, hax.named(jnp.asarray(padded), "position"))
     return np.asarray(logits.array)[: len(tokens)]
 
 
-def greedy_reference(model, prompt: list[int], new: int) -> tuple[list[int], float]:
+def greedy_reference(model, prompt: list[int], new: int, context: int = CONTEXT) -> tuple[list[int], float]:
     """Greedy decoding without a cache: re-run the whole prefix at every step and take the argmax of
     the last position's logits. Also returns the smallest top-1/top-2 logit margin met on the way,
     relative to the largest logit (to compare with `round_off(..., scale=1)`)."""
     tokens, margin = list(prompt), np.inf
     for _ in range(new):
-        last = full_logits(model, tokens)[-1]
+        last = full_logits(model, tokens, context)[-1]
         top2 = np.sort(last)[-2:]
         margin = min(margin, float(top2[1] - top2[0]) / float(np.abs(last).max()))
         tokens.append(int(np.argmax(last)))
