@@ -56,7 +56,8 @@ class GenerateConfig(TrainConfig, GenerateOptions):
 
 @dataclass
 class FinetuneGenerateConfig(FinetuneConfig, GenerateOptions):
-    """A fine-tuning config plus the generation options."""
+    """A fine-tuning config plus the generation options; `steps` is the fine-tuning config's (the depth
+    M of the discretised model), so --steps N' does not apply."""
 
 
 def _is_finetune_config(path: Optional[str]) -> bool:
@@ -122,6 +123,8 @@ def check_solver(config) -> None:
     from qkvflow.inference.schedule import schedule
     from qkvflow.models.config import DiffEqFormerConfig
 
+    if isinstance(config, FinetuneConfig):
+        return
     if config.steps is not None and config.steps < 1:
         raise UserError(f"--steps {config.steps} is invalid: expected an integer >= 1 (the fixed grid N')")
     model = config.model
@@ -147,6 +150,7 @@ def load_finetuned(config: FinetuneConfig):
     import levanter.checkpoint
     import numpy as np
     from haliax import Axis
+    from levanter.trainer_state import make_floating_point_trainable_filter
 
     from qkvflow import finetune, preflight
     from qkvflow.checkpoints import restore_error
@@ -158,21 +162,27 @@ def load_finetuned(config: FinetuneConfig):
     if hasattr(tokenizer, "as_hf_tokenizer"):
         tokenizer = tokenizer.as_hf_tokenizer()
     _, base = finetune.load_base(config, pretrained, tokenizer, Axis("vocab", len(tokenizer)))
-    shape = base
+    model, is_trainable = base, True
     if config.finetune == "lora":
-        shape = finetune.add_lora(base, config.lora, config.lora_seed)
+        model = finetune.add_lora(base, config.lora, config.lora_seed)
+        is_trainable = finetune._frozen(model)
+    # the trainer saves only the trainable parameters (Levanter's `saveable_training_mask`): restore
+    # those, keep the rest (the discretised base) from the pretrained checkpoint
+    trainable, frozen = eqx.partition(model, make_floating_point_trainable_filter(is_trainable))
     path = levanter.checkpoint.discover_latest_checkpoint(config.checkpoint)
     if path is None:
         raise UserError(f"checkpoint {config.checkpoint!r}: no checkpoint found (expected checkpoints/<run_id>[/step-N])")
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
     try:
         with jax.set_mesh(mesh):
-            model = levanter.checkpoint.load_checkpoint(eqx.filter_eval_shape(lambda: shape), path, subpath="model", mesh=mesh)
+            shape = eqx.filter_eval_shape(lambda: trainable)
+            trainable = levanter.checkpoint.load_checkpoint(shape, path, subpath="model", mesh=mesh)
     except (KeyError, ValueError, FileNotFoundError) as e:
         raise restore_error(path, e, advice="use an earlier step-N folder of the run") or UserError(
-            f"checkpoint {path!r} does not hold the fine-tuned model that {config.finetune} fine-tuning of this "
-            f"config builds ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+            f"checkpoint {path!r} does not hold the model that {config.finetune} fine-tuning of this config "
+            f"trains ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
         ) from None
+    model = eqx.combine(trainable, frozen)
     return finetune.merged_model(model, base, config.lora, config.lora_seed), tokenizer
 
 
@@ -213,8 +223,10 @@ def run(config) -> list:
     stream = None
     if config.stream:
         stream = lambda i, text: print(text, end="", flush=True)  # noqa: E731
+    # a fine-tuning config's own `steps` is its depth M (the layers of the model it trained), not a grid N'
+    steps = None if isinstance(config, FinetuneConfig) else config.steps
     completions = generate(
-        model, tokenizer, prompts, options, steps=config.steps, sizes=EngineSizes(max_seqs=config.max_seqs), stream=stream
+        model, tokenizer, prompts, options, steps=steps, sizes=EngineSizes(max_seqs=config.max_seqs), stream=stream
     )
     if config.output_jsonl:
         with open(config.output_jsonl, "w", encoding="utf-8") as f:
