@@ -15,6 +15,7 @@ Prints each completion (the generated text without the prompt) on stdout, one pe
 `--stop S` ends a completion at the first S (excluded; `\\n` and `\\t` stand for newline and tab).
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -31,16 +32,24 @@ class GenerateOptions:
     checkpoint: Optional[str] = None
     """checkpoints/<run_id> or one of its step-N folders (the run of --config_path)."""
     prompt: Optional[str] = None
+    """The text to continue (or --prompts_file)."""
     prompts_file: Optional[str] = None
     """A text file with one prompt per line (blank lines skipped), decoded in batches."""
     output_jsonl: Optional[str] = None
+    """Also write one JSON object per prompt: prompt, completion, finish_reason, tokens."""
     max_new_tokens: int = 32
     temperature: float = 0.0
+    """0: greedy (argmax); > 0: sample softmax(logits / temperature)."""
     top_p: float = 1.0
+    """Nucleus sampling: the smallest set of tokens with this much probability."""
     top_k: Optional[int] = None
+    """Sample among the k most likely tokens only."""
     stop: Optional[str] = None
+    """End a completion before the first occurrence of this text (excluded; \\n: newline)."""
     stop_token_ids: List[int] = field(default_factory=list)
+    """End a completion before the first of these tokens (excluded), e.g. '[0]'."""
     seed: int = 0
+    """Sampling seed: the same seed, prompts and options give the same text."""
     steps: Optional[int] = None
     """N': decode a DiffEqFormer on this fixed grid instead of its trained ode.num_steps."""
     max_seqs: int = 8
@@ -236,7 +245,15 @@ def run(config) -> list:
 
 
 def main(argv: list[str]) -> int:
-    config = read_config(argv)
+    from qkvflow import usage
+
+    if usage.wants_help(argv):
+        summary = "Text from a train or finetune checkpoint, KV-cached on Levanter's inference engine."
+        own = {f.name for f in dataclasses.fields(GenerateOptions)}
+        hide = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name not in own and f.name not in usage.SECTIONS)
+        print(usage.short_help("qkvflow generate", GenerateConfig, summary, hide=hide))
+        return 0
+    config = read_config(usage.full_listing_args(argv))
     completions = run(config)
     for c in completions:
         if config.stream:
