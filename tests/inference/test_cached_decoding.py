@@ -8,7 +8,16 @@ from qkvflow.inference.generate import SamplingOptions, generate
 from qkvflow.inference.stepper import CachedStepper
 from qkvflow.integrate.solve import build_solver
 from qkvflow.integrate.solvers import evaluations
-from tests.inference.util import CONTEXT, CharTokenizer, full_logits, greedy_reference, ode_model, on_grid, parallel_model, round_off
+from tests.inference.util import (
+    CONTEXT,
+    CharTokenizer,
+    full_logits,
+    greedy_reference,
+    ode_model,
+    on_grid,
+    parallel_model,
+    round_off,
+)
 
 SEQ = [int(t) for t in np.random.RandomState(3).randint(0, 61, 12)]
 PROMPT = 5
