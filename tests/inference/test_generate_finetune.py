@@ -3,6 +3,7 @@
 import json
 
 import draccus
+import pytest
 
 from qkvflow import cli
 from tests.finetune_utils import TINY_FINETUNE, base_args, shared_setup
@@ -11,6 +12,7 @@ from tests.inference.util import greedy_reference, round_off
 CONTEXT = 32
 
 
+@pytest.mark.slow  # pretraining (shared) + 2 LoRA steps + generate: 3-6 min on a loaded 2-core CPU
 def test_greedy_from_a_lora_checkpoint(tmp_path_factory, capfd):
     from qkvflow.finetune import FinetuneConfig, finetune
 
