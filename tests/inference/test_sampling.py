@@ -65,3 +65,14 @@ def test_top_k_mask_keeps_the_k_largest():
     masked = np.asarray(top_k_mask(logits, 2))
     expected = np.array([[-np.inf, -np.inf, 3.0, 2.0, -np.inf]], dtype=np.float32)
     np.testing.assert_array_equal(masked, expected)
+
+
+def test_more_prompts_than_engine_slots_are_all_decoded(decoder):
+    """The engine admits only what fits its slots in one `generate` call (the rest would come back
+    empty); `generate` decodes the prompts in batches of max_seqs."""
+    from qkvflow.inference.generate import EngineSizes
+
+    wide = run(decoder, max_new_tokens=6)
+    narrow = generate(None, TOK, PROMPTS, SamplingOptions(max_new_tokens=6), decoder=decoder, sizes=EngineSizes(max_seqs=1))
+    assert [x.tokens for x in narrow] == [x.tokens for x in wide]
+    assert all(len(x.tokens) == 6 for x in narrow)
