@@ -20,6 +20,7 @@ VERBS = {
     "export": ("qkvflow.cli.export", "a DiffEqFormer checkpoint as a Hugging Face model (--steps M layers) [+ --ode]"),
     "bench": ("qkvflow.cli.bench", "speed | scaling | quality: throughput, memory scaling and Tiny Shakespeare benchmarks"),
     "finetune": ("qkvflow.cli.finetune", "discretise a pretrained ODE model at M layers and fine-tune it (LoRA or full)"),
+    "generate": ("qkvflow.cli.generate", "text from a train or finetune checkpoint, KV-cached on Levanter's inference engine"),
     "tokenizer": ("qkvflow.cli.tokenizer", "train a tokenizer on your own .txt/.jsonl files, offline (--files ... --output DIR)"),
     "sweep": ("qkvflow.cli.sweep", "fine-tune over a grid of depths x methods; table and figure (--depths 9,12 --methods lora,full)"),
 }

@@ -54,13 +54,14 @@ class ParallelAttention(eqx.Module):
         o = hnn.Linear.init(Qkv, Embed, key=ko, use_bias=bias)
         return ParallelAttention(config, q, k, v, o)
 
-    def __call__(self, h: NamedArray, mask, pos_ids: NamedArray) -> NamedArray:
+    def __call__(self, h: NamedArray, mask, pos_ids: NamedArray, attend_fn=None) -> NamedArray:
+        """`attend_fn` replaces `attend` as in `qkvflow.models.fields.common.self_attention`."""
         config = self.config
         q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
         if config.flavour == "llama":
             rotary = config.rope.build(config.HeadSize)
             q, k = rotary(q, pos_ids), rotary(k, pos_ids)
-        out = attend(q, k, v, config, mask)
+        out = (attend_fn or attend)(q, k, v, config, mask)
         return self.o_proj(out.astype(h.dtype))
 
 
@@ -116,5 +117,7 @@ class ParallelBlock(eqx.Module):
         attn = ParallelAttention.init(config, key=k_attn)
         return ParallelBlock(make_norm(config), attn, make_norm(config), mlp_cls.init(config, key=k_mlp))
 
-    def __call__(self, x: NamedArray, mask: Optional[AttentionMask | NamedArray], pos_ids: NamedArray) -> NamedArray:
-        return x + self.self_attn(self.attn_norm(x), mask, pos_ids) + self.mlp(self.mlp_norm(x))
+    def __call__(
+        self, x: NamedArray, mask: Optional[AttentionMask | NamedArray], pos_ids: NamedArray, attend_fn=None
+    ) -> NamedArray:
+        return x + self.self_attn(self.attn_norm(x), mask, pos_ids, attend_fn) + self.mlp(self.mlp_norm(x))

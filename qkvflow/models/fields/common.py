@@ -36,12 +36,16 @@ def self_attention(
     mask: Optional[AttentionMask | NamedArray],
     rotary=None,
     pos_ids: Optional[NamedArray] = None,
+    attend_fn=None,
 ) -> NamedArray:
-    """Multi-head attention with Q_h(t), K_h(t), V_h(t), O(t); Levanter's kernels do the softmax."""
+    """Multi-head attention with Q_h(t), K_h(t), V_h(t), O(t); Levanter's kernels do the softmax.
+
+    `attend_fn(q, k, v, config, mask)` replaces `attend` (default): KV-cached decoding
+    (`qkvflow.inference`) passes one that appends k, v to a paged cache and attends over it."""
     q, k, v = _qkv(h, weights, config.Embed)
     if rotary is not None:
         q, k = rotary(q, pos_ids), rotary(k, pos_ids)
-    out = attend(q, k, v, config, mask)
+    out = (attend_fn or attend)(q, k, v, config, mask)
     return affine(out.astype(h.dtype), weights, "o", (config.Heads, config.HeadSize))
 
 

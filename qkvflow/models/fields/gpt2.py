@@ -33,8 +33,8 @@ def _norm(x: NamedArray, weights: dict, name: str, config) -> NamedArray:
     return norm(x)
 
 
-def vector_field(weights: dict, x: NamedArray, *, config, mask, pos_ids=None) -> NamedArray:
-    attn = self_attention(_norm(x, weights, "attn_norm", config), weights, config, mask)
+def vector_field(weights: dict, x: NamedArray, *, config, mask, pos_ids=None, attend_fn=None) -> NamedArray:
+    attn = self_attention(_norm(x, weights, "attn_norm", config), weights, config, mask, attend_fn=attend_fn)
     h = affine(_norm(x, weights, "mlp_norm", config), weights, "w1", config.Embed)
     ff = affine(config.activation_function.to_fn()(h), weights, "w2", config.Mlp)
     return attn + ff

@@ -27,9 +27,9 @@ def _norm(x: NamedArray, weights: dict, name: str, config) -> NamedArray:
     return hnn.RmsNorm(config.Embed, weights[name], None, eps=config.layer_norm_epsilon, dtype=jnp.float32)(x)
 
 
-def vector_field(weights: dict, x: NamedArray, *, config, mask, pos_ids=None) -> NamedArray:
+def vector_field(weights: dict, x: NamedArray, *, config, mask, pos_ids=None, attend_fn=None) -> NamedArray:
     rotary = config.rope.build(config.HeadSize)
-    attn = self_attention(_norm(x, weights, "attn_norm", config), weights, config, mask, rotary, pos_ids)
+    attn = self_attention(_norm(x, weights, "attn_norm", config), weights, config, mask, rotary, pos_ids, attend_fn)
     m = _norm(x, weights, "mlp_norm", config)
     gate = hnn.silu(affine(m, weights, "w_gate", config.Embed))
     ff = affine(gate * affine(m, weights, "w_up", config.Embed), weights, "w_down", config.Mlp)

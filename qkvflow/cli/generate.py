@@ -1,0 +1,265 @@
+"""`qkvflow generate`: text from a checkpoint of `qkvflow train` or `qkvflow finetune`, with KV caches.
+
+    qkvflow generate --config_path CFG --checkpoint CKPT --prompt TEXT [--max_new_tokens K] [--temperature T]
+                     [--prompts_file F] [--output_jsonl F] [--steps N'] [--top_p P] [--top_k K] [--stop S]
+                     [--stop_token_ids '[ID, ...]'] [--seed S] [--stream true] [--dotted.key value ...]
+
+CFG is the config the checkpoint was trained with: a training config (as `qkvflow export` reads it)
+or a fine-tuning config (one with a `pretrained:` section; its fine-tuned, LoRA-merged model is
+decoded). Decoding runs on Levanter's `InferenceEngine` (`qkvflow.inference`): a DiffEqFormer on its
+fixed grid, or on `--steps N'` steps of the same solver; an adaptive solver is refused (pass
+`--model.ode.solver euler` or `--model.ode.adaptive false`). Temperature 0 (the default) is greedy.
+
+Prints each completion (the generated text without the prompt) on stdout, one per prompt in order;
+`--output_jsonl F` also writes one JSON object per prompt: prompt, completion, finish_reason, tokens.
+`--stop S` ends a completion at the first S (excluded; `\\n` and `\\t` stand for newline and tab).
+"""
+
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from qkvflow.cli.finetune import FinetuneConfig
+from qkvflow.errors import UserError
+from qkvflow.training.config import TrainConfig
+
+
+@dataclass
+class GenerateOptions:
+    checkpoint: Optional[str] = None
+    """checkpoints/<run_id> or one of its step-N folders (the run of --config_path)."""
+    prompt: Optional[str] = None
+    """The text to continue (or --prompts_file)."""
+    prompts_file: Optional[str] = None
+    """A text file with one prompt per line (blank lines skipped), decoded in batches."""
+    output_jsonl: Optional[str] = None
+    """Also write one JSON object per prompt: prompt, completion, finish_reason, tokens."""
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    """0: greedy (argmax); > 0: sample softmax(logits / temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling: the smallest set of tokens with this much probability."""
+    top_k: Optional[int] = None
+    """Sample among the k most likely tokens only."""
+    stop: Optional[str] = None
+    """End a completion before the first occurrence of this text (excluded; \\n: newline)."""
+    stop_token_ids: List[int] = field(default_factory=list)
+    """End a completion before the first of these tokens (excluded), e.g. '[0]'."""
+    seed: int = 0
+    """Sampling seed: the same seed, prompts and options give the same text."""
+    steps: Optional[int] = None
+    """N': decode a DiffEqFormer on this fixed grid instead of its trained ode.num_steps."""
+    max_seqs: int = 8
+    """Sequences the engine decodes at once."""
+    stream: bool = False
+    """Print the text as it is generated (one prompt only)."""
+
+
+@dataclass
+class GenerateConfig(TrainConfig, GenerateOptions):
+    """A training config plus the generation options."""
+
+
+@dataclass
+class FinetuneGenerateConfig(FinetuneConfig, GenerateOptions):
+    """A fine-tuning config plus the generation options; `steps` is the fine-tuning config's (the depth
+    M of the discretised model), so --steps N' does not apply."""
+
+
+def _is_finetune_config(path: Optional[str]) -> bool:
+    import yaml
+
+    from qkvflow.cli import _readable_config
+
+    if path is None:
+        return False
+    with open(_readable_config(path)) as f:
+        loaded = yaml.safe_load(f)
+    return isinstance(loaded, dict) and "pretrained" in loaded
+
+
+def read_config(argv: list[str]):
+    from qkvflow import cli
+
+    path, _ = cli.split_config_path(argv)
+    cls = FinetuneGenerateConfig if _is_finetune_config(path) else GenerateConfig
+    return cli.parse(cls, argv, "generate", required="the config the checkpoint was trained with (YAML)")
+
+
+def _unescape(text: str) -> str:
+    return text.replace("\\n", "\n").replace("\\t", "\t")
+
+
+def sampling_options(config: GenerateOptions):
+    from qkvflow.inference.generate import SamplingOptions
+
+    options = SamplingOptions(
+        max_new_tokens=config.max_new_tokens,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        top_k=config.top_k,
+        stop=(_unescape(config.stop),) if config.stop is not None else (),
+        stop_token_ids=tuple(config.stop_token_ids),
+        seed=config.seed,
+    )
+    options.check()
+    return options
+
+
+def read_prompts(config: GenerateOptions) -> list[str]:
+    if (config.prompt is None) == (config.prompts_file is None):
+        raise UserError("give one of --prompt TEXT or --prompts_file F (one prompt per line)")
+    if config.prompt is not None:
+        if not config.prompt.strip():
+            raise UserError("--prompt is empty: expected text to continue")
+        return [config.prompt]
+    if not os.path.isfile(config.prompts_file):
+        raise UserError(f"--prompts_file {config.prompts_file!r} does not exist: expected a text file, one prompt per line")
+    with open(config.prompts_file, encoding="utf-8") as f:
+        prompts = [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        raise UserError(f"--prompts_file {config.prompts_file!r} has no prompts: expected one prompt per line")
+    return prompts
+
+
+def check_solver(config) -> None:
+    """Refuse an adaptive solver (or a bad --steps) before any model is loaded."""
+    import dataclasses
+
+    from qkvflow.inference.schedule import schedule
+    from qkvflow.models.diffeqformer import DiffEqFormerConfig
+
+    if isinstance(config, FinetuneConfig):
+        return
+    if config.steps is not None and config.steps < 1:
+        raise UserError(f"--steps {config.steps} is invalid: expected an integer >= 1 (the fixed grid N')")
+    model = config.model
+    if isinstance(model, DiffEqFormerConfig):
+        ode = model.ode if config.steps is None else dataclasses.replace(model.ode, num_steps=config.steps)
+        schedule(ode)
+
+
+def load(config):
+    """(model, tokenizer) of the checkpoint: the trained model, or the fine-tuned one with LoRA merged."""
+    if isinstance(config, FinetuneConfig):
+        return load_finetuned(config)
+    from qkvflow.training.checkpoints import load_model
+
+    return load_model(config, config.checkpoint)
+
+
+def load_finetuned(config: FinetuneConfig):
+    """The fine-tuned model of `config`'s run: the discretised base (`finetune.load_base`), LoRA added
+    as fine-tuning added it, the checkpoint's model restored into that shape, the adapters merged."""
+    import equinox as eqx
+    import jax
+    import levanter.checkpoint
+    import numpy as np
+    from haliax import Axis
+    from levanter.trainer_state import make_floating_point_trainable_filter
+
+    from qkvflow.cli import finetune
+    from qkvflow.cli.train import with_corpus
+    from qkvflow.training import preflight
+    from qkvflow.training.checkpoints import restore_error
+
+    pretrained = finetune.load_pretrained_config(config)
+    config = with_corpus(config)
+    tokenizer = preflight.load_tokenizer(config.data)
+    if hasattr(tokenizer, "as_hf_tokenizer"):
+        tokenizer = tokenizer.as_hf_tokenizer()
+    _, base = finetune.load_base(config, pretrained, tokenizer, Axis("vocab", len(tokenizer)))
+    model, is_trainable = base, True
+    if config.finetune == "lora":
+        model = finetune.add_lora(base, config.lora, config.lora_seed)
+        is_trainable = finetune._frozen(model)
+    # the trainer saves only the trainable parameters (Levanter's `saveable_training_mask`): restore
+    # those, keep the rest (the discretised base) from the pretrained checkpoint
+    trainable, frozen = eqx.partition(model, make_floating_point_trainable_filter(is_trainable))
+    path = levanter.checkpoint.discover_latest_checkpoint(config.checkpoint)
+    if path is None:
+        raise UserError(f"checkpoint {config.checkpoint!r}: no checkpoint found (expected checkpoints/<run_id>[/step-N])")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    try:
+        with jax.set_mesh(mesh):
+            shape = eqx.filter_eval_shape(lambda: trainable)
+            trainable = levanter.checkpoint.load_checkpoint(shape, path, subpath="model", mesh=mesh)
+    except (KeyError, ValueError, FileNotFoundError) as e:
+        raise restore_error(path, e, advice="use an earlier step-N folder of the run") or UserError(
+            f"checkpoint {path!r} does not hold the model that {config.finetune} fine-tuning of this config "
+            f"trains ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        ) from None
+    model = eqx.combine(trainable, frozen)
+    return finetune.merged_model(model, base, config.lora, config.lora_seed), tokenizer
+
+
+def tokenizer_of(config):
+    """The run's tokenizer (Hugging Face API), read before the model so that prompts are checked first."""
+    from qkvflow.cli.train import with_corpus
+    from qkvflow.training import preflight
+
+    tokenizer = preflight.load_tokenizer(with_corpus(config).data)
+    return tokenizer.as_hf_tokenizer() if hasattr(tokenizer, "as_hf_tokenizer") else tokenizer
+
+
+def quiet_restore_warnings() -> None:
+    """Levanter's checkpoint restore warns "Unknown leaf type <class 'NoneType'>" for each absent
+    submodule (e.g. a tied lm_head); they are expected here, and stdout/stderr stay the completions' and errors'."""
+    import logging
+
+    logging.getLogger("levanter.tensorstore_serialization").setLevel(logging.ERROR)
+
+
+def run(config) -> list:
+    from qkvflow.inference.generate import EngineSizes, encode_prompts, generate
+
+    options = sampling_options(config)
+    prompts = read_prompts(config)
+    if config.max_seqs < 1:
+        raise UserError(f"--max_seqs {config.max_seqs} is invalid: expected an integer >= 1")
+    if config.stream and len(prompts) > 1:
+        raise UserError("--stream true takes one --prompt: expected --stream false with --prompts_file")
+    check_solver(config)
+    if config.checkpoint is None:
+        raise UserError("--checkpoint is missing: expected checkpoints/<run_id> or one of its step-N folders")
+    context = config.model.max_seq_len if config.model is not None else None
+    if context is not None:
+        encode_prompts(tokenizer_of(config), prompts, context, options.max_new_tokens)
+    quiet_restore_warnings()
+    model, tokenizer = load(config)
+    stream = None
+    if config.stream:
+        stream = lambda i, text: print(text, end="", flush=True)  # noqa: E731
+    # a fine-tuning config's own `steps` is its depth M (the layers of the model it trained), not a grid N'
+    steps = None if isinstance(config, FinetuneConfig) else config.steps
+    completions = generate(
+        model, tokenizer, prompts, options, steps=steps, sizes=EngineSizes(max_seqs=config.max_seqs), stream=stream
+    )
+    if config.output_jsonl:
+        with open(config.output_jsonl, "w", encoding="utf-8") as f:
+            for c in completions:
+                f.write(json.dumps({"prompt": c.prompt, "completion": c.text, "finish_reason": c.finish_reason, "tokens": c.tokens}) + "\n")
+    return completions
+
+
+def main(argv: list[str]) -> int:
+    from qkvflow.cli import usage
+
+    if usage.wants_help(argv):
+        summary = "Text from a train or finetune checkpoint, KV-cached on Levanter's inference engine."
+        own = {f.name for f in dataclasses.fields(GenerateOptions)}
+        hide = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name not in own and f.name not in usage.SECTIONS)
+        print(usage.short_help("qkvflow generate", GenerateConfig, summary, hide=hide))
+        return 0
+    config = read_config(usage.full_listing_args(argv))
+    completions = run(config)
+    for c in completions:
+        if config.stream:
+            print()
+        else:
+            print(c.text)
+    sys.stdout.flush()
+    return 0
