@@ -21,6 +21,7 @@ VERBS = {
     "bench": ("qkvflow.bench", "speed | scaling | quality: throughput, memory scaling and Tiny Shakespeare benchmarks"),
     "finetune": ("qkvflow.finetune", "discretise a pretrained ODE model at M layers and fine-tune it (LoRA or full)"),
     "sweep": ("qkvflow.sweep", "fine-tune over a grid of depths x methods; table and figure (--depths 9,12 --methods lora,full)"),
+    "eval": ("qkvflow.evaluate", "perplexity and bits per byte of a checkpoint at any solver grid (--steps 2,4); lm-eval --tasks"),
 }
 
 
@@ -124,8 +125,8 @@ def parse(cls, argv: list[str], verb: str, *, required: str | None = None):
 
 
 # Verbs whose config is a TrainConfig (with its `verbose` flag), parsed by draccus from the command line.
-FLAG_VERBS = ("train", "finetune", "sweep", "describe")
-FLAGS = ("--verbose",)
+FLAG_VERBS = ("train", "finetune", "sweep", "describe", "eval")
+FLAGS = ("--verbose", "--overwrite")
 """Boolean config fields that may be given bare (`--verbose` for `--verbose true`)."""
 
 COMPONENTS = "--data.components"
