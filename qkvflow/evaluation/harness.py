@@ -139,7 +139,7 @@ def segment_positions(segment_ids: hax.NamedArray, pos_name: str) -> hax.NamedAr
     ids = segment_ids.array
     index = jax.lax.broadcasted_iota(jnp.int32, ids.shape, axis)
     previous = jnp.roll(ids, 1, axis=axis)
-    starts = jnp.where((ids != previous) | (index == 0), index, 0)
+    starts = jnp.where(ids != previous, index, 0)  # index 0 gives 0 either way
     return hax.named(index - jax.lax.cummax(starts, axis=axis), segment_ids.axes)
 
 

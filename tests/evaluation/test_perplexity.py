@@ -125,7 +125,7 @@ def test_outputs_table_plot_and_overwrite_rules(shared, depth_run, capsys):
     table = _rows(stdout)
     assert [r[:2] for r in table] == [["euler", "N=1"], ["euler", "N=2 (trained)"], ["tsit5", "tol=0.01"]]
     assert table[1][4] == f"{result['rows'][1]['perplexity']:.2f}"
-    assert (out_dir / "depth.md").read_text().strip() == "\n".join(l for l in stdout.splitlines() if l.startswith("|"))
+    assert (out_dir / "depth.md").read_text().strip() == "\n".join(line for line in stdout.splitlines() if line.startswith("|"))
     corpora, pretrained = shared
     rc, _, err = _eval(capsys, corpora, pretrained, "--output", str(out_dir))
     assert rc == 2 and "pass --overwrite" in err and len(err.strip().splitlines()) == 1
