@@ -32,6 +32,8 @@ from qkvflow.config import TrainConfig
 from qkvflow.errors import UserError
 
 KIND = "eval_table"
+TRAINING_ONLY = ("epochs", "stop_after", "log_every", "z_loss_weight", "nonfinite", "data_seed", "loss_curve")
+"""TrainConfig options that evaluation does not read (hidden from --help)."""
 FILES = ("depth.md", "depth.json", "depth.png")
 
 
@@ -192,7 +194,7 @@ def refuse_finetune_config(path: Optional[str]) -> None:
         )
 
 
-def quiet_logging() -> None:
+def quiet_logging(verbose: bool = False) -> None:
     """The terminal shows qkvflow's warnings and everyone's errors, as in `qkvflow train` (Levanter's
     restore and data loader warn about things that are expected here)."""
     import logging
@@ -200,7 +202,7 @@ def quiet_logging() -> None:
     from qkvflow.train import quiet_console
 
     logging.basicConfig(level=logging.INFO)
-    quiet_console(False)
+    quiet_console(verbose)
 
 
 def main(argv: list[str]) -> int:
@@ -208,12 +210,12 @@ def main(argv: list[str]) -> int:
     from qkvflow.evaluation import depth
 
     if usage.wants_help(argv):
-        print(usage.short_help("qkvflow eval", EvalConfig, __doc__.split("\n\n")[0]))
+        print(usage.short_help("qkvflow eval", EvalConfig, __doc__.split("\n\n")[0], hide=TRAINING_ONLY))
         return 0
     config_path, _ = cli.split_config_path(argv)
     refuse_finetune_config(config_path)
-    quiet_logging()
     config = cli.parse(EvalConfig, usage.full_listing_args(argv), "eval", required="the run's `qkvflow train` config")
+    quiet_logging(config.verbose)
     result = evaluate(config, config_path)
     print(depth.markdown_table(result["rows"]))
     if "lm_eval" in result:
