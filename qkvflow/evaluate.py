@@ -129,9 +129,8 @@ def evaluate(config: EvalConfig, config_path: Optional[str] = None) -> dict:
     }
     with haliax.partitioning.set_mesh(t.device_mesh), hax.axis_mapping(t.parameter_axis_mapping):
         model = hax.shard(model, t.parameter_axis_mapping)  # onto the trainer's mesh, as training holds it
-        for split_caches in (config.data.build_caches("validation"),):
-            if not split_caches:
-                raise UserError("data has no validation set: expected validation_urls (or a corpus) in the data config")
+        if not config.data.build_caches("validation"):  # tokenized on the first evaluation of this data
+            raise UserError("data has no validation set: expected validation_urls (or a corpus) in the data config")
         evaluator = perplexity.make_evaluator(config, config.model.max_Pos, config.data.the_tokenizer)
         counts = perplexity.count_targets(evaluator, hf_tokenizer)
         rows = []
@@ -158,7 +157,7 @@ def evaluate(config: EvalConfig, config_path: Optional[str] = None) -> dict:
             row.update(scored.as_dict())
             rows.append(row)
         result["rows"] = rows
-        result["eval_examples"] = len(evaluator.dataset.as_sync_dataset()) if hasattr(evaluator.dataset, "as_sync_dataset") else None
+        result["eval_examples"] = len(evaluator.dataset.as_sync_dataset())
         if config.tasks is not None:
             result["lm_eval"] = harness.run(model if grid is None else depth.with_ode(model, grid[0].ode), config, task_spec, config.max_examples)
     return result
