@@ -38,8 +38,8 @@ def config_class(path):
     """The dataclass a shipped YAML is written for: a fine-tuning config names its `pretrained` model."""
     import yaml
 
-    from qkvflow.cli.finetune import FinetuneConfig
     from qkvflow.training.config import TrainConfig
+    from qkvflow.training.finetune import FinetuneConfig
 
     with open(path) as f:
         content = yaml.safe_load(f)

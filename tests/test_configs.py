@@ -18,10 +18,10 @@ from levanter.models.llama import LlamaConfig
 from qkvflow.cli import overrides
 from qkvflow.cli.describe import DescribeConfig, describe
 from qkvflow.cli.describe import main as describe_main
-from qkvflow.cli.finetune import FinetuneConfig
 from qkvflow.data.heldout import HeldOutHfDatasetSourceConfig
 from qkvflow.models.diffeqformer import DiffEqFormerGpt2Config, DiffEqFormerLlamaConfig
 from qkvflow.training.config import TrainConfig
+from qkvflow.training.finetune import FinetuneConfig
 from tests.helpers import config_class
 
 ROOT = Path(__file__).resolve().parents[1]

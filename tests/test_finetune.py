@@ -30,7 +30,7 @@ MIN_DROP = 0.005
 def _parse(tmp_path, corpora, pretrained, *extra):
     import draccus
 
-    from qkvflow.cli.finetune import FinetuneConfig
+    from qkvflow.training.finetune import FinetuneConfig
 
     args = base_args(tmp_path, corpora, pretrained)[2:] + list(extra)
     return draccus.parse(FinetuneConfig, config_path=TINY_FINETUNE, args=args)
@@ -46,7 +46,7 @@ REPEATED = (
 def lora_run(tmp_path_factory, shared):
     """LoRA at M = 2N = 4 on a small repetitive text (train = validation), so that six steps show
     a clear effect; the tokenizer is the pretraining corpus's."""
-    from qkvflow.cli.finetune import finetune
+    from qkvflow.training.finetune import finetune
 
     corpora, pretrained = shared
     workdir = tmp_path_factory.mktemp("lora")
@@ -83,7 +83,7 @@ def test_lora_freezes_the_base_bit_for_bit_and_trains_the_adapters(lora_run, sha
     import jax.numpy as jnp
     from levanter.adaptor.lora import partition_lora_params
 
-    from qkvflow.cli.finetune import add_lora, load_base, load_pretrained_config
+    from qkvflow.training.finetune import add_lora, load_base, load_pretrained_config
 
     _, config, summary = lora_run
     from qkvflow.training.session import with_corpus
@@ -109,7 +109,7 @@ def test_lora_freezes_the_base_bit_for_bit_and_trains_the_adapters(lora_run, sha
     # export.merged: the adapters merged into the base compute the fine-tuned model
     import haliax as hax
 
-    from qkvflow.cli.finetune import merged_model
+    from qkvflow.training.finetune import merged_model
 
     merged = merged_model(summary["model"], base, config.lora, config.lora_seed)
     tokens = hax.named(jnp.arange(32, dtype=jnp.int32) % 97, "position")
@@ -154,7 +154,7 @@ def test_full_fine_tune_resumes_and_exports_the_fine_tuned_model(tmp_path, share
     import torch
     from transformers import AutoModelForCausalLM
 
-    from qkvflow.cli.finetune import finetune
+    from qkvflow.training.finetune import finetune
 
     corpora, pretrained = shared
     args = (

@@ -22,9 +22,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from qkvflow.cli.finetune import FinetuneConfig
 from qkvflow.errors import UserError
 from qkvflow.training.config import TrainConfig
+from qkvflow.training.finetune import FinetuneConfig
 
 
 @dataclass
@@ -162,9 +162,9 @@ def load_finetuned(config: FinetuneConfig):
     from levanter.trainer_state import make_floating_point_trainable_filter
 
     from qkvflow.cli import finetune
-    from qkvflow.cli.train import with_corpus
     from qkvflow.training import preflight
     from qkvflow.training.checkpoints import restore_error
+    from qkvflow.training.session import with_corpus
 
     pretrained = finetune.load_pretrained_config(config)
     config = with_corpus(config)
@@ -198,8 +198,8 @@ def load_finetuned(config: FinetuneConfig):
 
 def tokenizer_of(config):
     """The run's tokenizer (Hugging Face API), read before the model so that prompts are checked first."""
-    from qkvflow.cli.train import with_corpus
     from qkvflow.training import preflight
+    from qkvflow.training.session import with_corpus
 
     tokenizer = preflight.load_tokenizer(with_corpus(config).data)
     return tokenizer.as_hf_tokenizer() if hasattr(tokenizer, "as_hf_tokenizer") else tokenizer

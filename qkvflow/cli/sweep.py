@@ -83,7 +83,7 @@ def parse_depths(values, key: str = "--depths") -> list[int]:
 
 
 def parse_methods(values, key: str = "--methods") -> list[str]:
-    from qkvflow.cli.finetune import METHODS
+    from qkvflow.training.finetune import METHODS
 
     methods = list(values)
     for m in methods:
@@ -177,8 +177,8 @@ def plot_sweep(rows: list[dict], out_png: str, pretrained_steps=None, title: str
 
 
 def sweep(config, depths: list[int], methods: list[str]) -> dict:
-    from qkvflow.cli.finetune import check_exports, check_values, finetune, read_summary
     from qkvflow.training import preflight
+    from qkvflow.training.finetune import check_exports, check_values, finetune, read_summary
 
     if not config.trainer.id:
         raise UserError("trainer.id is missing: the sweep names its runs <trainer.id>-<method>-M<depth>")
@@ -236,7 +236,7 @@ def _write_outputs(rows, out_dir, config, pretrained_steps) -> dict:
 def main(argv: list[str]) -> int:
     from qkvflow import cli
     from qkvflow.cli import usage
-    from qkvflow.cli.finetune import FinetuneConfig
+    from qkvflow.training.finetune import FinetuneConfig
 
     if usage.HELP_ALL in argv:  # the config keys, as `qkvflow finetune --help-all`
         cli.parse(FinetuneConfig, ["--help"], "sweep")

@@ -14,7 +14,7 @@ CONTEXT = 32
 
 @pytest.mark.slow  # pretraining (shared) + 2 LoRA steps + generate: 3-6 min on a loaded 2-core CPU
 def test_greedy_from_a_lora_checkpoint(tmp_path_factory, capfd):
-    from qkvflow.cli.finetune import FinetuneConfig, finetune
+    from qkvflow.training.finetune import FinetuneConfig, finetune
 
     corpora, pretrained = shared_setup(tmp_path_factory)
     workdir = tmp_path_factory.mktemp("ft_generate")

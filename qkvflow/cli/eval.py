@@ -1,0 +1,228 @@
+"""`qkvflow eval`: perplexity and bits per byte of a checkpoint, at any solver grid; lm-eval tasks.
+
+    qkvflow eval --config_path CFG --checkpoint CKPT [--steps 2,4,8] [--solver euler,rk4]
+                 [--tolerances 1e-2,1e-3 [--adaptive_solver tsit5]] [--output DIR [--overwrite]]
+                 [--tasks T1,T2 [--max_examples K]] [--dotted.key value ...]
+
+CFG is the run's `qkvflow train` config (any model type: a DiffEqFormer, or Levanter's GPT-2/Llama
+baseline) and CKPT its checkpoint folder (checkpoints/<run_id>, newest step, or a step-N folder).
+Every other `--dotted.key value` overrides CFG as in `qkvflow train`: another validation set is
+`--data.components.NAME.source.validation_urls '[...]'` (or a whole `--data '{...}'`), all of it rather
+than the run's `trainer.max_eval_batches` cap is `--trainer.max_eval_batches null`.
+
+The loss is the run's own evaluation (qkvflow.evaluation.perplexity); without --steps, --solver or
+--tolerances it is the model at its config's grid, and equals the run's last `eval/loss`. For a
+DiffEqFormer, --steps/--solver/--tolerances evaluate the same parameters at each grid
+(qkvflow.evaluation.depth); a baseline has a fixed depth and refuses them. The table is printed; with
+--output it is also written as depth.md and depth.json, with the plot depth.png (perplexity against
+vector-field evaluations), into DIR (qkvflow.outputs: an absent or empty folder, or an earlier
+`qkvflow eval` output with --overwrite). --tasks runs lm-evaluation-harness tasks through Levanter's
+harness (qkvflow.evaluation.harness; `pip install 'qkvflow[eval]'`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from qkvflow import outputs
+from qkvflow.errors import UserError
+from qkvflow.training.config import TrainConfig
+
+KIND = "eval_table"
+TRAINING_ONLY = ("epochs", "stop_after", "log_every", "z_loss_weight", "nonfinite", "data_seed", "loss_curve")
+"""TrainConfig options that evaluation does not read (hidden from --help)."""
+FILES = ("depth.md", "depth.json", "depth.png")
+
+
+@dataclass
+class EvalConfig(TrainConfig):
+    checkpoint: Optional[str] = None
+    """The run's checkpoints: checkpoints/<run_id> (its newest step-N) or a step-N folder."""
+    steps: Optional[str] = None
+    """Fixed solver grids to evaluate a DiffEqFormer at, comma-separated (e.g. 1,2,4,8,16); default: model.ode.num_steps."""
+    solver: Optional[str] = None
+    """Solvers for the fixed grids, comma-separated (euler, heun, midpoint, ralston, rk4, tsit5, dopri5); default: model.ode.solver."""
+    tolerances: Optional[str] = None
+    """Adaptive solves at these relative tolerances, comma-separated (e.g. 1e-2,1e-3); atol keeps the config's atol/rtol ratio."""
+    adaptive_solver: str = "tsit5"
+    """Solver of the --tolerances rows: one with an error estimate (heun, midpoint, ralston, tsit5, dopri5)."""
+    output: Optional[str] = None
+    """Folder for depth.md, depth.json and depth.png (absent, empty, or an earlier `qkvflow eval` output with --overwrite)."""
+    overwrite: bool = False
+    """Replace an earlier `qkvflow eval` output in --output."""
+    tasks: Optional[str] = None
+    """lm-evaluation-harness tasks, comma-separated (e.g. arc_easy,piqa), or paths of task YAML files."""
+    max_examples: Optional[int] = None
+    """lm-eval's `limit`: at most this many examples per task."""
+
+
+def _output_rules(config: EvalConfig, config_path: Optional[str]) -> dict:
+    protect = [("--checkpoint", config.checkpoint), ("--config_path", config_path)]
+    return {"kind": KIND, "key": "--output", "overwrite": config.overwrite, "protect": protect}
+
+
+def check(config: EvalConfig, config_path: Optional[str]) -> None:
+    """Bad options and outputs, before any work."""
+    import levanter.checkpoint
+
+    if not config.checkpoint:
+        raise UserError("--checkpoint is missing: expected the run's checkpoint folder (checkpoints/<run_id>)")
+    if levanter.checkpoint.discover_latest_checkpoint(config.checkpoint) is None:
+        raise UserError(f"--checkpoint {config.checkpoint!r}: no checkpoint found (expected checkpoints/<run_id>[/step-N])")
+    if not is_ode(config.model):
+        given = [f"--{k}" for k in ("steps", "solver", "tolerances") if getattr(config, k) is not None]
+        if given:
+            from levanter.models.lm_model import LmConfig
+
+            kind = LmConfig.get_choice_name(type(config.model))
+            raise UserError(
+                f"{' and '.join(given)}: model.type={kind} has a fixed depth; solver grids apply to DiffEqFormer checkpoints"
+            )
+    if config.output is not None:
+        outputs.check_replaceable(config.output, **_output_rules(config, config_path))
+        outputs.check_writable(config.output, "--output", beside=True)
+
+
+def is_ode(model_config) -> bool:
+    from qkvflow.models.diffeqformer import DiffEqFormerConfig
+
+    return isinstance(model_config, DiffEqFormerConfig)
+
+
+def points(config: EvalConfig):
+    from qkvflow.evaluation.depth import grid_points, parse_list
+
+    steps = parse_list(config.steps, "steps", int, "comma-separated integers >= 1, e.g. 2,4,8")
+    solvers = parse_list(config.solver, "solver", str, "comma-separated solver names, e.g. euler,rk4")
+    tolerances = parse_list(config.tolerances, "tolerances", float, "comma-separated positive numbers, e.g. 1e-2,1e-3")
+    return grid_points(config.model.ode, steps, solvers, tolerances, config.adaptive_solver)
+
+
+def evaluate(config: EvalConfig, config_path: Optional[str] = None) -> dict:
+    """The rows of the table (and lm-eval's results with --tasks) as a dict."""
+    import haliax as hax
+    import haliax.partitioning
+
+    from qkvflow.evaluation import depth, perplexity
+    from qkvflow.training.checkpoints import load_model
+    from qkvflow.training.session import announce_corpus, with_corpus
+
+    check(config, config_path)
+    grid = points(config) if is_ode(config.model) else None
+    if config.tasks is not None:
+        from qkvflow.evaluation import harness
+
+        harness.check_installed()
+        task_spec = harness.task_spec(config.tasks)
+        harness.preload(task_spec)
+    announce_corpus(config)
+    config = with_corpus(config)
+    model, hf_tokenizer = load_model(config, config.checkpoint)
+    t = config.trainer
+    result: dict = {
+        "checkpoint": config.checkpoint,
+        "config_path": config_path,
+        "model_type": type(config.model).__name__,
+    }
+    with haliax.partitioning.set_mesh(t.device_mesh), hax.axis_mapping(t.parameter_axis_mapping):
+        model = hax.shard(model, t.parameter_axis_mapping)  # onto the trainer's mesh, as training holds it
+        if not config.data.build_caches("validation"):  # tokenized on the first evaluation of this data
+            raise UserError("data has no validation set: expected validation_urls (or a corpus) in the data config")
+        evaluator = perplexity.make_evaluator(config, config.model.max_Pos, config.data.the_tokenizer)
+        counts = perplexity.count_targets(evaluator, hf_tokenizer)
+        rows = []
+        for point in grid or [None]:
+            m = model if point is None else depth.with_ode(model, point.ode)
+            try:
+                scored = perplexity.evaluate(evaluator, m, counts)
+            except Exception as e:  # noqa: BLE001 (diffrax's max_steps error comes as a runtime error)
+                if point is not None and point.adaptive and "max_steps" in str(e):
+                    raise UserError(
+                        f"--tolerances {point.tolerance:g}: the adaptive solve needed more than model.ode.max_steps="
+                        f"{point.ode.max_steps} steps; raise --model.ode.max_steps or loosen the tolerance"
+                    ) from None
+                raise
+            row = {"solver": "-", "grid": f"{getattr(config.model, 'num_layers', '?')} layers", "steps": None,
+                   "tolerance": None, "nfe": None, "nfe_min": None, "nfe_max": None, "trained": True}  # fmt: skip
+            if point is not None:
+                row.update(solver=point.ode.solver, grid=point.label, tolerance=point.tolerance,
+                           steps=None if point.adaptive else point.ode.num_steps, trained=depth.same_solve(point.ode, config.model.ode))  # fmt: skip
+                if point.adaptive:
+                    row["nfe"], row["nfe_min"], row["nfe_max"] = depth.measured_evaluations(m, evaluator, t.mp)
+                else:
+                    row["nfe"] = depth.fixed_evaluations(point.ode)
+            row.update(scored.as_dict())
+            rows.append(row)
+        result["rows"] = rows
+        result["eval_examples"] = len(evaluator.dataset.as_sync_dataset())
+        if config.tasks is not None:
+            result["lm_eval"] = harness.run(model if grid is None else depth.with_ode(model, grid[0].ode), config, task_spec, config.max_examples)
+    return result
+
+
+def write(result: dict, config: EvalConfig, config_path: Optional[str]) -> list[str]:
+    from qkvflow.evaluation import depth
+
+    with outputs.replacing(config.output, **_output_rules(config, config_path)) as folder:
+        with open(os.path.join(folder, "depth.md"), "w") as f:
+            f.write(depth.markdown_table(result["rows"]) + "\n")
+        with open(os.path.join(folder, "depth.json"), "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        title = f"{os.path.basename(os.path.normpath(config.checkpoint))}: depth at inference"
+        depth.plot(result["rows"], os.path.join(folder, "depth.png"), title=title)
+    return [os.path.join(config.output, name) for name in FILES]
+
+
+def refuse_finetune_config(path: Optional[str]) -> None:
+    """A `qkvflow finetune` config (it names a `pretrained` run) describes a LoRA or fully fine-tuned
+    discretised model, which this verb does not rebuild yet: one line instead of draccus's unknown keys."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            text = yaml.safe_load(f)
+    except (OSError, TypeError, yaml.YAMLError):
+        return  # cli.parse names the problem
+    if isinstance(text, dict) and "pretrained" in text:
+        raise UserError(
+            f"{path} is a `qkvflow finetune` config: evaluating fine-tuned checkpoints is not supported yet "
+            "(the run's eval_loss is in finetune_summary.json beside its checkpoints); pass a `qkvflow train` config"
+        )
+
+
+def quiet_logging(verbose: bool = False) -> None:
+    """The terminal shows qkvflow's warnings and everyone's errors, as in `qkvflow train` (Levanter's
+    restore and data loader warn about things that are expected here)."""
+    import logging
+
+    from qkvflow.training.session import quiet_console
+
+    logging.basicConfig(level=logging.INFO)
+    quiet_console(verbose)
+
+
+def main(argv: list[str]) -> int:
+    from qkvflow import cli
+    from qkvflow.cli import usage
+    from qkvflow.evaluation import depth
+
+    if usage.wants_help(argv):
+        print(usage.short_help("qkvflow eval", EvalConfig, __doc__.split("\n\n")[0], hide=TRAINING_ONLY))
+        return 0
+    config_path, _ = cli.split_config_path(argv)
+    refuse_finetune_config(config_path)
+    config = cli.parse(EvalConfig, usage.full_listing_args(argv), "eval", required="the run's `qkvflow train` config")
+    quiet_logging(config.verbose)
+    result = evaluate(config, config_path)
+    print(depth.markdown_table(result["rows"]))
+    if "lm_eval" in result:
+        from qkvflow.evaluation import harness
+
+        print(harness.summary_table(result["lm_eval"]))
+    if config.output is not None:
+        for path in write(result, config, config_path):
+            print(f"wrote {path}")
+    return 0

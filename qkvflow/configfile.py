@@ -1,0 +1,154 @@
+"""Reading a config the one way every verb does: a YAML file (`--config_path`, local or a URL) plus
+`--dotted.key value` overrides, parsed into a dataclass by draccus (`parse`).
+
+Library code that reads a config file (fine-tuning reads its pretrained run's config) uses the same
+function, so the command line and the library accept the same files; `qkvflow.cli` re-exports it.
+"""
+
+import json
+
+CONFIG_PATH = "--config_path"
+
+
+def split_config_path(argv: list[str]) -> tuple[str | None, list[str]]:
+    """(the --config_path value or None, argv without it). `--config_path X` and `--config_path=X`;
+    given more than once, or without a value, is a UserError."""
+    from qkvflow.errors import UserError
+
+    paths, rest = [], []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith(CONFIG_PATH + "="):
+            paths.append(arg.split("=", 1)[1])
+        elif arg == CONFIG_PATH:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise UserError(f"{CONFIG_PATH} needs a value: expected a YAML config file")
+            paths.append(argv[i + 1])
+            i += 1
+        else:
+            rest.append(arg)
+        i += 1
+    if len(paths) > 1:
+        raise UserError(f"{CONFIG_PATH} is given {len(paths)} times ({', '.join(paths)}): expected one")
+    return (paths[0] if paths else None), rest
+
+
+def _readable_config(path: str) -> str:
+    """What Levanter's `levanter.config.main` did with a --config_path: a URL (gs://, s3://, file://, ...)
+    is copied to a local temporary file (fsspec; removed at exit); a local `path` may omit `.yaml`/`.yml`."""
+    import os
+    import urllib.parse
+
+    if urllib.parse.urlparse(path).scheme:
+        import atexit
+        import tempfile
+
+        import fsspec
+
+        with fsspec.open(path, "rb") as remote:
+            text = remote.read()
+        fd, local = tempfile.mkstemp(prefix="qkvflow_config_", suffix=".yaml")
+        with os.fdopen(fd, "wb") as f:
+            f.write(text)
+        atexit.register(os.remove, local)
+        return local
+    return next((p for p in (path, f"{path}.yaml", f"{path}.yml") if os.path.exists(p)), path)
+
+
+def parse(cls, argv: list[str], verb: str, *, required: str | None = None):
+    """The one way every verb reads its config: `cls` from the --config_path file (`--config_path X` or
+    `--config_path=X`; local, or a URL as Levanter reads it) and the overrides in argv, rewritten by
+    `overrides(verb, ...)`, parsed by draccus. `required`: what the missing --config_path should have been
+    (a UserError); without it, no --config_path parses cls's defaults. draccus's errors are left to `main`,
+    which makes them one line."""
+    import draccus
+    import levanter.config  # noqa: F401  (registers Levanter's draccus codecs: dtypes, jmp.Policy, timedelta, ...)
+
+    path, args = split_config_path(argv)
+    if path is None and required:
+        from qkvflow.errors import UserError
+
+        raise UserError(f"{CONFIG_PATH} is missing: expected {required}")
+    if path is not None:
+        path = _readable_config(path)
+    return draccus.parse(cls, config_path=path, args=overrides(verb, args))
+
+
+# Verbs whose config is a TrainConfig (with its `verbose` flag), parsed by draccus from the command line.
+FLAG_VERBS = ("train", "finetune", "sweep", "describe", "eval")
+FLAGS = ("--verbose", "--overwrite")
+"""Boolean config fields that may be given bare (`--verbose` for `--verbose true`)."""
+
+COMPONENTS = "--data.components"
+
+
+def overrides(verb: str, args: list[str]) -> list[str]:
+    """The overrides as draccus reads them.
+
+    * A bare boolean flag (`--verbose`, followed by nothing or by another `--key`) gets the value `true`:
+      draccus's parser wants a value for every field.
+    * `--data.components.NAME.KEY... VALUE` (a key inside one of LmDataConfig's named components, e.g.
+      `--data.components.owt.cache_dir /fast/owt`) becomes one `--data.components '{NAME: {KEY: VALUE}}'`:
+      draccus reads a dict-valued field only whole, and merges that mapping into the config file's
+      components, so the rest of the component is kept. Lists and mappings in VALUE are YAML.
+    """
+    import yaml
+
+    out, merged, at = [], {}, None
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        key, eq, value = arg.partition("=") if arg.startswith("--") else (arg, "", "")
+        has_next = i + 1 < len(args)
+        if verb in FLAG_VERBS and arg in FLAGS and (not has_next or args[i + 1].startswith("--")):
+            out += [arg, "true"]
+        elif key.startswith(COMPONENTS + "."):
+            if not eq:
+                if not has_next:
+                    out.append(arg)  # draccus names the missing value
+                    break
+                value, i = args[i + 1], i + 1
+            loaded = yaml.safe_load(value)
+            if not isinstance(loaded, (list, dict)) and loaded is not None:
+                loaded = value  # a scalar stays the text the user wrote; draccus converts it to the field's type
+            tree = loaded
+            for part in reversed(key[len(COMPONENTS) + 1 :].split(".")):
+                tree = {part: tree}
+            _deep_merge(merged, tree)
+            if at is None:
+                at = len(out)
+                out.append(None)
+        else:
+            out.append(arg)
+        i += 1
+    if at is not None and any(a == COMPONENTS or a.startswith(COMPONENTS + "=") for a in out if a):
+        from qkvflow.errors import UserError
+
+        raise UserError(
+            f"{COMPONENTS} is given whole and also by key ({COMPONENTS}.NAME.KEY): expected one of the two"
+        )
+    if at is not None:
+        out[at : at + 1] = [COMPONENTS, json.dumps(merged)]
+    return out
+
+
+def _deep_merge(into: dict, tree: dict) -> None:
+    for k, v in tree.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _deep_merge(into[k], v)
+        else:
+            into[k] = v
+
+
+def _user_cause(error: BaseException):
+    """The first UserError among an exception's causes (draccus wraps what a constructor raised)."""
+    from qkvflow.errors import UserError
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, UserError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None

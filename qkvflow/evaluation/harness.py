@@ -1,0 +1,171 @@
+"""EleutherAI's lm-evaluation-harness on qkvflow checkpoints, through Levanter's harness.
+
+`run` hands the model to `levanter.eval_harness.run_lm_eval_harness` (public), which packs the
+requests into sequences of the model's context and scores them with `model.activations`. Three
+things are added around it:
+
+* Positions restart at every packed request. Levanter packs up to 64 requests into one sequence and
+  calls `activations(tokens, attn_mask)` without positions, so a model with learned absolute
+  positions (GPT-2 and the GPT-2-flavour DiffEqFormer) would see the k-th request at positions
+  offset by the requests before it, and score it differently from the same request alone.
+  `SegmentPositions` wraps the model and passes `pos_ids` = the offset of each token within its
+  segment (from the mask's segment ids), the positions the request has when scored alone.
+* Tasks are loaded once before Levanter's loader runs, without retries: Levanter's `to_task_dict`
+  retries every failure 10 times with exponential backoff (5 s up to 300 s), so a wrong task file or
+  an unreachable dataset would hang for half an hour; here it fails at once in one line. A path
+  ending in .yaml/.yml is read as a task definition (lm-eval's YAML keys, e.g. `dataset_path: json`
+  with `dataset_kwargs: {data_files: ...}`); its local data files must exist.
+* Only `loglikelihood` and `multiple_choice` tasks run. Levanter's `loglikelihood_rolling` raises
+  NotImplementedError (checked in tests/evaluation/test_harness.py) and its `generate_until` needs a
+  KV-cache decoder that the DiffEqFormer does not have: such tasks are refused in one line.
+  Perplexity of a whole corpus is `qkvflow eval` without --tasks.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import equinox as eqx
+import haliax as hax
+import jax
+import jax.numpy as jnp
+
+from qkvflow.errors import UserError
+
+INSTALL = "pip install 'qkvflow[eval]'"
+SUPPORTED = ("loglikelihood", "multiple_choice")
+
+
+def check_installed() -> None:
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise UserError(f"--tasks needs lm-evaluation-harness, which is not installed: {INSTALL}") from None
+
+
+def _read_task_file(path: str) -> dict:
+    import yaml
+
+    try:
+        with open(path) as f:
+            spec = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as e:
+        raise UserError(f"--tasks {path}: cannot be read as YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(spec, dict) or not isinstance(spec.get("task"), str):
+        raise UserError(f"--tasks {path}: expected a task definition (a mapping with a `task` name)")
+    kwargs = spec.get("dataset_kwargs") or {}
+    files = kwargs.get("data_files")
+    if files is not None:
+        base = os.path.dirname(os.path.abspath(path))
+
+        def local(f):
+            if "://" in str(f):
+                return f
+            full = os.path.join(base, os.path.expanduser(str(f)))
+            if not os.path.exists(full):
+                raise UserError(f"--tasks {path}: dataset_kwargs.data_files {f!r} does not exist (relative to the task file)")
+            return full
+
+        if isinstance(files, dict):
+            files = {k: [local(f) for f in v] if isinstance(v, list) else local(v) for k, v in files.items()}
+        else:
+            files = [local(f) for f in files] if isinstance(files, list) else local(files)
+        spec = {**spec, "dataset_kwargs": {**kwargs, "data_files": files}}
+    return spec
+
+
+def task_spec(text: str) -> list:
+    """`arc_easy,my_task.yaml` -> ["arc_easy", {task definition}]."""
+    items = [s.strip() for s in str(text).split(",")]
+    if not items or any(not s for s in items):
+        raise UserError(f"--tasks {text!r} is invalid: expected comma-separated task names or task YAML files")
+    return [_read_task_file(s) if s.endswith((".yaml", ".yml")) else s for s in items]
+
+
+def _tasks(task_dict) -> list:
+    out = []
+    for value in task_dict.values():
+        out += _tasks(value) if isinstance(value, dict) else [value]
+    return out
+
+
+def preload(spec: list) -> None:
+    """Load every task once with lm-eval, without retries, and refuse what cannot run (one line).
+    Relative `data_files` of a task file are made absolute (relative to the file) by `task_spec`."""
+    import lm_eval.tasks as tasks
+
+    manager = tasks.TaskManager()
+    for item in spec:
+        name = item if isinstance(item, str) else item["task"]
+        try:
+            loaded = tasks.get_task_dict([item], manager)
+        except Exception as e:  # noqa: BLE001 (lm-eval and datasets raise many kinds)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise UserError(f"--tasks: task {name!r} could not be loaded ({type(e).__name__}: {first})") from None
+        for task in _tasks(loaded):
+            kind = task.OUTPUT_TYPE
+            if kind not in SUPPORTED:
+                raise UserError(
+                    f"--tasks: task {name!r} needs {kind}, which Levanter's harness does not run for qkvflow models "
+                    f"(supported: {', '.join(SUPPORTED)}); corpus perplexity is `qkvflow eval` without --tasks"
+                )
+
+
+class SegmentPositions(eqx.Module):
+    """`model` whose `activations` numbers the positions of each packed segment from 0 (see the module
+    docstring). Everything else the harness uses is the model's."""
+
+    model: eqx.Module
+
+    def __getattr__(self, name):
+        if name == "model":  # not set yet (during construction)
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+    def get_lm_head(self):
+        return self.model.get_lm_head()
+
+    def activations(self, input_ids, attn_mask=None, *, key=None, pos_ids=None):
+        segments = getattr(attn_mask, "segment_ids", None)
+        if pos_ids is None and segments is not None:
+            pos_ids = segment_positions(segments[0] if isinstance(segments, tuple) else segments, self.model.Pos.name)
+        return self.model.activations(input_ids, attn_mask, key=key, pos_ids=pos_ids)
+
+
+def segment_positions(segment_ids: hax.NamedArray, pos_name: str) -> hax.NamedArray:
+    """pos[i] = i - (first index of i's segment), segments being runs of equal ids along `pos_name`."""
+    axis = segment_ids.axis_indices(pos_name)
+    ids = segment_ids.array
+    index = jax.lax.broadcasted_iota(jnp.int32, ids.shape, axis)
+    previous = jnp.roll(ids, 1, axis=axis)
+    starts = jnp.where(ids != previous, index, 0)  # index 0 gives 0 either way
+    return hax.named(index - jax.lax.cummax(starts, axis=axis), segment_ids.axes)
+
+
+def run(model, config, spec: list, max_examples: Optional[int] = None, *, log_samples: bool = False) -> dict:
+    """lm-eval's results dict (`results`, `n-samples`, ..., Levanter's `averages`; `samples` with log_samples).
+    Call `preload(spec)` first (qkvflow eval does, before loading the model)."""
+    from levanter.eval_harness import LmEvalHarnessConfig, run_lm_eval_harness
+
+    t = config.trainer
+    harness_config = LmEvalHarnessConfig(task_spec=spec, max_examples=max_examples, log_samples=log_samples)
+    with hax.partitioning.set_mesh(t.device_mesh), hax.axis_mapping(t.parameter_axis_mapping):
+        model = hax.shard(SegmentPositions(model), t.parameter_axis_mapping)  # onto the trainer's mesh
+        return run_lm_eval_harness(
+            harness_config, model, config.data.the_tokenizer, t.EvalBatch, t.compute_axis_mapping, t.mp
+        )
+
+
+def summary_table(outputs: dict) -> str:
+    """Markdown: one row per task and metric (stderr beside it when lm-eval computed one)."""
+    lines = ["| task | metric | value | stderr |", "|---|---|---|---|"]
+    for task, metrics in sorted((outputs or {}).get("results", {}).items()):
+        for key, value in sorted(metrics.items()):
+            if "stderr" in key or key == "alias" or not isinstance(value, (int, float)):
+                continue
+            metric, _, filt = key.partition(",")
+            err = metrics.get(f"{metric}_stderr,{filt}") if filt else metrics.get(f"{metric}_stderr")
+            err_text = f"{err:.4f}" if isinstance(err, (int, float)) else "-"
+            lines.append(f"| {task} | {metric} | {value:.4f} | {err_text} |")
+    return "\n".join(lines)

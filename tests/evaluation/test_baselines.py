@@ -1,0 +1,52 @@
+"""`qkvflow eval` on checkpoints of fixed depth: Levanter's GPT-2 baseline as `qkvflow train` builds it."""
+
+import pytest
+
+from qkvflow.cli import main as cli_main
+from tests.finetune_utils import save_fresh_checkpoint
+
+GPT2_YAML = """corpus:
+  name: pydoc
+  root: {root}
+model:
+  type: gpt2
+  max_seq_len: 32
+  hidden_dim: 32
+  num_heads: 2
+  num_layers: 3
+trainer:
+  max_eval_batches: 1
+  per_device_eval_parallelism: 8
+  mp: p=f32,c=f32
+"""
+
+
+@pytest.fixture(scope="module")
+def gpt2_run(tmp_path_factory, corpus_root):
+    folder = tmp_path_factory.mktemp("gpt2")
+    config = folder / "gpt2.yaml"
+    config.write_text(GPT2_YAML.format(root=corpus_root))
+    return str(config), str(save_fresh_checkpoint(folder / "ckpt", corpus_root, str(config)))
+
+
+def test_a_baseline_is_evaluated_and_refuses_solver_grids(gpt2_run, capfd):
+    import math
+
+    config, checkpoint = gpt2_run
+    assert cli_main(["eval", "--config_path", config, "--checkpoint", checkpoint]) == 0
+    rows = [line for line in capfd.readouterr().out.splitlines() if line.startswith("| -")]
+    assert len(rows) == 1 and "| 3 layers (trained) |" in rows[0]
+    loss = float(rows[0].split("|")[4])
+    assert abs(loss - math.log(2048)) < 0.5  # a fresh model is close to uniform over the 2,048 tokens
+    for flag, value in (("--steps", "2,4"), ("--solver", "rk4"), ("--tolerances", "1e-3")):
+        assert cli_main(["eval", "--config_path", config, "--checkpoint", checkpoint, flag, value]) == 2
+        err = capfd.readouterr().err.strip()
+        assert err == f"qkvflow eval: error: {flag}: model.type=gpt2 has a fixed depth; solver grids apply to DiffEqFormer checkpoints"
+
+
+def test_a_finetune_config_is_refused_in_one_line(gpt2_run, capfd):
+    from tests.finetune_utils import TINY_FINETUNE
+
+    assert cli_main(["eval", "--config_path", TINY_FINETUNE, "--checkpoint", gpt2_run[1]]) == 2
+    err = capfd.readouterr().err.strip()
+    assert "is a `qkvflow finetune` config" in err and len(err.splitlines()) == 1

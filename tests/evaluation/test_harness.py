@@ -1,0 +1,127 @@
+"""`qkvflow eval --tasks`: lm-evaluation-harness through Levanter's harness, offline.
+
+A multiple-choice task is written by the test (a task YAML with `dataset_path: json` and a local
+jsonl file). The reference log-likelihood of each choice is computed here from the model's logits,
+each request scored alone from position 0: sum over the continuation tokens of log softmax(logits).
+The answers are set from that reference (the most likely choice for even documents, the least likely
+for odd ones), so the harness's accuracy must be exactly 1/2.
+"""
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from qkvflow.cli import main as cli_main
+from tests.finetune_utils import TINY_TRAIN, save_fresh_checkpoint
+
+pytest.importorskip("lm_eval")
+
+QUESTIONS = [
+    "The for statement is used to iterate over",
+    "A function definition defines a",
+    "The return statement leaves the current",
+    "An exception is raised when",
+]
+CHOICES = ["the elements of a sequence", "zq", "function call with the expression list", "x y z w"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, corpus_root):
+    """(config, model, tokenizer, checkpoint) of a freshly initialised tiny DiffEqFormer (GPT-2 flavour)."""
+    from qkvflow.cli import parse
+    from qkvflow.cli.eval import EvalConfig
+    from qkvflow.training.checkpoints import load_model
+    from qkvflow.training.session import with_corpus
+
+    path = save_fresh_checkpoint(tmp_path_factory.mktemp("harness") / "ckpt", corpus_root)
+    config = with_corpus(parse(EvalConfig, ["--config_path", TINY_TRAIN, "--corpus.root", str(corpus_root)], "eval"))
+    model, _ = load_model(config, str(path))
+    return config, model, config.data.the_tokenizer, path
+
+
+def reference_loglikelihood(model, tokenizer, context: str, continuation: str) -> float:
+    """sum_j log p(ids[j] | ids[<j]) over the continuation's tokens, the request alone (Levanter's
+    harness tokenizes context + continuation and the context without special tokens)."""
+    import haliax as hax
+    import jax
+
+    ids = tokenizer.encode_batch([context + continuation])[0]
+    n_context = len(tokenizer.encode_batch([context])[0])
+    Pos = model.Pos.resize(len(ids))
+    logits = np.asarray(model(hax.named(np.asarray(ids, np.int32), Pos)).array, np.float64)
+    logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    return float(sum(logp[j - 1, ids[j]] for j in range(n_context, len(ids))))
+
+
+def _write_task(folder, answers) -> str:
+    docs = [{"question": q, "choices": CHOICES, "answer": a} for q, a in zip(QUESTIONS, answers)]
+    (folder / "mc.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    task = folder / "tiny_mc.yaml"
+    task.write_text(
+        "task: qkvflow_tiny_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: mc.jsonl\n"
+        "output_type: multiple_choice\ntest_split: test\ndoc_to_text: '{{question}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n"
+    )
+    return str(task)
+
+
+def test_multiple_choice_matches_log_likelihoods_from_the_logits(run, tmp_path):
+    from qkvflow.evaluation import harness
+
+    config, model, tokenizer, _ = run
+    reference = np.array([[reference_loglikelihood(model, tokenizer, q, " " + c) for c in CHOICES] for q in QUESTIONS])
+    answers = [int(np.argmax(r)) if i % 2 == 0 else int(np.argmin(r)) for i, r in enumerate(reference)]
+    spec = harness.task_spec(_write_task(tmp_path, answers))
+    out = harness.run(model, config, spec, log_samples=True)
+    assert out["results"]["qkvflow_tiny_mc"]["acc,none"] == 0.5
+    scored = {s["doc_id"]: [r[0][0] for r in s["resps"]] for s in out["samples"]["qkvflow_tiny_mc"]}
+    got = np.array([scored[i] for i in range(len(QUESTIONS))])
+    # float32 forward passes of the packed and the single request: sums of <= 10 log-probs of ~7.6 nats
+    np.testing.assert_allclose(got, reference, rtol=0, atol=1e-4)
+
+
+def test_packed_requests_restart_their_positions():
+    import haliax as hax
+
+    from qkvflow.evaluation.harness import segment_positions
+
+    seg = hax.named(np.array([[0, 0, 0, 1, 1, 2, -1, -1], [5, 5, 5, 5, 5, 5, 5, 5]]), ("batch", "position"))
+    np.testing.assert_array_equal(
+        np.asarray(segment_positions(seg, "position").array), [[0, 1, 2, 0, 1, 0, 0, 1], list(range(8))]
+    )
+
+
+def test_levanter_still_lacks_loglikelihood_rolling():
+    """qkvflow refuses rolling tasks because Levanter's harness raises on them; when Levanter
+    implements it, this fails and the refusal in qkvflow.evaluation.harness should go."""
+    from levanter.eval_harness import LevanterHarnessLM
+
+    with pytest.raises(NotImplementedError):
+        LevanterHarnessLM.loglikelihood_rolling(object(), [])
+
+
+def test_cli_tasks_and_one_line_refusals(run, tmp_path, capfd, monkeypatch):
+    capsys = capfd  # the token cache builder needs a real stderr file descriptor
+    config, model, tokenizer, path = run
+    base = ["eval", "--config_path", TINY_TRAIN, "--corpus.root", str(config.corpus.root), "--checkpoint", str(path)]
+    task = _write_task(tmp_path, [0, 0, 0, 0])
+    assert cli_main([*base, "--tasks", task]) == 0
+    out = capsys.readouterr().out
+    assert "| qkvflow_tiny_mc | acc |" in out
+    # a missing data file: one line at once, not lm-eval's 10 retries with backoff
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(open(task).read().replace("mc.jsonl", "missing.jsonl"))
+    assert cli_main([*base, "--tasks", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "data_files 'missing.jsonl' does not exist" in err and len(err.splitlines()) == 1
+    rolling = tmp_path / "rolling.yaml"
+    rolling.write_text(open(task).read().replace("multiple_choice", "loglikelihood_rolling"))
+    assert cli_main([*base, "--tasks", str(rolling)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "needs loglikelihood_rolling" in err and len(err.splitlines()) == 1
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if not installed
+    assert cli_main([*base, "--tasks", task]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("pip install 'qkvflow[eval]'") and len(err.splitlines()) == 1

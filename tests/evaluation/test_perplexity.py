@@ -1,0 +1,169 @@
+"""`qkvflow eval`: perplexity, bits per byte and the depth table of a trained tiny DiffEqFormer.
+
+The checkpoint is the tiny ODE model of tests/configs/tiny_train.yaml (N = 2 Euler steps) trained 8
+steps by `qkvflow train` (tests/finetune_utils.shared_setup, shared with the fine-tuning tests); its
+metrics.jsonl holds the run's final `eval/loss`.
+"""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from qkvflow.cli import main as cli_main
+from tests.finetune_utils import TINY_TRAIN, shared_setup
+
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    return shared_setup(tmp_path_factory)
+
+
+def _eval(capsys, corpora, checkpoint, *extra, config_path=TINY_TRAIN):
+    rc = cli_main(["eval", "--config_path", config_path, "--corpus.root", str(corpora), "--checkpoint", str(checkpoint), *extra])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _rows(out: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| ") and "solver" not in line]
+
+
+@pytest.fixture(scope="module")
+def depth_run(shared, tmp_path_factory):
+    """`qkvflow eval --steps 1,2 --tolerances 1e-2 --output DIR` on the trained tiny run: the JSON it wrote."""
+    import contextlib
+    import io
+
+    corpora, pretrained = shared
+    out_dir = tmp_path_factory.mktemp("eval") / "depth"
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        rc = cli_main([
+            "eval", "--config_path", TINY_TRAIN, "--corpus.root", str(corpora), "--checkpoint", str(pretrained),
+            "--steps", "1,2", "--tolerances", "1e-2", "--output", str(out_dir),
+        ])  # fmt: skip
+    assert rc == 0
+    return out_dir, json.loads((out_dir / "depth.json").read_text()), stdout.getvalue()
+
+
+def test_at_the_trained_grid_eval_equals_the_runs_own_eval_loss(shared, depth_run):
+    """Same evaluator, batches, loss and float32 program as the run's last evaluation: the two agree to
+    float32 round-off of the mean over the tokens (a few ulp of the loss; 16 eps allows XLA to
+    reorder the reductions of the two compilations)."""
+    from qkvflow.training.tracking import metrics_file, read_metrics
+
+    corpora, pretrained = shared
+    runs = pretrained.parent.parent / "runs"
+    steps = read_metrics(metrics_file(str(runs), "tiny"))
+    run_loss = [steps[s]["eval/loss"] for s in sorted(steps) if "eval/loss" in steps[s]][-1]
+    trained = [r for r in depth_run[1]["rows"] if r["trained"]]
+    assert [(r["solver"], r["steps"]) for r in trained] == [("euler", 2)]
+    assert trained[0]["loss"] == pytest.approx(run_loss, rel=16 * EPS32, abs=0)
+    assert trained[0]["perplexity"] == pytest.approx(math.exp(run_loss), rel=32 * EPS32)
+
+
+def test_each_row_is_the_models_loss_at_its_grid_from_its_own_logits(shared, depth_run):
+    """Reference from the definition: the mean over weighted positions of -log softmax(logits)[next
+    token], with logits of the model at that grid, on the evaluator's batches; bpb = nats / (ln 2 bytes)."""
+    import haliax as hax
+    import jax
+    import jax.numpy as jnp
+
+    from qkvflow.cli import parse
+    from qkvflow.cli.eval import EvalConfig
+    from qkvflow.evaluation.depth import with_ode
+    from qkvflow.evaluation.perplexity import make_evaluator
+    from qkvflow.training.checkpoints import load_model
+    from qkvflow.training.session import with_corpus
+
+    corpora, pretrained = shared
+    config = with_corpus(parse(EvalConfig, ["--config_path", TINY_TRAIN, "--corpus.root", str(corpora)], "eval"))
+    model, _ = load_model(config, str(pretrained))
+    t = config.trainer
+    with hax.partitioning.set_mesh(t.device_mesh), hax.axis_mapping(t.parameter_axis_mapping):
+        evaluator = make_evaluator(config, config.model.max_Pos, config.data.the_tokenizer)
+        batches = [(np.asarray(b.tokens.array), np.asarray(b.loss_weight.array)) for b, _ in evaluator.loader]
+    rows = depth_run[1]["rows"]
+    fixed = [r for r in rows if r["tolerance"] is None]
+    assert [r["steps"] for r in fixed] == [1, 2]
+    for row in fixed:
+        m = with_ode(model, config.model.ode.__class__(num_steps=row["steps"], solver="euler"))
+        nats = tokens = 0.0
+        for ids, w in batches:
+            named = hax.named(jnp.asarray(ids), ("batch", config.model.max_Pos.name))
+            logp = jax.nn.log_softmax(np.asarray(m(named).array, dtype=np.float64), axis=-1)
+            target = np.roll(ids, -1, axis=-1)
+            nll = -np.take_along_axis(np.asarray(logp), target[..., None], axis=-1)[..., 0]
+            nats += float((nll * w).sum())
+            tokens += float(w.sum())
+        # float32 logits of a [vocab 2048] softmax: relative error of a few hundred eps at most
+        assert row["loss"] == pytest.approx(nats / tokens, rel=256 * EPS32)
+        assert row["tokens"] == tokens
+        assert row["bpb"] == pytest.approx(row["loss"] * tokens / (math.log(2) * row["bytes"]), rel=1e-12)
+        assert row["nfe"] == row["steps"]  # Euler: one evaluation per step
+    assert fixed[0]["loss"] != fixed[1]["loss"]  # the grid was really changed
+
+
+def test_adaptive_rows_count_evaluations_from_the_solver_statistics(depth_run):
+    """tsit5 is first-same-as-last with 7 stages: 1 + 6 k evaluations for k steps (diffrax's num_steps)."""
+    adaptive = [r for r in depth_run[1]["rows"] if r["tolerance"] is not None]
+    assert [(r["solver"], r["tolerance"]) for r in adaptive] == [("tsit5", 1e-2)]
+    row = adaptive[0]
+    for count in (row["nfe_min"], row["nfe_max"]):
+        assert count >= 7 and (count - 1) % 6 == 0
+    assert row["nfe_min"] <= row["nfe"] <= row["nfe_max"]
+    assert math.isfinite(row["loss"])
+
+
+def test_outputs_table_plot_and_overwrite_rules(shared, depth_run, capsys):
+    out_dir, result, stdout = depth_run
+    assert sorted(p.name for p in out_dir.iterdir()) == ["depth.json", "depth.md", "depth.png", "qkvflow_output.json"]
+    table = _rows(stdout)
+    assert [r[:2] for r in table] == [["euler", "N=1"], ["euler", "N=2 (trained)"], ["tsit5", "tol=0.01"]]
+    assert table[1][4] == f"{result['rows'][1]['perplexity']:.2f}"
+    assert (out_dir / "depth.md").read_text().strip() == "\n".join(line for line in stdout.splitlines() if line.startswith("|"))
+    corpora, pretrained = shared
+    rc, _, err = _eval(capsys, corpora, pretrained, "--output", str(out_dir))
+    assert rc == 2 and "pass --overwrite" in err and len(err.strip().splitlines()) == 1
+    foreign = out_dir.parent / "notours"
+    foreign.mkdir()
+    (foreign / "keep.txt").write_text("x")
+    rc, _, err = _eval(capsys, corpora, pretrained, "--output", str(foreign))
+    assert rc == 2 and "was not written by qkvflow" in err
+    assert (foreign / "keep.txt").read_text() == "x"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--steps", "2,x"], "--steps '2,x' is invalid: expected comma-separated integers"),
+        (["--steps", "0"], "--steps 0 is invalid"),
+        (["--solver", "rk5"], "--solver rk5 is invalid"),
+        (["--tolerances", "1e-2", "--adaptive_solver", "euler"], "--adaptive_solver euler is invalid"),
+    ],
+)
+def test_bad_grids_are_refused_in_one_line(shared, capsys, args, message):
+    corpora, pretrained = shared
+    rc, out, err = _eval(capsys, corpora, pretrained, *args)
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_target_bytes_decode_each_run_of_targets_as_utf8():
+    """Bytes of the target text: a hand-made tokenizer of one character per id, with multi-byte
+    characters; position i's weight is for token i + 1, so the first token is never a target."""
+    from qkvflow.evaluation.perplexity import target_bytes
+
+    chars = ["<eos>", "a", "é", "€", " ", "𝄞"]
+
+    class Chars:
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(chars[i] for i in ids if not (skip_special_tokens and i == 0))
+
+    tokens = np.array([[1, 2, 3, 0, 4, 5], [5, 5, 1, 1, 2, 2]])
+    weights = np.array([[1, 1, 1, 1, 1, 0], [0, 1, 1, 0, 1, 0]])
+    # row 0 targets: é € <eos> ' ' 𝄞 -> 2 + 3 + 0 + 1 + 4; row 1 targets (positions 1, 2 and 4): a a | é
+    assert target_bytes(tokens, weights, Chars()) == (2 + 3 + 0 + 1 + 4) + (1 + 1) + 2
