@@ -1,4 +1,7 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -8,6 +11,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
+
+
+def _session_compilation_cache() -> None:
+    """One JAX compilation cache for the session, this process and every subprocess it starts (they
+    inherit the variable): the tests train the same tiny models in many fresh processes, and a
+    program compiled once is then loaded instead of compiled again. A directory of our own, removed at
+    exit; a cache the caller set up (JAX_COMPILATION_CACHE_DIR already set) is used and kept."""
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return
+    path = tempfile.mkdtemp(prefix="qkvflow-tests-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+
+
+_session_compilation_cache()
 
 
 @pytest.fixture(scope="session")

@@ -168,12 +168,12 @@ CASES = [
 
 @pytest.mark.parametrize("args,message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input_is_refused_before_anything_starts(world, corpus_root, capsys, monkeypatch, args, message):
-    import qkvflow.cli.train
+    import qkvflow.training.session
 
     def tripwire(config):
         raise Tripwire("bad input reached JAX's initialisation")
 
-    monkeypatch.setattr(qkvflow.cli.train, "_initialize", tripwire)
+    monkeypatch.setattr(qkvflow.training.session, "_initialize", tripwire)
     monkeypatch.chdir(world)
     before = _snapshot(world / "checkpoints")
     rc, err = _run_cli(world, corpus_root, args, capsys)
@@ -204,14 +204,14 @@ DEVICES = [
 
 @pytest.mark.parametrize("args,message", [c[1:] for c in DEVICES], ids=[c[0] for c in DEVICES])
 def test_a_mesh_that_does_not_fit_the_devices_is_refused(world, corpus_root, capsys, monkeypatch, args, message):
-    import qkvflow.cli.train
+    import qkvflow.training.session
     from qkvflow.training import preflight
 
     def initialize(config):
         preflight.check_devices(config.trainer)
         raise Tripwire("a mesh that does not fit passed the device check")
 
-    monkeypatch.setattr(qkvflow.cli.train, "_initialize", initialize)
+    monkeypatch.setattr(qkvflow.training.session, "_initialize", initialize)
     monkeypatch.chdir(world)
     before = _snapshot(world / "checkpoints")
     rc, err = _run_cli(world, corpus_root, args, capsys)
@@ -260,14 +260,14 @@ RESUME = [
 
 @pytest.mark.parametrize("args,message", [c[1:] for c in RESUME], ids=[c[0] for c in RESUME])
 def test_checkpoint_that_does_not_fit_the_config_is_refused(world, corpus_root, capsys, monkeypatch, args, message):
-    import qkvflow.cli.train
     import qkvflow.training.loop
+    import qkvflow.training.session
     from qkvflow.training import preflight
 
     def trainer_tripwire(*args, **kwargs):
         raise Tripwire("a checkpoint that does not fit reached the trainer")
 
-    monkeypatch.setattr(qkvflow.cli.train, "_initialize", lambda config: preflight.check_devices(config.trainer))
+    monkeypatch.setattr(qkvflow.training.session, "_initialize", lambda config: preflight.check_devices(config.trainer))
     monkeypatch.setattr(qkvflow.training.loop, "Run", trainer_tripwire)  # what follows the resume check
     monkeypatch.chdir(world)
     before = _snapshot(world / "checkpoints")
@@ -279,14 +279,14 @@ def test_checkpoint_that_does_not_fit_the_config_is_refused(world, corpus_root, 
 
 def test_the_checkpoint_fits_its_own_config(world, corpus_root, capsys, monkeypatch):
     """The control for the table above: the same checkpoint with base.yaml passes the resume check."""
-    import qkvflow.cli.train
     import qkvflow.training.loop
+    import qkvflow.training.session
     from qkvflow.training import preflight
 
     def trainer_tripwire(*args, **kwargs):
         raise Tripwire("reached the trainer")
 
-    monkeypatch.setattr(qkvflow.cli.train, "_initialize", lambda config: preflight.check_devices(config.trainer))
+    monkeypatch.setattr(qkvflow.training.session, "_initialize", lambda config: preflight.check_devices(config.trainer))
     monkeypatch.setattr(qkvflow.training.loop, "Run", trainer_tripwire)  # what follows the resume check
     with pytest.raises(Tripwire):
         _run_cli(world, corpus_root, [], capsys)
@@ -447,12 +447,13 @@ UNWRITABLE = [
 @pytest.mark.parametrize("args,message", [c[1:] for c in UNWRITABLE], ids=[c[0] for c in UNWRITABLE])
 def test_unwritable_outputs_are_refused_before_any_work(world, corpus_root, capsys, monkeypatch, args, message):
     import qkvflow.cli.train
+    import qkvflow.training.session
 
     def tripwire(config):
         raise Tripwire("an unwritable output reached the corpus or JAX's initialisation")
 
     monkeypatch.setattr(qkvflow.cli.train, "with_corpus", tripwire)
-    monkeypatch.setattr(qkvflow.cli.train, "_initialize", tripwire)
+    monkeypatch.setattr(qkvflow.training.session, "_initialize", tripwire)
     monkeypatch.chdir(world)
 
     def files():
@@ -469,8 +470,8 @@ def test_unreadable_checkpoint_metadata_stops_and_keeps_the_checkpoint(world, co
     the folder is not deleted and training does not restart from step 0."""
     import shutil
 
-    import qkvflow.cli.train
     import qkvflow.training.loop
+    import qkvflow.training.session
     from qkvflow.training import preflight
 
     def trainer_tripwire(*args, **kwargs):
@@ -479,7 +480,7 @@ def test_unreadable_checkpoint_metadata_stops_and_keeps_the_checkpoint(world, co
     shutil.copytree(world / "checkpoints" / "tiny", tmp_path / "checkpoints" / "tiny")
     step = tmp_path / "checkpoints" / "tiny" / "step-5"
     (step / "metadata.json").write_text('{"step": garbage')
-    monkeypatch.setattr(qkvflow.cli.train, "_initialize", lambda config: preflight.check_devices(config.trainer))
+    monkeypatch.setattr(qkvflow.training.session, "_initialize", lambda config: preflight.check_devices(config.trainer))
     monkeypatch.setattr(qkvflow.training.loop, "Run", trainer_tripwire)  # what follows the resume check
     monkeypatch.chdir(world)
     before = _snapshot(tmp_path / "checkpoints")

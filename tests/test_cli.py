@@ -87,7 +87,7 @@ def test_help_all_lists_every_key(capsys):
     assert "--trainer.checkpointer.base_path" in out and "--model.ode.num_steps" in out
 
 
-# --- Levanter 1.2 keys: refused by every verb before it runs (qkvflow.cli.compat, from qkvflow.cli.main) ------
+# --- Levanter 1.2 keys: refused by every verb before it runs (qkvflow.training.compat, from qkvflow.cli.main) ------
 
 
 OLD_FILE = "trainer:\n  id: old\n  fsdp_axis: embed\nmodel:\n  seq_len: 64\n"

@@ -200,8 +200,8 @@ def test_a_run_of_the_old_version_is_not_resumed_but_refused_in_one_line(tmp_pat
     id stops before any work, naming both versions, and leaves the checkpoint as it was."""
     import shutil
 
-    import qkvflow.cli.train
     import qkvflow.training.loop
+    import qkvflow.training.session
     from qkvflow import cli
     from qkvflow.training import preflight
 
@@ -213,7 +213,7 @@ def test_a_run_of_the_old_version_is_not_resumed_but_refused_in_one_line(tmp_pat
     def tripwire(*args, **kwargs):
         raise AssertionError("an old run reached the trainer")
 
-    monkeypatch.setattr(qkvflow.cli.train, "_initialize", lambda config: preflight.check_devices(config.trainer))
+    monkeypatch.setattr(qkvflow.training.session, "_initialize", lambda config: preflight.check_devices(config.trainer))
     monkeypatch.setattr(qkvflow.training.loop, "Run", tripwire)
     monkeypatch.chdir(tmp_path)
     rc = cli.main([

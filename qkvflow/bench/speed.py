@@ -71,8 +71,8 @@ def load_config(path: str) -> tuple:
     from levanter.models.lm_model import LmConfig
 
     import qkvflow.training.config  # noqa: F401  (registers model types)
-    from qkvflow.cli.compat import check_config
     from qkvflow.models.config import DiffEqFormerConfig
+    from qkvflow.training.compat import check_config
 
     file = Path(path)
     if not file.is_file():

@@ -3,7 +3,7 @@
 Bad input (unknown or mistyped config keys, unreadable YAML, missing files, invalid values) ends
 with one line naming the problem and exit status 2, not a traceback. Every verb goes through `main`,
 which first checks the --config_path file and refuses Levanter 1.2 keys there and in the overrides
-(qkvflow.cli.compat). Each verb then reads its config with `parse` (the --config_path file and the
+(qkvflow.training.compat). Each verb then reads its config with `parse` (the --config_path file and the
 overrides, two kinds of which draccus cannot read are rewritten by `overrides`), and nothing else.
 """
 
@@ -20,6 +20,7 @@ VERBS = {
     "export": ("qkvflow.cli.export", "a DiffEqFormer checkpoint as a Hugging Face model (--steps M layers) [+ --ode]"),
     "bench": ("qkvflow.cli.bench", "speed | scaling | quality: throughput, memory scaling and Tiny Shakespeare benchmarks"),
     "finetune": ("qkvflow.cli.finetune", "discretise a pretrained ODE model at M layers and fine-tune it (LoRA or full)"),
+    "tokenizer": ("qkvflow.cli.tokenizer", "train a tokenizer on your own .txt/.jsonl files, offline (--files ... --output DIR)"),
     "sweep": ("qkvflow.cli.sweep", "fine-tune over a grid of depths x methods; table and figure (--depths 9,12 --methods lora,full)"),
 }
 
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
 
     where = _config_path(rest)
     try:
-        from qkvflow.cli.compat import check_config
+        from qkvflow.training.compat import check_config
         from qkvflow.training.preflight import check_config_file
 
         path = check_config_file(None if where == "the config" else where)

@@ -65,9 +65,10 @@ def short_help(
             options.append((f"--{f.name} {_type_name(hints.get(f.name))}", _with_default(doc, f)))
     lines = [f"usage: {prog} --config_path CFG [--dotted.key value ...]", "", summary.strip(), ""]
     lines += ["options:", *_rows([("--config_path CFG", "the YAML config"), *options]), ""]
-    lines += ["config sections (set any key in the YAML, or override it: --trainer.num_train_steps 100):"]
-    lines += _rows(sections)
-    lines += ["", f"every key with its default: {prog} {HELP_ALL}", f"reference: {REFERENCE}"]
+    if sections:  # (`qkvflow tokenizer` has none)
+        lines += ["config sections (set any key in the YAML, or override it: --trainer.num_train_steps 100):"]
+        lines += _rows(sections) + [""]
+    lines += [f"every key with its default: {prog} {HELP_ALL}", f"reference: {REFERENCE}"]
     return "\n".join(lines)
 
 

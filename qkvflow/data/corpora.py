@@ -25,16 +25,19 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import PreTrainedTokenizerFast
+from tokenizers import Tokenizer
+
+from qkvflow.data.tokenizer import CHUNK_CHARS, EOS  # noqa: F401  (EOS: re-exported)
+from qkvflow.data.tokenizer import bpe_tokenizer as _bpe_tokenizer
+from qkvflow.data.tokenizer import char_tokenizer as _char_tokenizer
+from qkvflow.data.tokenizer import chunk as _chunk
+from qkvflow.data.tokenizer import wrap as _wrap
 
 if TYPE_CHECKING:
     from levanter.data.text import LmDataConfig
 
-EOS = "<|endoftext|>"
 NAMES = ("pydoc", "tinyshakespeare")
 DEFAULT_PYDOC_VOCAB = 2048
-CHUNK_CHARS = 10_000  # tinyshakespeare is written as documents of about this many characters
 _FORMAT_VERSION = 1  # bump when the on-disk layout or tokenizer recipe changes
 
 
@@ -157,57 +160,6 @@ def _shakespeare_source(shared_dir: str | None) -> tuple[list[str], list[str], s
     text = raw.decode("utf-8")
     n = int(len(text) * 0.9)
     return _chunk(text[:n]), _chunk(text[n:]), hashlib.sha256(raw).hexdigest(), sorted(set(text))
-
-
-def _chunk(text: str, size: int = CHUNK_CHARS) -> list[str]:
-    """Cut ``text`` after the first line end past every ``size`` characters; ``"".join`` restores it."""
-    chunks: list[str] = []
-    current: list[str] = []
-    length = 0
-    for line in text.splitlines(keepends=True):
-        current.append(line)
-        length += len(line)
-        if length >= size:
-            chunks.append("".join(current))
-            current, length = [], 0
-    if current:
-        chunks.append("".join(current))
-    return chunks
-
-
-def _bpe_tokenizer(docs: list[str], vocab_size: int) -> Tokenizer:
-    """GPT-2 style byte-level BPE trained on ``docs`` (all 256 bytes kept, so any text encodes)."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-    )
-    tok.train_from_iterator(docs, trainer)
-    return tok
-
-
-def _char_tokenizer(chars: list[str]) -> Tokenizer:
-    """One token per character; characters outside ``chars`` raise an error when encoded."""
-    vocab = {c: i for i, c in enumerate(chars)} | {EOS: len(chars)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))  # "<unk>" is absent on purpose
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()  # join tokens without inserting spaces
-    return tok
-
-
-def _wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
-    """Mark ``EOS`` special, frame every text with it and wrap as a transformers tokenizer."""
-    tok.add_special_tokens([EOS])
-    eos = (EOS, tok.token_to_id(EOS))
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{EOS} $A {EOS}", pair=f"{EOS} $A {EOS} $B:1 {EOS}:1", special_tokens=[eos]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=EOS, eos_token=EOS, clean_up_tokenization_spaces=False,
-        model_input_names=["input_ids", "attention_mask"],  # no token_type_ids in Levanter's cache
-    )
 
 
 def _write_jsonl(path: Path, docs: list[str]) -> None:

@@ -1,0 +1,91 @@
+"""The package layout that docs/architecture.md describes: imports point one way and form no cycles.
+
+Imports are read from the source (every `import` and `from ... import`, at module level or inside a
+function, since a function-level import is still a dependency), so nothing is executed.
+"""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "qkvflow"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> set[str]:
+    """The qkvflow modules that `path` imports (a package import counts as its __init__)."""
+    here = module_name(path)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            names = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found.update(n for n in names if n == "qkvflow" or n.startswith("qkvflow."))
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {name: {m for m in imports(path) if m in modules and m != name} for name, path in modules.items()}
+
+
+def test_the_layout_parser_sees_imports_of_every_kind(tmp_path):
+    """The control: absolute, relative and function-level imports are all found."""
+    g = graph()
+    assert "qkvflow.models.generator" in g["qkvflow.models.fields.gpt2"]  # absolute, module level
+    assert "qkvflow.models.discrete.config" in g["qkvflow.models.discrete"]  # relative (`from .config import`)
+
+
+def test_only_the_entry_point_imports_the_verbs():
+    """Library code never imports a verb: `qkvflow.cli` sits on top of everything else."""
+    offenders = sorted(
+        f"{name} imports {m}"
+        for name, deps in graph().items()
+        if not (name == "qkvflow.__main__" or name.startswith("qkvflow.cli"))
+        for m in deps
+        if m == "qkvflow.cli" or m.startswith("qkvflow.cli.")
+    )
+    assert not offenders, offenders
+
+
+def test_the_model_core_does_not_import_the_application_layer():
+    """nn/, models/ and integrate/ (the model core) import nothing from training, export, analysis, bench or cli."""
+    core = ("qkvflow.nn", "qkvflow.models", "qkvflow.integrate")
+    upper = ("qkvflow.training", "qkvflow.export", "qkvflow.analysis", "qkvflow.bench", "qkvflow.cli")
+    offenders = sorted(
+        f"{name} imports {m}"
+        for name, deps in graph().items()
+        if name.startswith(core)
+        for m in deps
+        if m.startswith(upper)
+    )
+    assert not offenders, offenders
+
+
+def test_there_are_no_import_cycles():
+    g = graph()
+    cycles, state = [], {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for dep in sorted(g[node]):
+            if state.get(dep) == "open":
+                cycles.append(" -> ".join(stack[stack.index(dep) :] + [dep]))
+            elif dep not in state:
+                visit(dep, stack + [dep])
+        state[node] = "done"
+
+    for node in sorted(g):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, cycles
