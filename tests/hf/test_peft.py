@@ -4,7 +4,7 @@ with PEFT onto the exported torch base model and gives the JAX LoRA model's logi
 import numpy as np
 import pytest
 
-from tests.helpers import random_tokens, tiny_config
+from tests.helpers import logit_tolerance, random_tokens, tiny_config
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -41,4 +41,5 @@ def test_levanter_lora_loads_in_peft_on_the_export(tmp_path, flavour):
     peft_model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
     with torch.no_grad():
         logits = peft_model(torch.tensor(np.asarray(tokens.array))).logits.numpy()
-    assert np.abs(logits - expected).max() / np.abs(expected).max() < 1e-4
+    # 3 layers plus the rank-2 adapter's product: float32 round-off (tests/helpers.py)
+    assert np.abs(logits - expected).max() / np.abs(expected).max() < logit_tolerance(3, config.hidden_dim)

@@ -46,3 +46,23 @@ def test_adaptive_defaults():
     assert OdeConfig(solver="dopri5").is_adaptive
     assert not OdeConfig(solver="heun").is_adaptive
     assert OdeConfig(solver="heun", adaptive=True).is_adaptive
+
+
+def test_ode_config_defaults_are_pinned():
+    """Every default of OdeConfig (the README and configs/ rely on them): the paper's fixed-step Euler with
+    N = 12, diffrax-style tolerances for adaptive solves, and online checkpointing. A new field must be added here."""
+    import dataclasses
+
+    config = OdeConfig()
+    assert {f.name: getattr(config, f.name) for f in dataclasses.fields(config)} == {
+        "num_steps": 12,
+        "solver": "euler",
+        "adaptive": None,
+        "rtol": 1e-3,
+        "atol": 1e-4,
+        "max_steps": 256,
+        "adjoint": "recursive_checkpoint",
+        "checkpoints": None,
+        "weight_cache": "precompute",
+    }
+    assert not config.is_adaptive

@@ -50,6 +50,11 @@ def test_defaults_are_the_papers_and_reach_the_model():
     # |angle| <= 300 rad: float32 holds it to ~300 * eps32 = 2e-5 rad, the error of sin and cos too
     np.testing.assert_allclose(emb(0.3).array, expected, rtol=0, atol=300 * np.finfo(np.float32).eps * 2)
 
+    # the class's own field defaults too (a module built without `init`, e.g. by eqx.tree_at or a subclass)
+    direct = SinusoidalTimeEmbedding(emb.Frequencies)
+    assert (direct.time_scale, direct.max_period) == (1000.0, 1e4)
+    assert emb.Frequencies.size == 128 and (emb.time_scale, emb.max_period) == (1000.0, 1e4)
+
     config = DiffEqFormerGpt2Config(max_seq_len=8, hidden_dim=16, num_heads=2, time_embed_dim=4)
     assert (config.num_frequencies, config.time_scale) == (128, 1000.0)
     model_embedding = tiny_model(config).generator.time_embedding
