@@ -106,8 +106,16 @@ def main():
     prompts = ["".join(chr(c) for c in rng.randint(97, 123, a.prompt)) for _ in range(a.batch)]
     for name, model in models(a).items():
         for new in map(int, a.lengths.split(",")):
-            row = {"model": name, "hidden": a.hidden, "N": a.steps, "solver": a.solver, "batch": a.batch,
-                   "prompt": a.prompt, "new_tokens": new, "device": jax.devices()[0].platform}
+            row = {
+                "model": name,
+                "hidden": a.hidden,
+                "N": a.steps,
+                "solver": a.solver,
+                "batch": a.batch,
+                "prompt": a.prompt,
+                "new_tokens": new,
+                "device": jax.devices()[0].platform,
+            }
             row["cached_tokens_per_s"] = round(cached(model, prompts, new, a.batch), 1)
             row["uncached_tokens_per_s"] = round(uncached(model, prompts, new), 1)
             print(json.dumps(row), flush=True)

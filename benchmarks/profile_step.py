@@ -58,7 +58,9 @@ def main() -> None:
     kinds = collections.Counter()
     for name, ms in times.items():
         kinds[re.sub(r"\.\d+$", "", name)] += ms
-    print(f"step wall time {wall * 1e3:.0f} ms; kernel time summed over threads {sum(times.values()) / args.steps:.0f} ms")
+    print(
+        f"step wall time {wall * 1e3:.0f} ms; kernel time summed over threads {sum(times.values()) / args.steps:.0f} ms"
+    )
     for kind, ms in kinds.most_common(args.top):
         print(f"{ms / args.steps:8.1f} ms  {kind}")
     hlo = step.compiled.as_text()

@@ -125,9 +125,7 @@ def overrides(verb: str, args: list[str]) -> list[str]:
     if at is not None and any(a == COMPONENTS or a.startswith(COMPONENTS + "=") for a in out if a):
         from qkvflow.errors import UserError
 
-        raise UserError(
-            f"{COMPONENTS} is given whole and also by key ({COMPONENTS}.NAME.KEY): expected one of the two"
-        )
+        raise UserError(f"{COMPONENTS} is given whole and also by key ({COMPONENTS}.NAME.KEY): expected one of the two")
     if at is not None:
         out[at : at + 1] = [COMPONENTS, json.dumps(merged)]
     return out

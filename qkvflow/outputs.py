@@ -90,7 +90,9 @@ def write_marker(folder: str, kind: str) -> None:
         json.dump(marker, f, indent=1)
 
 
-def check_replaceable(path, *, kind: str, key: str, overwrite: bool = True, protect: Iterable[tuple[str, str]] = ()) -> None:
+def check_replaceable(
+    path, *, kind: str, key: str, overwrite: bool = True, protect: Iterable[tuple[str, str]] = ()
+) -> None:
     """Raise `UserError` (one line naming `key` and `path`) unless `path` may be replaced by a new
     output of `kind`. `protect` lists (description, path) pairs that must survive, e.g.
     ("the checkpoint", "checkpoints/run"); `overwrite=False` refuses an earlier output too."""
@@ -101,7 +103,11 @@ def check_replaceable(path, *, kind: str, key: str, overwrite: bool = True, prot
     real = os.path.realpath(given)
     guarded = [("the current folder", os.getcwd()), ("your home folder", os.path.expanduser("~"))]
     for what, keep in guarded + [(f"{what} {str(keep)!r}", keep) for what, keep in protect]:
-        if keep is not None and not is_remote(keep) and _contains(real, os.path.realpath(os.path.expanduser(str(keep)))):
+        if (
+            keep is not None
+            and not is_remote(keep)
+            and _contains(real, os.path.realpath(os.path.expanduser(str(keep))))
+        ):
             raise UserError(f"{shown} is or holds {what}: refusing to replace it; choose another {key}")
     if os.path.islink(given):
         raise UserError(f"{shown} is a symbolic link: expected a folder (absent, empty, or an earlier qkvflow {kind})")
@@ -132,7 +138,9 @@ def check_replaceable(path, *, kind: str, key: str, overwrite: bool = True, prot
 
 
 @contextlib.contextmanager
-def replacing(path, *, kind: str, key: str, overwrite: bool = True, protect: Iterable[tuple[str, str]] = ()) -> Iterator[str]:
+def replacing(
+    path, *, kind: str, key: str, overwrite: bool = True, protect: Iterable[tuple[str, str]] = ()
+) -> Iterator[str]:
     """Yield a fresh temporary sibling of `path` to write the new output into; when the block ends
     without an error, mark it and swap it in for `path` (the old folder is renamed aside, the new one
     renamed in, then the old one removed). On an error the temporary folder is removed and `path` is

@@ -24,7 +24,9 @@ def save_fresh_checkpoint(path: Path, corpus_root: Path, config_path: str = TINY
     from qkvflow.training.config import TrainConfig
     from qkvflow.training.session import with_corpus
 
-    config = with_corpus(draccus.parse(TrainConfig, config_path=config_path, args=["--corpus.root", str(corpus_root), *extra]))
+    config = with_corpus(
+        draccus.parse(TrainConfig, config_path=config_path, args=["--corpus.root", str(corpus_root), *extra])
+    )
     vocab = Axis("vocab", len(config.data.the_tokenizer))
     model = config.model.build(vocab, key=jrandom.PRNGKey(0))
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
@@ -56,9 +58,16 @@ def url_data(data: Path, tokenizer: Path, cache: Path) -> list[str]:
 
 
 def run_cli(verb: str, workdir: Path, *args: str, timeout=900):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = dict(
+        os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", XLA_FLAGS="--xla_force_host_platform_device_count=1"
+    )
     return subprocess.run(
-        [sys.executable, "-m", "qkvflow", verb, *args], cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "qkvflow", verb, *args],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 

@@ -67,7 +67,9 @@ def world(tmp_path_factory, corpus_root):
         max_seq_len=32, hidden_dim=32, num_heads=2, time_embed_dim=8, num_frequencies=16, ode=OdeConfig(num_steps=2)
     )
     model = config.build(Axis("vocab", 2048), key=jrandom.PRNGKey(0))
-    levanter.checkpoint.save_checkpoint({"model": model}, step=5, checkpoint_path=str(w / "checkpoints" / "tiny" / "step-5"))
+    levanter.checkpoint.save_checkpoint(
+        {"model": model}, step=5, checkpoint_path=str(w / "checkpoints" / "tiny" / "step-5")
+    )
     (w / "checkpoints" / "junk").mkdir()
     (w / "checkpoints" / "junk" / "file.bin").write_bytes(b"\0" * 10)
     return w
@@ -88,10 +90,14 @@ def _run_cli(world: Path, corpus_root: Path, args: list[str], capsys) -> tuple[i
 
     argv = [
         "train",
-        "--corpus.root", str(corpus_root),
-        "--trainer.checkpointer.base_path", str(world / "checkpoints"),
-        "--trainer.tracker", f"{{type: jsonl, path: {world / 'runs'}}}",
-        "--trainer.log_dir", str(world / "logs"),
+        "--corpus.root",
+        str(corpus_root),
+        "--trainer.checkpointer.base_path",
+        str(world / "checkpoints"),
+        "--trainer.tracker",
+        f"{{type: jsonl, path: {world / 'runs'}}}",
+        "--trainer.log_dir",
+        str(world / "logs"),
         *[_fill(a, world, corpus_root) for a in args],
     ]
     if "--config_path" not in args:
@@ -110,66 +116,205 @@ URL = "data.components.c.source.train_urls[0]"
 CASES = [
     # the config file
     ("malformed-yaml", ["--config_path", "{w}/malformed.yaml"], "malformed.yaml is not valid YAML"),
-    ("non-utf8-yaml", ["--config_path", "{w}/latin1.yaml"], f"latin1.yaml' is not UTF-8 text (line {Path(TINY).read_text().count(chr(10)) + 2},"),
-    ("missing-config", ["--config_path", "{w}/nothere.yaml"], "config file '{w}/nothere.yaml' does not exist (expected a YAML file"),
+    (
+        "non-utf8-yaml",
+        ["--config_path", "{w}/latin1.yaml"],
+        f"latin1.yaml' is not UTF-8 text (line {Path(TINY).read_text().count(chr(10)) + 2},",
+    ),
+    (
+        "missing-config",
+        ["--config_path", "{w}/nothere.yaml"],
+        "config file '{w}/nothere.yaml' does not exist (expected a YAML file",
+    ),
     ("yaml-list", ["--config_path", "{w}/list.yaml"], "list.yaml' holds a list (expected a mapping of sections"),
     ("empty-yaml", ["--config_path", "{w}/empty.yaml"], "empty.yaml' is empty (expected sections"),
     # keys and types
-    ("unknown-key-in-file", ["--config_path", "{w}/typo.yaml"], "`model`: The fields `hiden_dim` are not valid for DiffEqFormerGpt2Config"),
+    (
+        "unknown-key-in-file",
+        ["--config_path", "{w}/typo.yaml"],
+        "`model`: The fields `hiden_dim` are not valid for DiffEqFormerGpt2Config",
+    ),
     ("unknown-override", ["--trainer.num_train_stepz", "3"], "unrecognized arguments: --trainer.num_train_stepz"),
-    ("wrong-type-in-file", ["--config_path", "{w}/wrong_type.yaml"], "`trainer.num_train_steps`: Couldn't parse 'many' into an int"),
+    (
+        "wrong-type-in-file",
+        ["--config_path", "{w}/wrong_type.yaml"],
+        "`trainer.num_train_steps`: Couldn't parse 'many' into an int",
+    ),
     ("wrong-type-override", ["--model.hidden_dim", "abc"], "`model.hidden_dim`: Couldn't parse 'abc' into an int"),
     ("unknown-model-type", ["--model.type", "transformer9000"], "invalid choice: 'transformer9000'"),
     ("bad-list-value", ["--trainer.checkpointer.keep", "every 2"], "`trainer.checkpointer.keep`"),
     # impossible values
-    ("heads-not-dividing-hidden", ["--model.num_heads", "3"], "num_heads=3 is invalid: expected a divisor of hidden_dim=32"),
-    ("negative-steps", ["--trainer.num_train_steps", "-5"], "trainer.num_train_steps=-5 is invalid: expected an integer >= 1"),
-    ("zero-batch", ["--trainer.train_batch_size", "0"], "trainer.train_batch_size=0 is invalid: expected an integer >= 1"),
+    (
+        "heads-not-dividing-hidden",
+        ["--model.num_heads", "3"],
+        "num_heads=3 is invalid: expected a divisor of hidden_dim=32",
+    ),
+    (
+        "negative-steps",
+        ["--trainer.num_train_steps", "-5"],
+        "trainer.num_train_steps=-5 is invalid: expected an integer >= 1",
+    ),
+    (
+        "zero-batch",
+        ["--trainer.train_batch_size", "0"],
+        "trainer.train_batch_size=0 is invalid: expected an integer >= 1",
+    ),
     ("zero-ode-steps", ["--model.ode.num_steps", "0"], "ode.num_steps=0 is invalid: expected an integer >= 1"),
     ("unknown-solver", ["--model.ode.solver", "euler2"], "ode.solver='euler2' is invalid: expected one of"),
     ("zero-time-embed", ["--model.time_embed_dim", "0"], "time_embed_dim=0 is invalid: expected an integer >= 1"),
-    ("checkpoint-every-0", ["--trainer.checkpointer.keep", "[{every: 0}]"], "trainer.checkpointer.keep[0].every=0 is invalid"),
-    ("checkpoint-policy-typo", ["--trainer.checkpointer.keep", "[{every:2}]"], "trainer.checkpointer.keep[0]={'every:2': None} is invalid"),
+    (
+        "checkpoint-every-0",
+        ["--trainer.checkpointer.keep", "[{every: 0}]"],
+        "trainer.checkpointer.keep[0].every=0 is invalid",
+    ),
+    (
+        "checkpoint-policy-typo",
+        ["--trainer.checkpointer.keep", "[{every:2}]"],
+        "trainer.checkpointer.keep[0]={'every:2': None} is invalid",
+    ),
     ("log-every-0", ["--log_every", "0"], "log_every=0 is invalid: expected an integer >= 1"),
     ("stop-after-0", ["--stop_after", "0"], "stop_after=0 is invalid"),
     ("nonfinite-mode", ["--nonfinite", "ignore"], "nonfinite='ignore' is invalid: expected one of stop, skip"),
     ("negative-lr", ["--optimizer.learning_rate", "-0.1"], "optimizer.learning_rate=-0.1 is invalid"),
-    ("negative-weight-decay", ["--optimizer.weight_decay", "-0.1"], "optimizer.weight_decay=-0.1 is invalid: expected a float >= 0"),
-    ("steps-per-eval-0", ["--trainer.steps_per_eval", "0"], "trainer.steps_per_eval=0 is invalid: expected an integer >= 1"),
-    ("max-eval-batches-negative", ["--trainer.max_eval_batches", "-1"], "trainer.max_eval_batches=-1 is invalid: expected an integer >= 0 or null"),
-    ("per-device-parallelism-0", ["--trainer.per_device_parallelism", "0"], "trainer.per_device_parallelism=0 is invalid: expected an integer >= 1"),
-    ("per-device-eval-parallelism-0", ["--trainer.per_device_eval_parallelism", "0"], "trainer.per_device_eval_parallelism=0 is invalid: expected an integer >= 1"),
-    ("checkpoint-until-0", ["--trainer.checkpointer.keep", "[{every: 2, until: 0}]"], "trainer.checkpointer.keep[0].until=0 is invalid: expected an integer >= 1 or null"),
-    ("checkpoint-policy-extra-key", ["--trainer.checkpointer.keep", "[{every: 2, after: 3}]"], "trainer.checkpointer.keep[0]={'every': 2, 'after': 3} is invalid: expected {every: N} or {every: N, until: M}"),
+    (
+        "negative-weight-decay",
+        ["--optimizer.weight_decay", "-0.1"],
+        "optimizer.weight_decay=-0.1 is invalid: expected a float >= 0",
+    ),
+    (
+        "steps-per-eval-0",
+        ["--trainer.steps_per_eval", "0"],
+        "trainer.steps_per_eval=0 is invalid: expected an integer >= 1",
+    ),
+    (
+        "max-eval-batches-negative",
+        ["--trainer.max_eval_batches", "-1"],
+        "trainer.max_eval_batches=-1 is invalid: expected an integer >= 0 or null",
+    ),
+    (
+        "per-device-parallelism-0",
+        ["--trainer.per_device_parallelism", "0"],
+        "trainer.per_device_parallelism=0 is invalid: expected an integer >= 1",
+    ),
+    (
+        "per-device-eval-parallelism-0",
+        ["--trainer.per_device_eval_parallelism", "0"],
+        "trainer.per_device_eval_parallelism=0 is invalid: expected an integer >= 1",
+    ),
+    (
+        "checkpoint-until-0",
+        ["--trainer.checkpointer.keep", "[{every: 2, until: 0}]"],
+        "trainer.checkpointer.keep[0].until=0 is invalid: expected an integer >= 1 or null",
+    ),
+    (
+        "checkpoint-policy-extra-key",
+        ["--trainer.checkpointer.keep", "[{every: 2, after: 3}]"],
+        "trainer.checkpointer.keep[0]={'every': 2, 'after': 3} is invalid: expected {every: N} or {every: N, until: M}",
+    ),
     ("negative-epochs", ["--epochs", "-1"], "epochs=-1 is invalid: expected an integer >= 0"),
     ("negative-z-loss", ["--z_loss_weight", "-0.5"], "z_loss_weight=-0.5 is invalid: expected a float >= 0"),
     ("run-id-with-space", ["--trainer.id", "my run"], "trainer.id='my run' is invalid: expected a name without"),
     ("run-id-with-slash", ["--trainer.id", "a/b"], "trainer.id='a/b' is invalid"),
-    ("unknown-corpus", ["--corpus.name", "wikipedia"], "corpus.name='wikipedia' is invalid: expected one of pydoc, tinyshakespeare"),
+    (
+        "unknown-corpus",
+        ["--corpus.name", "wikipedia"],
+        "corpus.name='wikipedia' is invalid: expected one of pydoc, tinyshakespeare",
+    ),
     ("corpus-vocab-0", ["--corpus.vocab_size", "0"], "corpus.vocab_size=0 is invalid"),
     # data files and the tokenizer
-    ("missing-data", [*DATA, TRAIN, "[{w}/data/missing.jsonl]"], URL + ": file '{w}/data/missing.jsonl' does not exist"),
+    (
+        "missing-data",
+        [*DATA, TRAIN, "[{w}/data/missing.jsonl]"],
+        URL + ": file '{w}/data/missing.jsonl' does not exist",
+    ),
     ("empty-data", [*DATA, TRAIN, "[{w}/data/empty.jsonl]"], URL + ": file '{w}/data/empty.jsonl' is empty"),
     ("blank-data", [*DATA, TRAIN, "[{w}/data/blank.jsonl]"], "blank.jsonl' holds only whitespace"),
-    ("txt-data", [*DATA, TRAIN, "[{w}/data/plain.txt]"], URL + ": '{w}/data/plain.txt' is a .txt file, which Levanter's URL data does not read; expected .jsonl, .json or .parquet"),
-    ("jsonl-bad-later-line", [*DATA, TRAIN, "[{w}/data/bad_line_3.jsonl]"], URL + ": file '{w}/data/bad_line_3.jsonl' line 3 is not JSON"),
-    ("jsonl-later-line-no-text", [*DATA, TRAIN, "[{w}/data/no_text_line_2.jsonl]"], "no_text_line_2.jsonl' line 2 has no string field 'text'"),
+    (
+        "txt-data",
+        [*DATA, TRAIN, "[{w}/data/plain.txt]"],
+        URL
+        + ": '{w}/data/plain.txt' is a .txt file, which Levanter's URL data does not read; expected .jsonl, .json or .parquet",
+    ),
+    (
+        "jsonl-bad-later-line",
+        [*DATA, TRAIN, "[{w}/data/bad_line_3.jsonl]"],
+        URL + ": file '{w}/data/bad_line_3.jsonl' line 3 is not JSON",
+    ),
+    (
+        "jsonl-later-line-no-text",
+        [*DATA, TRAIN, "[{w}/data/no_text_line_2.jsonl]"],
+        "no_text_line_2.jsonl' line 2 has no string field 'text'",
+    ),
     ("jsonl-blank-line", [*DATA, TRAIN, "[{w}/data/blank_line_2.jsonl]"], "blank_line_2.jsonl' line 2 is blank"),
     ("txt-data-remote", [*DATA, TRAIN, "[gs://bucket/corpus.txt]"], URL + ": 'gs://bucket/corpus.txt' is a .txt file"),
-    ("glob-matches-nothing", [*DATA, TRAIN, "[{w}/data/nothing*.jsonl]"], URL + ": '{w}/data/nothing*.jsonl' matches no files"),
-    ("glob-matches-bad-file", [*DATA, TRAIN, "[{w}/data/bad_line_*.jsonl]"], URL + ": file '{w}/data/bad_line_3.jsonl' line 3"),
+    (
+        "glob-matches-nothing",
+        [*DATA, TRAIN, "[{w}/data/nothing*.jsonl]"],
+        URL + ": '{w}/data/nothing*.jsonl' matches no files",
+    ),
+    (
+        "glob-matches-bad-file",
+        [*DATA, TRAIN, "[{w}/data/bad_line_*.jsonl]"],
+        URL + ": file '{w}/data/bad_line_3.jsonl' line 3",
+    ),
     ("non-utf8-data", [*DATA, TRAIN, "[{w}/data/latin1.jsonl]"], "latin1.jsonl' is not UTF-8 text (byte 13"),
     ("jsonl-not-json", [*DATA, TRAIN, "[{w}/data/not_json.jsonl]"], "not_json.jsonl' line 1 is not JSON"),
-    ("jsonl-no-text-field", [*DATA, TRAIN, "[{w}/data/no_text.jsonl]"], "no_text.jsonl' line 1 has no string field 'text'"),
-    ("data-is-a-folder", [*DATA, TRAIN, "[{w}/data/folder]"], "folder' is a folder (expected a .jsonl, .json or .parquet file"),
-    ("no-data-components", ["--corpus", "null"], "data.components is empty: expected a dataset (data.components.<name>.source"),
-    ("no-training-data", [*DATA, TRAIN, "[]"], "data: no component has training data: expected data.components.<name>.source.train_urls"),
-    ("missing-validation-data", [*DATA, TRAIN, "[{corpus}/pydoc/train.jsonl]", "--data.components.c.source.validation_urls", "[{w}/v.jsonl]"], "data.components.c.source.validation_urls[0]: file '{w}/v.jsonl' does not exist"),
-    ("missing-data-second-url", [*DATA, TRAIN, "[{corpus}/pydoc/train.jsonl, {w}/data/missing.jsonl]"], "data.components.c.source.train_urls[1]: file '{w}/data/missing.jsonl' does not exist"),
-    ("missing-data-second-component", [*DATA, TRAIN, "[{corpus}/pydoc/train.jsonl]", "--data.components.d.source.train_urls", "[{w}/data/empty.jsonl]"], "data.components.d.source.train_urls[0]: file '{w}/data/empty.jsonl' is empty"),
-    ("no-text-field-named-by-format", [*DATA, TRAIN, "[{w}/data/no_text.jsonl]", "--data.components.c.format", "{type: text, text_key: body}"], "no_text.jsonl' line 1 has no string field 'body'"),
-    ("missing-tokenizer", [*DATA, TRAIN, "[{corpus}/pydoc/train.jsonl]", "--data.tokenizer", "{w}/no_tokenizer"], "data.tokenizer: '{w}/no_tokenizer' does not exist"),
-    ("broken-tokenizer", [*DATA, TRAIN, "[{corpus}/pydoc/train.jsonl]", "--data.tokenizer", "{w}/broken_tokenizer"], "data.tokenizer='{w}/broken_tokenizer' could not be loaded"),
+    (
+        "jsonl-no-text-field",
+        [*DATA, TRAIN, "[{w}/data/no_text.jsonl]"],
+        "no_text.jsonl' line 1 has no string field 'text'",
+    ),
+    (
+        "data-is-a-folder",
+        [*DATA, TRAIN, "[{w}/data/folder]"],
+        "folder' is a folder (expected a .jsonl, .json or .parquet file",
+    ),
+    (
+        "no-data-components",
+        ["--corpus", "null"],
+        "data.components is empty: expected a dataset (data.components.<name>.source",
+    ),
+    (
+        "no-training-data",
+        [*DATA, TRAIN, "[]"],
+        "data: no component has training data: expected data.components.<name>.source.train_urls",
+    ),
+    (
+        "missing-validation-data",
+        [*DATA, TRAIN, "[{corpus}/pydoc/train.jsonl]", "--data.components.c.source.validation_urls", "[{w}/v.jsonl]"],
+        "data.components.c.source.validation_urls[0]: file '{w}/v.jsonl' does not exist",
+    ),
+    (
+        "missing-data-second-url",
+        [*DATA, TRAIN, "[{corpus}/pydoc/train.jsonl, {w}/data/missing.jsonl]"],
+        "data.components.c.source.train_urls[1]: file '{w}/data/missing.jsonl' does not exist",
+    ),
+    (
+        "missing-data-second-component",
+        [
+            *DATA,
+            TRAIN,
+            "[{corpus}/pydoc/train.jsonl]",
+            "--data.components.d.source.train_urls",
+            "[{w}/data/empty.jsonl]",
+        ],
+        "data.components.d.source.train_urls[0]: file '{w}/data/empty.jsonl' is empty",
+    ),
+    (
+        "no-text-field-named-by-format",
+        [*DATA, TRAIN, "[{w}/data/no_text.jsonl]", "--data.components.c.format", "{type: text, text_key: body}"],
+        "no_text.jsonl' line 1 has no string field 'body'",
+    ),
+    (
+        "missing-tokenizer",
+        [*DATA, TRAIN, "[{corpus}/pydoc/train.jsonl]", "--data.tokenizer", "{w}/no_tokenizer"],
+        "data.tokenizer: '{w}/no_tokenizer' does not exist",
+    ),
+    (
+        "broken-tokenizer",
+        [*DATA, TRAIN, "[{corpus}/pydoc/train.jsonl]", "--data.tokenizer", "{w}/broken_tokenizer"],
+        "data.tokenizer='{w}/broken_tokenizer' could not be loaded",
+    ),
     ("not-a-checkpoint", ["--trainer.load_checkpoint_path", "{w}/checkpoints/junk"], "is not a readable checkpoint"),
 ]
 
@@ -200,13 +345,26 @@ def _assert_refused(rc, err, message):
 # Sizes that depend on the devices (preflight.check_devices, after JAX's initialisation): the test
 # process has one CPU device. Levanter 1.2's `--trainer.model_axis_size 3` is trainer.mesh.axes.model.
 DEVICES = [
-    ("mesh-model-axis-too-big", ["--trainer.mesh.axes", "{data: -1, replica: 1, model: 3}"],
-     "trainer.mesh.axes={'data': -1, 'replica': 1, 'model': 3} does not fit the 1 available devices ("),
-    ("mesh-data-axis-too-big", ["--trainer.mesh.axes", "{data: 2, replica: 1, model: 1}"],
-     "trainer.mesh.axes={'data': 2, 'replica': 1, 'model': 1} does not fit the 1 available devices ("),
-    ("mesh-two-absorbing-axes", ["--trainer.mesh.axes", "{data: -1, replica: -1, model: 1}"],
-     "trainer.mesh.axes={'data': -1, 'replica': -1, 'model': 1} does not fit"),
-    ("mesh-axis-0", ["--trainer.mesh.axes", "{data: -1, replica: 1, model: 0}"], "trainer.mesh.axes.model=0 is invalid: expected an integer >= 1"),
+    (
+        "mesh-model-axis-too-big",
+        ["--trainer.mesh.axes", "{data: -1, replica: 1, model: 3}"],
+        "trainer.mesh.axes={'data': -1, 'replica': 1, 'model': 3} does not fit the 1 available devices (",
+    ),
+    (
+        "mesh-data-axis-too-big",
+        ["--trainer.mesh.axes", "{data: 2, replica: 1, model: 1}"],
+        "trainer.mesh.axes={'data': 2, 'replica': 1, 'model': 1} does not fit the 1 available devices (",
+    ),
+    (
+        "mesh-two-absorbing-axes",
+        ["--trainer.mesh.axes", "{data: -1, replica: -1, model: 1}"],
+        "trainer.mesh.axes={'data': -1, 'replica': -1, 'model': 1} does not fit",
+    ),
+    (
+        "mesh-axis-0",
+        ["--trainer.mesh.axes", "{data: -1, replica: 1, model: 0}"],
+        "trainer.mesh.axes.model=0 is invalid: expected an integer >= 1",
+    ),
 ]
 
 
@@ -256,13 +414,37 @@ def test_batch_sizes_divide_over_the_meshs_data_parallel_size(monkeypatch, axes,
 # The checkpoint of run `tiny` was written for base.yaml's model (GPT-2 flavour, hidden 32, vocabulary
 # 2048). Resuming it with a model or tokenizer that does not fit must fail at the resume check.
 RESUME = [
-    ("tokenizer-vocab-differs", ["--corpus.root", "{w}/corpus_512", "--corpus.vocab_size", "512"],
-     "model.token_embeddings.weight has shape (2048, 32) but this config's DiffEqFormerGpt2Config needs (vocab=512, embed=32); the tokenizer's vocabulary"),
-    ("other-model-type", ["--model.type", "diffeqformer_llama", "--model.max_seq_len", "32", "--model.hidden_dim", "32", "--model.num_heads", "2", "--model.time_embed_dim", "8", "--model.num_frequencies", "16"],
-     "has no array model."),
-    ("other-width", ["--model.hidden_dim", "64"],
-     ("model.token_embeddings.weight has shape (2048, 32) but this config's DiffEqFormerGpt2Config needs (vocab=2048, embed=64); "
-      "embed=32 in the checkpoint vs 64 here (set by model.hidden_dim)")),
+    (
+        "tokenizer-vocab-differs",
+        ["--corpus.root", "{w}/corpus_512", "--corpus.vocab_size", "512"],
+        "model.token_embeddings.weight has shape (2048, 32) but this config's DiffEqFormerGpt2Config needs (vocab=512, embed=32); the tokenizer's vocabulary",
+    ),
+    (
+        "other-model-type",
+        [
+            "--model.type",
+            "diffeqformer_llama",
+            "--model.max_seq_len",
+            "32",
+            "--model.hidden_dim",
+            "32",
+            "--model.num_heads",
+            "2",
+            "--model.time_embed_dim",
+            "8",
+            "--model.num_frequencies",
+            "16",
+        ],
+        "has no array model.",
+    ),
+    (
+        "other-width",
+        ["--model.hidden_dim", "64"],
+        (
+            "model.token_embeddings.weight has shape (2048, 32) but this config's DiffEqFormerGpt2Config needs (vocab=2048, embed=64); "
+            "embed=32 in the checkpoint vs 64 here (set by model.hidden_dim)"
+        ),
+    ),
 ]
 
 
@@ -309,18 +491,33 @@ def test_end_to_end_in_a_subprocess(world, corpus_root, tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
     proc = subprocess.run(
         [
-            sys.executable, "-m", "qkvflow", "train", "--config_path", str(world / "base.yaml"),
-            "--corpus.root", str(corpus_root),
-            "--trainer.checkpointer.base_path", str(world / "checkpoints"),
-            "--trainer.tracker", f"{{type: jsonl, path: {tmp_path / 'runs'}}}",
-            "--trainer.log_dir", str(tmp_path / "logs"),
+            sys.executable,
+            "-m",
+            "qkvflow",
+            "train",
+            "--config_path",
+            str(world / "base.yaml"),
+            "--corpus.root",
+            str(corpus_root),
+            "--trainer.checkpointer.base_path",
+            str(world / "checkpoints"),
+            "--trainer.tracker",
+            f"{{type: jsonl, path: {tmp_path / 'runs'}}}",
+            "--trainer.log_dir",
+            str(tmp_path / "logs"),
         ],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("qkvflow train: error:")]
     assert len(errors) == 1, proc.stderr[-3000:]
-    assert f"checkpoint '{step}' lacks " in errors[0] and re.search(r"\(no [^)]*opt_state[^)]* at all\)", errors[0]), errors[0]
+    assert f"checkpoint '{step}' lacks " in errors[0] and re.search(r"\(no [^)]*opt_state[^)]* at all\)", errors[0]), (
+        errors[0]
+    )
     assert re.search(r": [\w.]+, [\w.]+, [\w.]+ and \d+ more;", errors[0]), errors[0]
     assert len(errors[0]) < 600 and "Traceback" not in proc.stderr
     assert _snapshot(world / "checkpoints") == before
@@ -345,12 +542,22 @@ def test_data_shorter_than_one_sequence_is_refused_after_tokenizing(corpus_root,
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("qkvflow train: error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    found = re.search(rf"data: the validation split holds (\d+) tokens, fewer than one sequence of model.max_seq_len={seq_len} ", errors[0])
+    found = re.search(
+        rf"data: the validation split holds (\d+) tokens, fewer than one sequence of model.max_seq_len={seq_len} ",
+        errors[0],
+    )
     assert found and tokens <= int(found.group(1)) <= tokens + 2 * len(docs), errors[0]  # + BOS/EOS per document
     assert not list((tmp_path / "checkpoints").rglob("metadata.json"))
 
 
-@pytest.mark.parametrize("tokens,refused", [({"train": 32, "validation": 32}, None), ({"train": 31}, "train"), ({"train": 500, "validation": 0}, "validation")])
+@pytest.mark.parametrize(
+    "tokens,refused",
+    [
+        ({"train": 32, "validation": 32}, None),
+        ({"train": 31}, "train"),
+        ({"train": 500, "validation": 0}, "validation"),
+    ],
+)
 def test_each_split_needs_one_sequence(tokens, refused):
     """Levanter cuts each split into sequences of exactly max_seq_len tokens: max_seq_len tokens make one."""
     from qkvflow.errors import UserError
@@ -359,7 +566,10 @@ def test_each_split_needs_one_sequence(tokens, refused):
     if refused is None:
         preflight.check_data_size(tokens, 32)
         return
-    with pytest.raises(UserError, match=f"the {refused} split holds {tokens[refused]} tokens, fewer than one sequence of model.max_seq_len=32"):
+    with pytest.raises(
+        UserError,
+        match=f"the {refused} split holds {tokens[refused]} tokens, fewer than one sequence of model.max_seq_len=32",
+    ):
         preflight.check_data_size(tokens, 32)
 
 
@@ -399,7 +609,9 @@ def _remove_the_generator(step: Path) -> str:
     )
 
 
-@pytest.mark.parametrize("damage", [_truncate_a_data_file, _remove_the_generator], ids=["truncated-data-file", "missing-arrays"])
+@pytest.mark.parametrize(
+    "damage", [_truncate_a_data_file, _remove_the_generator], ids=["truncated-data-file", "missing-arrays"]
+)
 def test_damaged_checkpoint_is_named_in_one_short_line(world, corpus_root, tmp_path, damage):
     """Reading a damaged checkpoint back (qkvflow.training.checkpoints.load_model, as export and analyze do):
     one line naming the checkpoint and the damaged file or the missing arrays (at most three names, not
@@ -440,15 +652,31 @@ def test_shipped_configs_pass_the_value_checks(path):
 # Output locations that cannot be written: refused by the write probe before the corpus, the
 # tokenizer or Levanter's initialisation (both replaced by tripwires here).
 UNWRITABLE = [
-    ("checkpoints-under-proc", ["--trainer.checkpointer.base_path", "/proc/qkvflow-test/checkpoints"],
-     "trainer.checkpointer.base_path='/proc/qkvflow-test/checkpoints' cannot be written"),
-    ("checkpoints-is-a-file", ["--trainer.checkpointer.base_path", "{w}/base.yaml"],
-     "trainer.checkpointer.base_path='{w}/base.yaml' is a file"),
-    ("tracker-inside-a-file", ["--trainer.tracker", "{type: jsonl, path: {w}/base.yaml/runs}"],
-     "trainer.tracker.path='{w}/base.yaml/runs' is inside {w}/base.yaml, which is a file"),
-    ("tensorboard-under-proc", ["--trainer.tracker", "[{type: jsonl, path: {w}/runs}, {type: tensorboard, logdir: /proc/qkvflow-test/tb}]"],
-     "trainer.tracker[1].logdir='/proc/qkvflow-test/tb' cannot be written"),
-    ("log-dir-under-proc", ["--trainer.log_dir", "/proc/qkvflow-test/logs"], "trainer.log_dir='/proc/qkvflow-test/logs' cannot be written"),
+    (
+        "checkpoints-under-proc",
+        ["--trainer.checkpointer.base_path", "/proc/qkvflow-test/checkpoints"],
+        "trainer.checkpointer.base_path='/proc/qkvflow-test/checkpoints' cannot be written",
+    ),
+    (
+        "checkpoints-is-a-file",
+        ["--trainer.checkpointer.base_path", "{w}/base.yaml"],
+        "trainer.checkpointer.base_path='{w}/base.yaml' is a file",
+    ),
+    (
+        "tracker-inside-a-file",
+        ["--trainer.tracker", "{type: jsonl, path: {w}/base.yaml/runs}"],
+        "trainer.tracker.path='{w}/base.yaml/runs' is inside {w}/base.yaml, which is a file",
+    ),
+    (
+        "tensorboard-under-proc",
+        ["--trainer.tracker", "[{type: jsonl, path: {w}/runs}, {type: tensorboard, logdir: /proc/qkvflow-test/tb}]"],
+        "trainer.tracker[1].logdir='/proc/qkvflow-test/tb' cannot be written",
+    ),
+    (
+        "log-dir-under-proc",
+        ["--trainer.log_dir", "/proc/qkvflow-test/logs"],
+        "trainer.log_dir='/proc/qkvflow-test/logs' cannot be written",
+    ),
 ]
 
 
@@ -473,7 +701,9 @@ def test_unwritable_outputs_are_refused_before_any_work(world, corpus_root, caps
     assert files() == before
 
 
-def test_unreadable_checkpoint_metadata_stops_and_keeps_the_checkpoint(world, corpus_root, capsys, monkeypatch, tmp_path):
+def test_unreadable_checkpoint_metadata_stops_and_keeps_the_checkpoint(
+    world, corpus_root, capsys, monkeypatch, tmp_path
+):
     """metadata.json of the newest checkpoint corrupted: one line naming the folder and how to resume;
     the folder is not deleted and training does not restart from step 0."""
     import shutil

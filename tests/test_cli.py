@@ -10,7 +10,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(*args, check=True):
-    return subprocess.run([sys.executable, "-m", "qkvflow", *args], cwd=ROOT, capture_output=True, text=True, check=check)
+    return subprocess.run(
+        [sys.executable, "-m", "qkvflow", *args], cwd=ROOT, capture_output=True, text=True, check=check
+    )
 
 
 def cli(capsys, *args) -> tuple[int, str, str]:
@@ -141,7 +143,9 @@ def test_every_verb_refuses_an_old_config_file_in_one_line(capsys, tmp_path, no_
     ],
 )
 def test_old_override_keys_are_refused_in_one_line(capsys, no_verb, verb, override, replacement):
-    config = ROOT / ("configs/finetune/quickstart_lora.yaml" if verb in ("finetune", "sweep") else "configs/quickstart.yaml")
+    config = ROOT / (
+        "configs/finetune/quickstart_lora.yaml" if verb in ("finetune", "sweep") else "configs/quickstart.yaml"
+    )
     rc, out, err = cli(capsys, verb, "--config_path", str(config), *VERB_ARGS[verb], *override)
     key = override[0][2:].split("=")[0]
     assert rc == 2 and out == ""
@@ -208,7 +212,10 @@ def test_components_given_whole_and_by_key_is_one_line_error(capsys, no_verb):
     assert rc == 2 and err.count("\n") == 1 and "--data.components is given whole and also by key" in err
 
 
-@pytest.mark.parametrize("verb, config", [("train", "configs/paper/owt_small_ode.yaml"), ("finetune", "configs/finetune/quickstart_lora.yaml")])
+@pytest.mark.parametrize(
+    "verb, config",
+    [("train", "configs/paper/owt_small_ode.yaml"), ("finetune", "configs/finetune/quickstart_lora.yaml")],
+)
 def test_bare_verbose_and_component_keys_reach_the_config(capsys, monkeypatch, verb, config):
     """`--verbose` alone sets TrainConfig.verbose (Levanter's log lines on the terminal) for train and
     finetune; a key inside a data component overrides only that key. The run itself is replaced."""
@@ -226,7 +233,20 @@ def test_bare_verbose_and_component_keys_reach_the_config(capsys, monkeypatch, v
     path = str(ROOT / config)
     assert cli(capsys, verb, "--config_path", path)[0] == 0
     assert cli(capsys, verb, "--config_path", path, "--verbose")[0] == 0
-    assert cli(capsys, verb, "--config_path", path, "--verbose", "--trainer.id", "v", "--data.components.c.cache_dir", "/fast/c")[0] == 0
+    assert (
+        cli(
+            capsys,
+            verb,
+            "--config_path",
+            path,
+            "--verbose",
+            "--trainer.id",
+            "v",
+            "--data.components.c.cache_dir",
+            "/fast/c",
+        )[0]
+        == 0
+    )
     assert cli(capsys, verb, "--verbose", "false", "--config_path", path)[0] == 0
     assert [c.verbose for c in seen] == [False, True, True, False]
     assert seen[2].trainer.id == "v" and seen[2].data.components["c"].cache_dir == "/fast/c"
@@ -257,7 +277,9 @@ def test_every_config_verb_parses_through_cli_parse(capsys, monkeypatch, tmp_pat
         raise Sentinel
 
     monkeypatch.setattr(qkvflow.cli, "parse", sentinel)
-    config = ROOT / ("configs/finetune/quickstart_lora.yaml" if verb in ("finetune", "sweep") else "configs/quickstart.yaml")
+    config = ROOT / (
+        "configs/finetune/quickstart_lora.yaml" if verb in ("finetune", "sweep") else "configs/quickstart.yaml"
+    )
     args = {
         "export": ["--checkpoint", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out")],
         "analyze": ["--checkpoint", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out")],

@@ -131,7 +131,16 @@ def test_new_and_unrelated_keys_pass(tree) -> None:
 
 def test_unrelated_overrides_pass() -> None:
     check_old_overrides(
-        ["--trainer.id", "r", "--bench.seq_len", "64", "--model.max_seq_len", "128", "--data.components.owt.cache_dir", "x"]
+        [
+            "--trainer.id",
+            "r",
+            "--bench.seq_len",
+            "64",
+            "--model.max_seq_len",
+            "128",
+            "--data.components.owt.cache_dir",
+            "x",
+        ]
     )
     check_old_overrides(["--trainer.mesh.axes", "{data: -1, replica: 1, model: 2}", "--trainer.ray_id", "3"])
 

@@ -75,6 +75,7 @@ def test_every_yaml_builds(path: Path) -> None:
     assert mesh.axis_shapes(4, 1)[0] == {**{a: 1 for a in mesh.axes}, "data": 4}
     assert dict(mesh.axes) == {"data": -1, "replica": 1, "model": 1}
 
+
 def test_every_paper_config_is_in_a_pair() -> None:
     listed = {name for ode, base, _, _ in PAIRS for name in (ode, base)}
     assert {p.stem for p in PAPER.glob("*.yaml")} == listed
@@ -102,7 +103,7 @@ def test_paper_pair_matches(ode_name: str, base_name: str, base_cls, ode_cls) ->
 
     assert ode.trainer.mesh.param_mapping == {"embed": "data"}  # Levanter 1.2's fsdp_axis: embed
     assert ode.trainer.mesh.shared_mapping == {"mlp": "model", "heads": "model"}  # tensor_parallel_axes
-    (name, component), = ode.data.components.items()
+    ((name, component),) = ode.data.components.items()
     source = component.source
     if ode_name.startswith("owt"):
         assert isinstance(source, HeldOutHfDatasetSourceConfig)

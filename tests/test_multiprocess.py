@@ -21,9 +21,20 @@ from tests.train_utils import TINY
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = ROOT / "launch" / "local_multi_gpu.sh"
 FAST = [
-    "--trainer.log_jaxprs", "false", "--trainer.log_xla_hlo", "false", "--trainer.watch.interval", "0",
-    "--loss_curve", "null", "--trainer.max_eval_batches", "0", "--trainer.checkpointer.keep", "[{every: 2}]",
-    "--trainer.num_train_steps", "6",
+    "--trainer.log_jaxprs",
+    "false",
+    "--trainer.log_xla_hlo",
+    "false",
+    "--trainer.watch.interval",
+    "0",
+    "--loss_curve",
+    "null",
+    "--trainer.max_eval_batches",
+    "0",
+    "--trainer.checkpointer.keep",
+    "[{every: 2}]",
+    "--trainer.num_train_steps",
+    "6",
 ]
 
 
@@ -36,17 +47,31 @@ def _free_port() -> int:
 def _launch(workdir: Path, corpus_root: Path, run_id: str, *, processes: int, devices: int, extra=()):
     env = dict(os.environ, PYTHON=sys.executable, EQX_ON_ERROR="nan", PYTHONUNBUFFERED="1")
     args = [
-        "bash", str(LAUNCHER), "--run-id", run_id, "--processes", str(processes), "--cpu-devices", str(devices),
-        "--log-dir", str(workdir / "logs"),
+        "bash",
+        str(LAUNCHER),
+        "--run-id",
+        run_id,
+        "--processes",
+        str(processes),
+        "--cpu-devices",
+        str(devices),
+        "--log-dir",
+        str(workdir / "logs"),
     ]
     if processes > 1:
         args += ["--port", str(_free_port())]
     args += [
-        TINY, "--corpus.root", str(corpus_root),
-        "--trainer.checkpointer.base_path", str(workdir / "checkpoints"),
-        "--trainer.tracker", f"{{type: jsonl, path: {workdir / 'runs'}}}",
-        "--trainer.log_dir", str(workdir / "levanter_logs"),
-        *FAST, *extra,
+        TINY,
+        "--corpus.root",
+        str(corpus_root),
+        "--trainer.checkpointer.base_path",
+        str(workdir / "checkpoints"),
+        "--trainer.tracker",
+        f"{{type: jsonl, path: {workdir / 'runs'}}}",
+        "--trainer.log_dir",
+        str(workdir / "levanter_logs"),
+        *FAST,
+        *extra,
     ]
     return subprocess.Popen(args, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -81,7 +106,9 @@ def _records(workdir: Path, run_id: str) -> list[tuple]:
     """(event, step, metric names) of each metrics record."""
     lines = (workdir / "runs" / run_id / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
-    return sorted((r["event"], -1 if r.get("step") is None else r["step"], tuple(sorted(r.get("metrics") or {}))) for r in records)
+    return sorted(
+        (r["event"], -1 if r.get("step") is None else r["step"], tuple(sorted(r.get("metrics") or {}))) for r in records
+    )
 
 
 def test_two_processes_match_one_process_with_four_devices(tmp_path, corpus_root, four_devices):

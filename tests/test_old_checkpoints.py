@@ -122,7 +122,9 @@ def test_the_whole_trainer_state_restores_into_a_fresh_states_shapes(loaded):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
     # Adam's moments: one per parameter, restored (not left at a fresh state's zeros), counted twice
-    adam = [s for s in jax.tree_util.tree_leaves(state.opt_state, is_leaf=lambda x: hasattr(x, "mu")) if hasattr(s, "mu")]
+    adam = [
+        s for s in jax.tree_util.tree_leaves(state.opt_state, is_leaf=lambda x: hasattr(x, "mu")) if hasattr(s, "mu")
+    ]
     assert len(adam) == 1 and int(adam[0].count) == 2
     params = jax.tree_util.tree_leaves(eqx.filter(state.model, eqx.is_inexact_array))
     for moment in (adam[0].mu, adam[0].nu):
@@ -177,8 +179,14 @@ def test_damage_to_an_old_checkpoint_is_named_in_one_line(tmp_path):
     with pytest.raises(UserError) as error:
         load_model(_train_config(), str(cut))
     message = str(error.value)
-    assert message.startswith(f"checkpoint {str(cut)!r}: array model.token_embeddings.weight cannot be read, its chunk "
-                              "file '0.0' is damaged (") and "\n" not in message and len(message) < 400, message
+    assert (
+        message.startswith(
+            f"checkpoint {str(cut)!r}: array model.token_embeddings.weight cannot be read, its chunk "
+            "file '0.0' is damaged ("
+        )
+        and "\n" not in message
+        and len(message) < 400
+    ), message
 
     no_optimizer = tmp_path / "no_optimizer" / "step-1"
     shutil.copytree(STEP, no_optimizer)
@@ -191,7 +199,9 @@ def test_damage_to_an_old_checkpoint_is_named_in_one_line(tmp_path):
         levanter.checkpoint.load_checkpoint(shape, str(no_optimizer), mesh=mesh)
     message = str(restore_error(str(no_optimizer), missing.value))
     assert message.startswith(f"checkpoint {str(no_optimizer)!r} lacks ") and "arrays that this run restores" in message
-    assert "(no opt_state at all): opt_state." in message and "more; set trainer.allow_partial_checkpoint=true" in message
+    assert (
+        "(no opt_state at all): opt_state." in message and "more; set trainer.allow_partial_checkpoint=true" in message
+    )
     assert "\n" not in message and message.count("opt_state.") <= 3, message
 
 
@@ -216,17 +226,41 @@ def test_a_run_of_the_old_version_is_not_resumed_but_refused_in_one_line(tmp_pat
     monkeypatch.setattr(qkvflow.training.session, "_initialize", lambda config: preflight.check_devices(config.trainer))
     monkeypatch.setattr(qkvflow.training.loop, "Run", tripwire)
     monkeypatch.chdir(tmp_path)
-    rc = cli.main([
-        "train", "--config_path", str(FIXTURE.parent.parent / "configs" / "tiny_train.yaml"),
-        "--corpus", "null", "--data.tokenizer", str(FIXTURE / "tokenizer"),
-        "--data.components.c.source.train_urls", f"[{tmp_path / 'train.jsonl'}]",
-        "--model.hidden_dim", "16", "--model.time_embed_dim", "4", "--model.num_frequencies", "4",
-        "--trainer.id", "fixture", "--trainer.checkpointer.base_path", str(tmp_path / "checkpoints"),
-        "--trainer.tracker", f"{{type: jsonl, path: {tmp_path / 'runs'}}}", "--trainer.log_dir", str(tmp_path / "logs"),
-    ])
+    rc = cli.main(
+        [
+            "train",
+            "--config_path",
+            str(FIXTURE.parent.parent / "configs" / "tiny_train.yaml"),
+            "--corpus",
+            "null",
+            "--data.tokenizer",
+            str(FIXTURE / "tokenizer"),
+            "--data.components.c.source.train_urls",
+            f"[{tmp_path / 'train.jsonl'}]",
+            "--model.hidden_dim",
+            "16",
+            "--model.time_embed_dim",
+            "4",
+            "--model.num_frequencies",
+            "4",
+            "--trainer.id",
+            "fixture",
+            "--trainer.checkpointer.base_path",
+            str(tmp_path / "checkpoints"),
+            "--trainer.tracker",
+            f"{{type: jsonl, path: {tmp_path / 'runs'}}}",
+            "--trainer.log_dir",
+            str(tmp_path / "logs"),
+        ]
+    )
     err = capsys.readouterr().err.strip()
     assert rc == 2, err
     assert len(err.splitlines()) == 1, err
     assert "written by qkvflow 0.1 (levanter 1.2.dev1644" in err and "cannot resume" in err, err
     assert str(run / "step-1") in err
-    assert sorted((p.relative_to(run), p.stat().st_size) for p in run.rglob("*") if p.is_file() and p.name != ".qkvflow.lock") == before
+    assert (
+        sorted(
+            (p.relative_to(run), p.stat().st_size) for p in run.rglob("*") if p.is_file() and p.name != ".qkvflow.lock"
+        )
+        == before
+    )

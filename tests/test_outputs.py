@@ -48,7 +48,10 @@ def world(tmp_path, monkeypatch):
 
 
 def test_protected_folders_are_refused_and_left_alone(world, tmp_path):
-    protect = [("--checkpoint", str(world / "checkpoints" / "run")), ("--config_path", str(world / "configs" / "run.yaml"))]
+    protect = [
+        ("--checkpoint", str(world / "checkpoints" / "run")),
+        ("--config_path", str(world / "configs" / "run.yaml")),
+    ]
     before = _tree(tmp_path)
     cases = {
         ".": "is or holds the current folder",
@@ -61,8 +64,13 @@ def test_protected_folders_are_refused_and_left_alone(world, tmp_path):
     }
     for path, reason in cases.items():
         for overwrite in (True, False):
-            _refusal(lambda p=path, o=overwrite: check_replaceable(p, kind="hf_export", key="--output", overwrite=o, protect=protect),
-                     f"--output={path!r}", reason)
+            _refusal(
+                lambda p=path, o=overwrite: check_replaceable(
+                    p, kind="hf_export", key="--output", overwrite=o, protect=protect
+                ),
+                f"--output={path!r}",
+                reason,
+            )
             with pytest.raises(UserError), replacing(path, kind="hf_export", key="--output", protect=protect):
                 raise AssertionError("the writer must not run")
     assert _tree(tmp_path) == before
@@ -73,8 +81,12 @@ def test_folders_qkvflow_did_not_write_are_refused(world):
     foreign = world / "theirs"
     foreign.mkdir()
     (foreign / "thesis.tex").write_text("years of work")
-    _refusal(lambda: check_replaceable(str(foreign), kind="hf_export", key="--output"),
-             "is not empty and was not written by qkvflow", f"no readable {MARKER}", "remove it yourself")
+    _refusal(
+        lambda: check_replaceable(str(foreign), kind="hf_export", key="--output"),
+        "is not empty and was not written by qkvflow",
+        f"no readable {MARKER}",
+        "remove it yourself",
+    )
     a_file = world / "file.txt"
     a_file.write_text("x")
     _refusal(lambda: check_replaceable(str(a_file), kind="hf_export", key="--output"), "is a file")
@@ -86,8 +98,12 @@ def test_folders_qkvflow_did_not_write_are_refused(world):
     with replacing(str(out), kind="hf_export", key="--output") as folder:
         _write(folder, **{"model.safetensors": "w1"})
     (out / "README.md").write_text("my notes")
-    _refusal(lambda: check_replaceable(str(out), kind="hf_export", key="--output"), "holds 'README.md'", "did not write")
-    _refusal(lambda: check_replaceable(str(out), kind="sweep", key="sweep.out_dir"), "holds a qkvflow hf_export, not a sweep")
+    _refusal(
+        lambda: check_replaceable(str(out), kind="hf_export", key="--output"), "holds 'README.md'", "did not write"
+    )
+    _refusal(
+        lambda: check_replaceable(str(out), kind="sweep", key="sweep.out_dir"), "holds a qkvflow hf_export, not a sweep"
+    )
     assert (foreign / "thesis.tex").read_text() == "years of work" and (out / "README.md").read_text() == "my notes"
 
 
@@ -99,7 +115,11 @@ def test_an_earlier_output_is_swapped_for_the_new_one(world):
         os.makedirs(os.path.join(folder, "ode"))
         _write(os.path.join(folder, "ode"), **{"weights.safetensors": "ode"})
     marker = json.loads((out / MARKER).read_text())
-    assert marker["kind"] == "hf_export" and marker["files"] == ["config.json", "model.safetensors", "ode/weights.safetensors"]
+    assert marker["kind"] == "hf_export" and marker["files"] == [
+        "config.json",
+        "model.safetensors",
+        "ode/weights.safetensors",
+    ]
     _refusal(lambda: check_replaceable(str(out), kind="hf_export", key="--output", overwrite=False), "pass --overwrite")
 
     with replacing(str(out), kind="hf_export", key="--output", overwrite=True) as folder:
@@ -129,10 +149,15 @@ def test_a_failing_writer_leaves_the_earlier_output_as_it_was(world):
 def test_the_write_probe(tmp_path):
     a_file = tmp_path / "file.txt"
     a_file.write_text("x")
-    _refusal(lambda: check_writable("/proc/qkvflow-test/checkpoints", "trainer.checkpointer.base_path"),
-             "trainer.checkpointer.base_path='/proc/qkvflow-test/checkpoints' cannot be written", "/proc")
+    _refusal(
+        lambda: check_writable("/proc/qkvflow-test/checkpoints", "trainer.checkpointer.base_path"),
+        "trainer.checkpointer.base_path='/proc/qkvflow-test/checkpoints' cannot be written",
+        "/proc",
+    )
     _refusal(lambda: check_writable(str(a_file), "trainer.log_dir"), f"trainer.log_dir={str(a_file)!r} is a file")
-    _refusal(lambda: check_writable(str(a_file / "runs"), "trainer.tracker.path"), f"is inside {a_file}, which is a file")
+    _refusal(
+        lambda: check_writable(str(a_file / "runs"), "trainer.tracker.path"), f"is inside {a_file}, which is a file"
+    )
     check_writable(str(tmp_path / "new" / "deeper"), "key")  # absent: probed in the nearest existing folder
     check_writable("gs://bucket/checkpoints", "key")  # remote: left to fsspec
     check_writable(None, "key")

@@ -36,7 +36,11 @@ TOLERANCE = 0.01  # what FSDP cannot split: the time MLPs, biases without an `em
 def medium():
     model = draccus.parse(TrainConfig, config_path=MEDIUM, args=[]).model
     assert (model.hidden_dim, model.num_heads, model.max_seq_len, model.time_embed_dim, model.ode.num_steps) == (
-        1024, 16, 1024, 144, 24,
+        1024,
+        16,
+        1024,
+        144,
+        24,
     )
     return model
 
@@ -93,7 +97,10 @@ def test_mesh_shape_is_levanters():
 
     assert mesh_shape(MeshConfig(), 8) == {"data": 8, "replica": 1, "model": 1, "replica_dcn": 1}
     assert mesh_shape(MeshConfig(axes={"data": -1, "model": 2}), 8) == {
-        "data": 4, "replica": 1, "model": 2, "replica_dcn": 1,
+        "data": 4,
+        "replica": 1,
+        "model": 2,
+        "replica_dcn": 1,
     }
     with pytest.raises(ValueError, match="unknown mesh axes"):
         abstract_mesh({"tensor": 2})
@@ -148,5 +155,5 @@ def test_prediction_matches_levanters_sharded_initialisation():
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    for measured, predicted in json.loads(lines[0][len("RESULT "):]):
+    for measured, predicted in json.loads(lines[0][len("RESULT ") :]):
         assert measured == predicted

@@ -32,7 +32,9 @@ def test_table_and_figure(tmp_path):
     assert [(r["M"], r["method"]) for r in rows] == [("1", "lora"), ("4", "lora"), ("1", "full"), ("4", "full")]
     assert rows[0]["trainable_params"] == "2304" and float(rows[3]["eval_perplexity"]) == 1012.4
     md = open(md_path).read().splitlines()
-    assert md[2].startswith("| M | method | trainable params | total params | validation loss before | final train loss")
+    assert md[2].startswith(
+        "| M | method | trainable params | total params | validation loss before | final train loss"
+    )
     assert len([line for line in md if line.startswith("| ") and "lora" in line]) == 2
     png = plot_sweep(ROWS, str(tmp_path / "sweep.png"), pretrained_steps=2)
     assert (tmp_path / "sweep.png").stat().st_size > 10_000 and png.endswith("sweep.png")
@@ -42,7 +44,9 @@ def test_grid_arguments():
     from qkvflow.cli.sweep import _split_grid_args, parse_depths, parse_methods
     from qkvflow.errors import UserError
 
-    rest, grid = _split_grid_args(["--config_path", "x.yaml", "--depths", "9,12,18,24", "--methods=lora", "--steps", "3"])
+    rest, grid = _split_grid_args(
+        ["--config_path", "x.yaml", "--depths", "9,12,18,24", "--methods=lora", "--steps", "3"]
+    )
     assert rest == ["--config_path", "x.yaml", "--steps", "3"]
     assert parse_depths(grid["depths"]) == [9, 12, 18, 24] and parse_methods(grid["methods"]) == ["lora"]
     with pytest.raises(UserError, match="--depths='0' is invalid"):
@@ -76,7 +80,10 @@ def test_finished_runs_are_skipped_and_tabulated(tmp_path, shared, capsys):
     with open(out / "sweep.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(r["M"], r["method"], r["eval_perplexity"]) for r in rows] == [
-        ("1", "lora", "1480.3"), ("4", "lora", "1339.4"), ("1", "full", "992.3"), ("4", "full", "1012.4")
+        ("1", "lora", "1480.3"),
+        ("4", "lora", "1339.4"),
+        ("1", "full", "992.3"),
+        ("4", "full", "1012.4"),
     ]
     assert (out / "sweep.png").stat().st_size > 10_000 and (out / "sweep.md").exists()
 
@@ -134,7 +141,9 @@ def test_outputs_that_are_not_qkvflows_are_refused_before_any_training(tmp_path,
     checked before anything trains (no pretrained checkpoint is even needed to get there)."""
     import qkvflow.training.finetune
 
-    monkeypatch.setattr(qkvflow.training.finetune, "check_values", lambda config: pytest.fail("got past the output checks"))
+    monkeypatch.setattr(
+        qkvflow.training.finetune, "check_values", lambda config: pytest.fail("got past the output checks")
+    )
     monkeypatch.chdir(tmp_path)
     theirs = tmp_path / "theirs"
     theirs.mkdir()
@@ -143,16 +152,38 @@ def test_outputs_that_are_not_qkvflows_are_refused_before_any_training(tmp_path,
     (theirs / "tiny-ft" / "weights.bin").write_text("mine too")
     args = base_args(tmp_path, tmp_path / "corpora", tmp_path / "no-checkpoint")
     cases = [
-        ("sweep", ["--sweep.out_dir", str(theirs)], f"sweep.out_dir={str(theirs)!r} is not empty and was not written by qkvflow"),
+        (
+            "sweep",
+            ["--sweep.out_dir", str(theirs)],
+            f"sweep.out_dir={str(theirs)!r} is not empty and was not written by qkvflow",
+        ),
         ("sweep", ["--sweep.out_dir", "."], "sweep.out_dir='.' is or holds the current folder"),
-        ("sweep", ["--sweep.out_dir", "/proc/qkvflow-test/sweep"], "sweep.out_dir='/proc/qkvflow-test/sweep' cannot be written"),
-        ("finetune", ["--export.hf_dir", str(theirs)], f"export.hf_dir={str(theirs / 'tiny-ft')!r} is not empty and was not written"),
-        ("finetune", ["--export.peft_dir", str(theirs / "results.csv")], "export.peft_dir=" + repr(str(theirs / "results.csv" / "tiny-ft")) + " is inside"),
-        ("finetune", ["--trainer.log_dir", "/proc/qkvflow-test/logs"], "trainer.log_dir='/proc/qkvflow-test/logs' cannot be written"),
+        (
+            "sweep",
+            ["--sweep.out_dir", "/proc/qkvflow-test/sweep"],
+            "sweep.out_dir='/proc/qkvflow-test/sweep' cannot be written",
+        ),
+        (
+            "finetune",
+            ["--export.hf_dir", str(theirs)],
+            f"export.hf_dir={str(theirs / 'tiny-ft')!r} is not empty and was not written",
+        ),
+        (
+            "finetune",
+            ["--export.peft_dir", str(theirs / "results.csv")],
+            "export.peft_dir=" + repr(str(theirs / "results.csv" / "tiny-ft")) + " is inside",
+        ),
+        (
+            "finetune",
+            ["--trainer.log_dir", "/proc/qkvflow-test/logs"],
+            "trainer.log_dir='/proc/qkvflow-test/logs' cannot be written",
+        ),
     ]
     for verb, extra, message in cases:
         assert cli_main([verb, *args, *extra]) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and "\n" not in err and "Traceback" not in err, err
-    assert (theirs / "results.csv").read_text() == "mine" and (theirs / "tiny-ft" / "weights.bin").read_text() == "mine too"
+    assert (theirs / "results.csv").read_text() == "mine" and (
+        theirs / "tiny-ft" / "weights.bin"
+    ).read_text() == "mine too"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["theirs"]

@@ -122,7 +122,9 @@ BAD = [
 def test_bad_input_fails_cleanly_without_touching_checkpoints(tmp_path, corpus_root, args, message):
     existing = tmp_path / "checkpoints" / "tiny" / "step-5"
     existing.mkdir(parents=True)
-    (existing / "manifest.ocdbt").write_bytes(b"\0" * 32)  # a checkpoint as Levanter writes it: its store, then metadata
+    (existing / "manifest.ocdbt").write_bytes(
+        b"\0" * 32
+    )  # a checkpoint as Levanter writes it: its store, then metadata
     (existing / "metadata.json").write_text('{"step": 5, "timestamp": "2025-01-01T00:00:05", "is_temporary": false}')
     (tmp_path / "checkpoints" / "garbage").mkdir()
     (tmp_path / "checkpoints" / "garbage" / "junk.bin").write_bytes(b"\0" * 10)

@@ -14,12 +14,22 @@ TINY = str(ROOT / "tests" / "configs" / "tiny_train.yaml")
 def train_args(workdir: Path, corpus_root: Path, *overrides: str, run_id: str = "tiny") -> list[str]:
     """The command line of `qkvflow train` on the tiny config, with every output inside `workdir`."""
     return [
-        sys.executable, "-m", "qkvflow", "train", "--config_path", TINY,
-        "--corpus.root", str(corpus_root),
-        "--trainer.id", run_id,
-        "--trainer.checkpointer.base_path", str(workdir / "checkpoints"),
-        "--trainer.tracker", f"{{type: jsonl, path: {workdir / 'runs'}}}",
-        "--trainer.log_dir", str(workdir / "logs"),
+        sys.executable,
+        "-m",
+        "qkvflow",
+        "train",
+        "--config_path",
+        TINY,
+        "--corpus.root",
+        str(corpus_root),
+        "--trainer.id",
+        run_id,
+        "--trainer.checkpointer.base_path",
+        str(workdir / "checkpoints"),
+        "--trainer.tracker",
+        f"{{type: jsonl, path: {workdir / 'runs'}}}",
+        "--trainer.log_dir",
+        str(workdir / "logs"),
         *overrides,
     ]
 

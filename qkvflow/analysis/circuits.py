@@ -81,10 +81,7 @@ def from_llama(model) -> AttentionCircuits:
     q = _array(wq, (L, "kv_head", "q_heads_per_group", "embed", "head_size"))
     layers, groups, per_group = q.shape[:3]
     q = q.reshape(layers, groups * per_group, *q.shape[3:])
-    k, v = (
-        np.repeat(_array(w, (L, "kv_head", "embed", "head_size")), per_group, axis=1)
-        for w in (wk, wv)
-    )
+    k, v = (np.repeat(_array(w, (L, "kv_head", "embed", "head_size")), per_group, axis=1) for w in (wk, wv))
     o = _array(wo, (L, "heads", "head_size", "embed"))
     return AttentionCircuits(np.arange(layers), "layer", q, k, v, o)
 

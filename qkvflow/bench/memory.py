@@ -48,7 +48,10 @@ def process_peak() -> dict:
     device = jax.devices()[0]
     stats = _device_stats()
     if stats and "peak_bytes_in_use" in stats:
-        return {"kind": f"{device.platform} allocator peak_bytes_in_use (whole process)", "bytes": int(stats["peak_bytes_in_use"])}
+        return {
+            "kind": f"{device.platform} allocator peak_bytes_in_use (whole process)",
+            "bytes": int(stats["peak_bytes_in_use"]),
+        }
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     rss *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
     return {"kind": "host resident-set peak ru_maxrss (whole process, JAX runtime included)", "bytes": int(rss)}

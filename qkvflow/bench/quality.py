@@ -40,7 +40,9 @@ NANOGPT_VAL_LOSS = 1.88
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qkvflow bench quality", description=__doc__)
     p.add_argument("--iters", type=int, default=2000, help="training steps per model (schedule spans them)")
-    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS + EXTRA_MODELS)}")
+    p.add_argument(
+        "--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS + EXTRA_MODELS)}"
+    )
     p.add_argument("--configs_dir", default=str(ROOT / "benchmarks" / "configs"))
     p.add_argument("--corpus_root", default=str(ROOT / "cache" / "corpora"))
     p.add_argument("--max_eval_batches", type=int, default=None, help="evaluate on a slice (default: all)")
@@ -48,9 +50,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="quality", help="output files OUT_DIR/NAME.json and NAME.md")
     p.add_argument("--workdir", default=None, help="where runs write (default: a fresh temporary folder)")
     p.add_argument("--timeout", type=float, default=7200.0, help="seconds per model")
-    p.add_argument("--learning_rates", default=None,
-                   help="comma-separated peak learning rates: train every model at each and report each "
-                        "model's best validation loss (default: the configs' 1e-3 only)")
+    p.add_argument(
+        "--learning_rates",
+        default=None,
+        help="comma-separated peak learning rates: train every model at each and report each "
+        "model's best validation loss (default: the configs' 1e-3 only)",
+    )
     return p
 
 
@@ -76,15 +81,28 @@ def train_one(name: str, args, workdir: Path, learning_rate: Optional[float] = N
     run_id = _run_id(name, learning_rate)
     check_fresh(workdir, run_id)
     cmd = [
-        sys.executable, "-m", "qkvflow", "train", "--config_path", str(config),
-        "--corpus.root", args.corpus_root,
-        "--trainer.id", run_id,
-        "--trainer.num_train_steps", str(args.iters),
-        "--trainer.steps_per_eval", str(args.iters),
-        "--trainer.checkpointer.base_path", str(workdir / "checkpoints"),
-        "--trainer.tracker", f"{{type: jsonl, path: {workdir / 'runs'}}}",
-        "--trainer.log_dir", str(workdir / "logs"),
-        "--log_every", str(max(1, min(100, args.iters // 10))),
+        sys.executable,
+        "-m",
+        "qkvflow",
+        "train",
+        "--config_path",
+        str(config),
+        "--corpus.root",
+        args.corpus_root,
+        "--trainer.id",
+        run_id,
+        "--trainer.num_train_steps",
+        str(args.iters),
+        "--trainer.steps_per_eval",
+        str(args.iters),
+        "--trainer.checkpointer.base_path",
+        str(workdir / "checkpoints"),
+        "--trainer.tracker",
+        f"{{type: jsonl, path: {workdir / 'runs'}}}",
+        "--trainer.log_dir",
+        str(workdir / "logs"),
+        "--log_every",
+        str(max(1, min(100, args.iters // 10))),
     ]
     if args.max_eval_batches is not None:
         cmd += ["--trainer.max_eval_batches", str(args.max_eval_batches)]
@@ -133,22 +151,32 @@ def train_grid(name: str, args, workdir: Path, learning_rates: list[float]) -> d
 def markdown(result: dict) -> str:
     lines = [
         f"Tiny Shakespeare (char level), {result['iters']} iterations x batch 12 x context 64"
-        + (f", eval on {result['max_eval_batches']} batches" if result["max_eval_batches"] else ", full validation split"),
+        + (
+            f", eval on {result['max_eval_batches']} batches"
+            if result["max_eval_batches"]
+            else ", full validation split"
+        ),
         "",
         "| model | params | peak lr | val loss | train loss | wall (s) |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for r in result["models"].values():
         lr = f"{r['learning_rate']:g}" if r.get("learning_rate") is not None else "config"
-        lines.append(f"| {r['label']} | {r['parameter_count'] or '-'} | {lr} | {_loss(r['val_loss'])} | "
-                     f"{_loss(r['train_loss'])} | {r['wall_s']} |")
+        lines.append(
+            f"| {r['label']} | {r['parameter_count'] or '-'} | {lr} | {_loss(r['val_loss'])} | "
+            f"{_loss(r['train_loss'])} | {r['wall_s']} |"
+        )
     lines.append(f"| nanoGPT baby GPT (reference, 2000 iters) | 0.80M | 1e-3 | {NANOGPT_VAL_LOSS} | - | - |")
     grids = {name: r["grid"] for name, r in result["models"].items() if r.get("grid")}
     if grids:
         lrs = sorted({g["learning_rate"] for grid in grids.values() for g in grid})
-        lines += ["", "Validation loss by peak learning rate (the best per model is reported above):", "",
-                  "| model | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |",
-                  "|---|" + "---:|" * len(lrs)]
+        lines += [
+            "",
+            "Validation loss by peak learning rate (the best per model is reported above):",
+            "",
+            "| model | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |",
+            "|---|" + "---:|" * len(lrs),
+        ]
         for name, grid in grids.items():
             by_lr = {g["learning_rate"]: g["val_loss"] for g in grid}
             lines.append(f"| {name} | " + " | ".join(_loss(by_lr.get(lr)) for lr in lrs) + " |")
@@ -167,7 +195,9 @@ def _learning_rates(text: Optional[str]) -> Optional[list[float]]:
     except ValueError:
         rates = []
     if not rates or any(not (0 < r < 1) for r in rates):
-        raise UserError(f"--learning_rates={text!r} is invalid: expected comma-separated numbers in (0, 1), e.g. 1e-3,2e-3")
+        raise UserError(
+            f"--learning_rates={text!r} is invalid: expected comma-separated numbers in (0, 1), e.g. 1e-3,2e-3"
+        )
     return rates
 
 
@@ -189,8 +219,14 @@ def main(argv: list[str]) -> int:
     check_writable(str(workdir), "--workdir")
     check_writable(args.out_dir, "--out_dir")
     workdir.mkdir(parents=True, exist_ok=True)
-    result = {"iters": args.iters, "max_eval_batches": args.max_eval_batches, "workdir": str(workdir),
-              "learning_rates": learning_rates, "reference_nanogpt_val_loss": NANOGPT_VAL_LOSS, "models": {}}
+    result = {
+        "iters": args.iters,
+        "max_eval_batches": args.max_eval_batches,
+        "workdir": str(workdir),
+        "learning_rates": learning_rates,
+        "reference_nanogpt_val_loss": NANOGPT_VAL_LOSS,
+        "models": {},
+    }
     for name in names:
         print(f"bench quality: training {name} for {args.iters} steps (logs in {workdir})", flush=True)
         if learning_rates is None:

@@ -40,13 +40,27 @@ VARIANTS = {
     "ode": [],
     "baseline": [],
 }
-COLUMNS = ["what", "value", "variant", "step_time_median_s", "step_time_q1_s", "step_time_q3_s", "tokens_per_s",
-           "compile_s", "xla_temp_bytes", "xla_total_bytes", "process_peak_bytes", "process_peak_kind", "parameter_count"]
+COLUMNS = [
+    "what",
+    "value",
+    "variant",
+    "step_time_median_s",
+    "step_time_q1_s",
+    "step_time_q3_s",
+    "tokens_per_s",
+    "compile_s",
+    "xla_temp_bytes",
+    "xla_total_bytes",
+    "process_peak_bytes",
+    "process_peak_kind",
+    "parameter_count",
+]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qkvflow bench scaling", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="qkvflow bench scaling", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--what", required=True, help="one of " + ", ".join(SWEEPS))
     p.add_argument("--config_path", default=str(ROOT / "benchmarks" / "configs" / "scaling.yaml"))
     p.add_argument("--values", default=None, help="comma-separated points (default per sweep)")
@@ -63,9 +77,28 @@ def _parser() -> argparse.ArgumentParser:
 
 def point(args, knob: str, value: int, variant: str, workdir: Path) -> dict:
     out = workdir / f"{knob}_{value}_{variant}.json"
-    cmd = [sys.executable, "-m", "qkvflow", "bench", "speed", "--config_path", args.config_path, "--no_peak",
-           "--only", "baseline" if variant == "baseline" else "ode", "--repeats", str(args.repeats),
-           "--warmup", str(args.warmup), "--dtype", args.dtype, "--json_out", str(out), f"--{knob}", str(value)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "qkvflow",
+        "bench",
+        "speed",
+        "--config_path",
+        args.config_path,
+        "--no_peak",
+        "--only",
+        "baseline" if variant == "baseline" else "ode",
+        "--repeats",
+        str(args.repeats),
+        "--warmup",
+        str(args.warmup),
+        "--dtype",
+        args.dtype,
+        "--json_out",
+        str(out),
+        f"--{knob}",
+        str(value),
+    ]
     cmd += VARIANTS[variant]
     if variant.startswith("rc_fixed"):
         cmd += ["--checkpoints", str(args.checkpoints)]
@@ -78,12 +111,17 @@ def point(args, knob: str, value: int, variant: str, workdir: Path) -> dict:
     xla = r["xla_memory"] or {}
     peak = result["process_peak_memory"]
     return {
-        "value": value, "variant": variant,
+        "value": value,
+        "variant": variant,
         "step_time_median_s": r["step_time_s"]["median"],
-        "step_time_q1_s": r["step_time_s"]["iqr"][0], "step_time_q3_s": r["step_time_s"]["iqr"][1],
-        "tokens_per_s": r["tokens_per_s"], "compile_s": r["compile_s"],
-        "xla_temp_bytes": xla.get("temp_bytes"), "xla_total_bytes": xla.get("total_bytes"),
-        "process_peak_bytes": peak["bytes"], "process_peak_kind": peak["kind"],
+        "step_time_q1_s": r["step_time_s"]["iqr"][0],
+        "step_time_q3_s": r["step_time_s"]["iqr"][1],
+        "tokens_per_s": r["tokens_per_s"],
+        "compile_s": r["compile_s"],
+        "xla_temp_bytes": xla.get("temp_bytes"),
+        "xla_total_bytes": xla.get("total_bytes"),
+        "process_peak_bytes": peak["bytes"],
+        "process_peak_kind": peak["kind"],
         "parameter_count": r["parameter_count"],
     }
 

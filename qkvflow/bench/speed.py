@@ -50,11 +50,21 @@ def parser(prog="qkvflow bench speed") -> argparse.ArgumentParser:
     p.add_argument("--json_out", default=None)
     p.add_argument("--only", choices=("both", "ode", "baseline"), default="both")
     p.add_argument("--no_peak", action="store_true", help="skip the matmul-peak measurement")
-    p.add_argument("--peak-flops", "--peak_flops", dest="peak_flops", type=float, default=None,
-                   help="the device's peak FLOP/s for MFU (default: Levanter's table for the device kind and "
-                        "dtype; none on a CPU, where MFU is n/a)")
-    p.add_argument("--baseline_remat", choices=("true", "false"), default="true",
-                   help="Levanter's gradient_checkpointing for the baseline (its default: true)")
+    p.add_argument(
+        "--peak-flops",
+        "--peak_flops",
+        dest="peak_flops",
+        type=float,
+        default=None,
+        help="the device's peak FLOP/s for MFU (default: Levanter's table for the device kind and "
+        "dtype; none on a CPU, where MFU is n/a)",
+    )
+    p.add_argument(
+        "--baseline_remat",
+        choices=("true", "false"),
+        default="true",
+        help="Levanter's gradient_checkpointing for the baseline (its default: true)",
+    )
     # ODE overrides (used by `bench scaling`)
     p.add_argument("--num_steps", type=int, default=None)
     p.add_argument("--solver", default=None)
@@ -86,7 +96,9 @@ def load_config(path: str) -> tuple:
         raise UserError(f"{path}: needs a `model:` section (a diffeqformer_* or shared_ode_* model)")
     model = draccus.decode(LmConfig, raw["model"])
     if not isinstance(model, DiffEqFormerConfig):
-        raise UserError(f"{path}: model.type must be an ODE model (diffeqformer_*/shared_ode_*), got {raw['model'].get('type')!r}")
+        raise UserError(
+            f"{path}: model.type must be an ODE model (diffeqformer_*/shared_ode_*), got {raw['model'].get('type')!r}"
+        )
     bench = raw.get("bench") or {}
     corpus = raw.get("corpus") or {}
     batch = bench.get("batch") or (raw.get("trainer") or {}).get("train_batch_size") or 8
@@ -119,18 +131,32 @@ def baseline_config(model, *, remat: bool = True):
         if model.mlp_dim % model.hidden_dim:
             raise UserError(f"intermediate_dim={model.mlp_dim} must be a multiple of hidden_dim for the GPT-2 baseline")
         return Gpt2Config(
-            max_seq_len=model.max_seq_len, hidden_dim=model.hidden_dim, num_layers=layers, num_heads=model.num_heads,
-            mlp_scale=model.mlp_dim // model.hidden_dim, initializer_range=model.initializer_range,
-            layer_norm_epsilon=model.layer_norm_epsilon, activation_function=model.activation_function,
-            use_bias=model.bias, gradient_checkpointing=remat,
+            max_seq_len=model.max_seq_len,
+            hidden_dim=model.hidden_dim,
+            num_layers=layers,
+            num_heads=model.num_heads,
+            mlp_scale=model.mlp_dim // model.hidden_dim,
+            initializer_range=model.initializer_range,
+            layer_norm_epsilon=model.layer_norm_epsilon,
+            activation_function=model.activation_function,
+            use_bias=model.bias,
+            gradient_checkpointing=remat,
         )
     from levanter.models.llama import LlamaConfig
 
     return LlamaConfig(
-        max_seq_len=model.max_seq_len, hidden_dim=model.hidden_dim, intermediate_dim=model.mlp_dim, num_layers=layers,
-        num_heads=model.num_heads, num_kv_heads=model.num_heads, activation_function=model.activation_function,
-        initializer_range=model.initializer_range, layer_norm_epsilon=model.layer_norm_epsilon,
-        tie_word_embeddings=model.tied_embeddings, rope=model.rope, gradient_checkpointing=remat,
+        max_seq_len=model.max_seq_len,
+        hidden_dim=model.hidden_dim,
+        intermediate_dim=model.mlp_dim,
+        num_layers=layers,
+        num_heads=model.num_heads,
+        num_kv_heads=model.num_heads,
+        activation_function=model.activation_function,
+        initializer_range=model.initializer_range,
+        layer_norm_epsilon=model.layer_norm_epsilon,
+        tie_word_embeddings=model.tied_embeddings,
+        rope=model.rope,
+        gradient_checkpointing=remat,
     )
 
 
@@ -144,7 +170,11 @@ def train_flops_per_token(config, vocab: int, tokens_per_batch: int) -> dict:
     hyper = 0.0
     if isinstance(config, DiffEqFormerConfig):
         hyper = accounting.hypernetwork_flops_per_forward(config, vocab) / tokens_per_batch
-    return {"forward_per_token": forward, "hypernetwork_forward_per_token": hyper, "train_per_token": 3.0 * (forward + hyper)}
+    return {
+        "forward_per_token": forward,
+        "hypernetwork_forward_per_token": hyper,
+        "train_per_token": 3.0 * (forward + hyper),
+    }
 
 
 class Step:
@@ -210,8 +240,12 @@ def nominal_peak_flops(dtype: str, override: float | None) -> dict:
     # pass on TPUs; their peak is that rate's, not the data sheet's plain-fp32 one.
     kind = "bf16" if dtype == "bf16" else {"gpu": "tf32", "tpu": "bf16"}.get(device.platform, "fp32")
     flops = device_flops_for_jax_device(device.device_kind, kind)
-    return {"flops_per_s": flops, "source": f"fray.device_flops[{device.device_kind!r}, {kind}]" if flops else
-            f"unknown device {device.device_kind!r} for {kind} (set --peak-flops)"}
+    return {
+        "flops_per_s": flops,
+        "source": f"fray.device_flops[{device.device_kind!r}, {kind}]"
+        if flops
+        else f"unknown device {device.device_kind!r} for {kind} (set --peak-flops)",
+    }
 
 
 def summarise(step: Step, tokens: int, flops: dict, peak: dict | None, nominal: dict) -> dict:
@@ -280,13 +314,29 @@ def run(args) -> dict:
 
     device = jax.devices()[0]
     result = {
-        "device": {"platform": device.platform, "kind": device.device_kind, "count": jax.device_count(),
-                   "host": platform.node(), "jax": jax.__version__},
-        "config": {"path": args.config_path, "model_type": type(config).__name__, "batch": batch,
-                   "seq_len": config.max_seq_len, "tokens_per_step": tokens, "vocab_size": vocab,
-                   "hidden_dim": config.hidden_dim, "num_heads": config.num_heads, "mlp_dim": config.mlp_dim,
-                   "time_embed_dim": config.time_embed_dim, "ode": dataclasses.asdict(config.ode),
-                   "dtype": args.dtype, "repeats": args.repeats, "warmup": args.warmup},
+        "device": {
+            "platform": device.platform,
+            "kind": device.device_kind,
+            "count": jax.device_count(),
+            "host": platform.node(),
+            "jax": jax.__version__,
+        },
+        "config": {
+            "path": args.config_path,
+            "model_type": type(config).__name__,
+            "batch": batch,
+            "seq_len": config.max_seq_len,
+            "tokens_per_step": tokens,
+            "vocab_size": vocab,
+            "hidden_dim": config.hidden_dim,
+            "num_heads": config.num_heads,
+            "mlp_dim": config.mlp_dim,
+            "time_embed_dim": config.time_embed_dim,
+            "ode": dataclasses.asdict(config.ode),
+            "dtype": args.dtype,
+            "repeats": args.repeats,
+            "warmup": args.warmup,
+        },
         "matmul_peak": peak,
         "nominal_peak": nominal,
     }

@@ -28,12 +28,30 @@ VERBS = {
     "describe": ("qkvflow.cli.describe", "parameter counts and FLOPs of a config, as JSON"),
     "analyze": ("qkvflow.cli.analyze", "spectra | lyapunov | clusters: the paper's analyses, figures and JSON"),
     "export": ("qkvflow.cli.export", "a DiffEqFormer checkpoint as a Hugging Face model (--steps M layers) [+ --ode]"),
-    "bench": ("qkvflow.cli.bench", "speed | scaling | quality: throughput, memory scaling and Tiny Shakespeare benchmarks"),
-    "finetune": ("qkvflow.cli.finetune", "discretise a pretrained ODE model at M layers and fine-tune it (LoRA or full)"),
-    "eval": ("qkvflow.cli.eval", "perplexity and bits per byte of a checkpoint at any solver grid (--steps 2,4); lm-eval --tasks"),
-    "generate": ("qkvflow.cli.generate", "text from a train or finetune checkpoint, KV-cached on Levanter's inference engine"),
-    "tokenizer": ("qkvflow.cli.tokenizer", "train a tokenizer on your own .txt/.jsonl files, offline (--files ... --output DIR)"),
-    "sweep": ("qkvflow.cli.sweep", "fine-tune over a grid of depths x methods; table and figure (--depths 9,12 --methods lora,full)"),
+    "bench": (
+        "qkvflow.cli.bench",
+        "speed | scaling | quality: throughput, memory scaling and Tiny Shakespeare benchmarks",
+    ),
+    "finetune": (
+        "qkvflow.cli.finetune",
+        "discretise a pretrained ODE model at M layers and fine-tune it (LoRA or full)",
+    ),
+    "eval": (
+        "qkvflow.cli.eval",
+        "perplexity and bits per byte of a checkpoint at any solver grid (--steps 2,4); lm-eval --tasks",
+    ),
+    "generate": (
+        "qkvflow.cli.generate",
+        "text from a train or finetune checkpoint, KV-cached on Levanter's inference engine",
+    ),
+    "tokenizer": (
+        "qkvflow.cli.tokenizer",
+        "train a tokenizer on your own .txt/.jsonl files, offline (--files ... --output DIR)",
+    ),
+    "sweep": (
+        "qkvflow.cli.sweep",
+        "fine-tune over a grid of depths x methods; table and figure (--depths 9,12 --methods lora,full)",
+    ),
 }
 
 

@@ -1,6 +1,5 @@
 """`qkvflow bench MODE ...`: dispatch to a benchmark of qkvflow.bench (speed, scaling, quality)."""
 
-
 import importlib
 
 from qkvflow.errors import UserError

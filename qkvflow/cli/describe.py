@@ -51,7 +51,9 @@ def vocabulary(config: DescribeConfig) -> tuple[int, str]:
     except Exception as e:  # noqa: BLE001 (HF raises OSError, ValueError, ...)
         if os.path.isdir(name):
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise UserError(f"data.tokenizer={name!r} could not be loaded ({first}); expected a tokenizer folder") from None
+            raise UserError(
+                f"data.tokenizer={name!r} could not be loaded ({first}); expected a tokenizer folder"
+            ) from None
         if name == "gpt2":
             return GPT2_VOCAB, "GPT-2's vocabulary (data.tokenizer gpt2, not in the local Hugging Face cache)"
         raise UserError(

@@ -71,7 +71,9 @@ def check(config: EvalConfig, config_path: Optional[str]) -> None:
     if not config.checkpoint:
         raise UserError("--checkpoint is missing: expected the run's checkpoint folder (checkpoints/<run_id>)")
     if levanter.checkpoint.discover_latest_checkpoint(config.checkpoint) is None:
-        raise UserError(f"--checkpoint {config.checkpoint!r}: no checkpoint found (expected checkpoints/<run_id>[/step-N])")
+        raise UserError(
+            f"--checkpoint {config.checkpoint!r}: no checkpoint found (expected checkpoints/<run_id>[/step-N])"
+        )
     if not is_ode(config.model):
         given = [f"--{k}" for k in ("steps", "solver", "tolerances") if getattr(config, k) is not None]
         if given:
@@ -159,7 +161,9 @@ def evaluate(config: EvalConfig, config_path: Optional[str] = None) -> dict:
         result["rows"] = rows
         result["eval_examples"] = len(evaluator.dataset.as_sync_dataset())
         if config.tasks is not None:
-            result["lm_eval"] = harness.run(model if grid is None else depth.with_ode(model, grid[0].ode), config, task_spec, config.max_examples)
+            result["lm_eval"] = harness.run(
+                model if grid is None else depth.with_ode(model, grid[0].ode), config, task_spec, config.max_examples
+            )
     return result
 
 

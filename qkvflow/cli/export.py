@@ -28,7 +28,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qkvflow export", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, help="checkpoints/<run_id> or one of its step-N folders")
     parser.add_argument("--config_path", required=True, help="the run's training config (YAML)")
-    parser.add_argument("--output", required=True, help="folder to write (absent, empty, or an earlier export with --overwrite)")
+    parser.add_argument(
+        "--output", required=True, help="folder to write (absent, empty, or an earlier export with --overwrite)"
+    )
     parser.add_argument("--steps", type=int, default=None, help="M, the number of layers (default: ode.num_steps)")
     parser.add_argument("--solver", default="euler", help="discretisation: euler (the only one that maps to blocks)")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier `qkvflow export` in --output")

@@ -13,8 +13,19 @@ from qkvflow.training.finetune import FinetuneConfig, finetune
 def print_summary(summary: dict) -> None:
     print("\n== qkvflow finetune: " + ("preempted ==" if summary.get("preempted") else "done =="))
     keys = (
-        "run_id", "method", "steps_M", "pretrained_steps_N", "trainable_parameter_count", "parameter_count", "steps",
-        "skipped_steps", "initial_eval_loss", "initial_eval_perplexity", "train_loss", "train_perplexity", "eval_loss",
+        "run_id",
+        "method",
+        "steps_M",
+        "pretrained_steps_N",
+        "trainable_parameter_count",
+        "parameter_count",
+        "steps",
+        "skipped_steps",
+        "initial_eval_loss",
+        "initial_eval_perplexity",
+        "train_loss",
+        "train_perplexity",
+        "eval_loss",
         "eval_perplexity",
     )
     for key in keys:

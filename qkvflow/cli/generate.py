@@ -117,7 +117,9 @@ def read_prompts(config: GenerateOptions) -> list[str]:
             raise UserError("--prompt is empty: expected text to continue")
         return [config.prompt]
     if not os.path.isfile(config.prompts_file):
-        raise UserError(f"--prompts_file {config.prompts_file!r} does not exist: expected a text file, one prompt per line")
+        raise UserError(
+            f"--prompts_file {config.prompts_file!r} does not exist: expected a text file, one prompt per line"
+        )
     with open(config.prompts_file, encoding="utf-8") as f:
         prompts = [line.rstrip("\n") for line in f if line.strip()]
     if not prompts:
@@ -181,7 +183,9 @@ def load_finetuned(config: FinetuneConfig):
     trainable, frozen = eqx.partition(model, make_floating_point_trainable_filter(is_trainable))
     path = levanter.checkpoint.discover_latest_checkpoint(config.checkpoint)
     if path is None:
-        raise UserError(f"checkpoint {config.checkpoint!r}: no checkpoint found (expected checkpoints/<run_id>[/step-N])")
+        raise UserError(
+            f"checkpoint {config.checkpoint!r}: no checkpoint found (expected checkpoints/<run_id>[/step-N])"
+        )
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
     try:
         with jax.set_mesh(mesh):
@@ -241,7 +245,12 @@ def run(config) -> list:
     if config.output_jsonl:
         with open(config.output_jsonl, "w", encoding="utf-8") as f:
             for c in completions:
-                f.write(json.dumps({"prompt": c.prompt, "completion": c.text, "finish_reason": c.finish_reason, "tokens": c.tokens}) + "\n")
+                f.write(
+                    json.dumps(
+                        {"prompt": c.prompt, "completion": c.text, "finish_reason": c.finish_reason, "tokens": c.tokens}
+                    )
+                    + "\n"
+                )
     return completions
 
 
@@ -251,7 +260,9 @@ def main(argv: list[str]) -> int:
     if usage.wants_help(argv):
         summary = "Text from a train or finetune checkpoint, KV-cached on Levanter's inference engine."
         own = {f.name for f in dataclasses.fields(GenerateOptions)}
-        hide = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name not in own and f.name not in usage.SECTIONS)
+        hide = tuple(
+            f.name for f in dataclasses.fields(TrainConfig) if f.name not in own and f.name not in usage.SECTIONS
+        )
         print(usage.short_help("qkvflow generate", GenerateConfig, summary, hide=hide))
         return 0
     config = read_config(usage.full_listing_args(argv))

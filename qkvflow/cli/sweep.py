@@ -60,7 +60,9 @@ def _split_grid_args(argv: list[str]) -> tuple[list[str], dict]:
             i += 1
         else:
             if i + 1 >= len(argv):
-                raise UserError(f"--{name} needs a value, e.g. --{name} " + ("9,12,18,24" if name == "depths" else "lora,full"))
+                raise UserError(
+                    f"--{name} needs a value, e.g. --{name} " + ("9,12,18,24" if name == "depths" else "lora,full")
+                )
             value = argv[i + 1]
             i += 2
         grid[name] = [v.strip() for v in value.strip("[]").split(",") if v.strip()]
@@ -157,13 +159,17 @@ def plot_sweep(rows: list[dict], out_png: str, pretrained_steps=None, title: str
     fig, ax = plt.subplots(figsize=(5, 4), dpi=120)
     styles = {"lora": ("o-", "LoRA"), "full": ("s-", "full fine-tuning")}
     for method in dict.fromkeys(r["method"] for r in rows):
-        points = sorted((r["M"], r["eval_perplexity"]) for r in rows if r["method"] == method and r["eval_perplexity"] is not None)
+        points = sorted(
+            (r["M"], r["eval_perplexity"]) for r in rows if r["method"] == method and r["eval_perplexity"] is not None
+        )
         if points:
             style, label = styles.get(method, ("^-", method))
             ax.plot(*zip(*points), style, label=label, markersize=5)
     depths = sorted({r["M"] for r in rows})
     if pretrained_steps is not None:
-        ax.axvline(pretrained_steps, color="gray", linestyle=":", linewidth=1, label=f"pretrained N = {pretrained_steps}")
+        ax.axvline(
+            pretrained_steps, color="gray", linestyle=":", linewidth=1, label=f"pretrained N = {pretrained_steps}"
+        )
     ax.set_xticks(depths)
     ax.set_xlabel("layers M of the discretised model")
     ax.set_ylabel("validation perplexity")
@@ -203,7 +209,10 @@ def sweep(config, depths: list[int], methods: list[str]) -> dict:
             summary = finetune(cell)
             summary.pop("model", None)
             if not summary.get("finished"):
-                print(f"qkvflow sweep: {cell.trainer.id} did not finish; rerun the same command to resume", file=sys.stderr)
+                print(
+                    f"qkvflow sweep: {cell.trainer.id} did not finish; rerun the same command to resume",
+                    file=sys.stderr,
+                )
                 rows.append(_row(summary, depth, method))
                 stopped_by = summary.get("stopped_by")
                 break
@@ -212,7 +221,12 @@ def sweep(config, depths: list[int], methods: list[str]) -> dict:
         _write_outputs(rows, out_dir, config, pretrained_steps)  # after each cell: partial results survive a stop
     rows.sort(key=lambda r: (methods.index(r["method"]), r["M"]))
     paths = _write_outputs(rows, out_dir, config, pretrained_steps)
-    return {"rows": rows, **paths, "stopped_by": stopped_by, "complete": len(rows) == len(grid) and all(r["eval_loss"] is not None for r in rows)}
+    return {
+        "rows": rows,
+        **paths,
+        "stopped_by": stopped_by,
+        "complete": len(rows) == len(grid) and all(r["eval_loss"] is not None for r in rows),
+    }
 
 
 def _out_dir_rules(config) -> dict:
@@ -254,7 +268,9 @@ def main(argv: list[str]) -> int:
     rest, grid = _split_grid_args(argv)  # sweep's own options; the rest is the finetune config
     config = cli.parse(FinetuneConfig, rest, "sweep", required="a `qkvflow finetune` config")
     depths = parse_depths(grid["depths"]) if "depths" in grid else parse_depths(config.sweep.depths, "sweep.depths")
-    methods = parse_methods(grid["methods"]) if "methods" in grid else parse_methods(config.sweep.methods, "sweep.methods")
+    methods = (
+        parse_methods(grid["methods"]) if "methods" in grid else parse_methods(config.sweep.methods, "sweep.methods")
+    )
     result = sweep(config, depths, methods)
     print("\n== qkvflow sweep: " + ("done ==" if result["complete"] else "incomplete =="))
     with open(result["md"]) as f:

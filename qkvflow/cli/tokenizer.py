@@ -83,7 +83,9 @@ def run(config: TokenizerConfig, say=print) -> dict:
     say(f"wrote {built.output}:")
     say(f"  tokenizer: {built.vocab_size} tokens ({kind}); {EOS} is id {built.eos_id} (bos and eos)")
     if built.kind == "bpe" and built.requested_vocab_size not in (None, built.vocab_size):
-        say(f"  note: the text ran out of pairs to merge at {built.vocab_size} of the {built.requested_vocab_size} tokens asked for")
+        say(
+            f"  note: the text ran out of pairs to merge at {built.vocab_size} of the {built.requested_vocab_size} tokens asked for"
+        )
     if config.write_data:
         say(f"  train.jsonl: {built.train_documents} documents")
         if built.validation_documents:
@@ -124,4 +126,3 @@ def main(argv: list[str]) -> int:
     config = cli.parse(TokenizerConfig, draccus_args(usage.full_listing_args(argv)), "tokenizer")
     run(config, say=lambda line: print(line, flush=True))
     return 0
-

@@ -186,7 +186,12 @@ def _check_replaceable(out: Path, name: str) -> None:
         manifest = json.loads((out / "manifest.json").read_text())
     except (OSError, ValueError):
         manifest = None
-    if os.path.islink(out) or not isinstance(manifest, dict) or manifest.get("name") != name or "format_version" not in manifest:
+    if (
+        os.path.islink(out)
+        or not isinstance(manifest, dict)
+        or manifest.get("name") != name
+        or "format_version" not in manifest
+    ):
         from qkvflow.errors import UserError
 
         raise UserError(

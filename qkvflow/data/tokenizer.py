@@ -149,7 +149,7 @@ def _decode(path: str, raw: bytes, offset: int = 0, line: int | None = None) -> 
     except UnicodeDecodeError as e:
         line = raw[: e.start].count(b"\n") + 1 if line is None else line
         raise UserError(
-            f"--files: {path!r} is not UTF-8 text (line {line}, byte offset {offset + e.start}: {raw[e.start:e.start + 1]!r})"
+            f"--files: {path!r} is not UTF-8 text (line {line}, byte offset {offset + e.start}: {raw[e.start : e.start + 1]!r})"
         ) from None
 
 
@@ -174,10 +174,12 @@ def _jsonl_documents(path: str, text_key: str) -> Iterator[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise UserError(f"{where} is not JSON ({e.msg} at column {e.colno}); expected one JSON object per line") from None
+                raise UserError(
+                    f"{where} is not JSON ({e.msg} at column {e.colno}); expected one JSON object per line"
+                ) from None
             if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
                 raise UserError(
-                    f"{where} has no string field {text_key!r} (expected objects like {{\"{text_key}\": \"...\"}}; "
+                    f'{where} has no string field {text_key!r} (expected objects like {{"{text_key}": "..."}}; '
                     "--text_key names the field)"
                 )
             seen = seen or bool(record[text_key].strip())
@@ -320,7 +322,9 @@ def build_tokenizer_folder(
 
     check_vocab_size(kind, vocab_size)
     if isinstance(chunk_chars, bool) or not isinstance(chunk_chars, int) or chunk_chars < 0:
-        raise UserError(f"--chunk_chars {chunk_chars!r} is invalid: expected an integer >= 0 (0: one document per .txt file)")
+        raise UserError(
+            f"--chunk_chars {chunk_chars!r} is invalid: expected an integer >= 0 (0: one document per .txt file)"
+        )
     if not 0 <= validation_fraction < 1:
         raise UserError(f"--validation_fraction {validation_fraction!r} is invalid: expected a number in [0, 1)")
     if not write_data:

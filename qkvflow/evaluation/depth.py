@@ -101,7 +101,11 @@ def same_solve(a: OdeConfig, b: OdeConfig) -> bool:
     """Whether `a` and `b` integrate alike: solver, fixed N or adaptive tolerances (not the gradient settings)."""
     if (a.solver, a.is_adaptive) != (b.solver, b.is_adaptive):
         return False
-    return (a.rtol, a.atol, a.max_steps, a.num_steps) == (b.rtol, b.atol, b.max_steps, b.num_steps) if a.is_adaptive else a.num_steps == b.num_steps
+    return (
+        (a.rtol, a.atol, a.max_steps, a.num_steps) == (b.rtol, b.atol, b.max_steps, b.num_steps)
+        if a.is_adaptive
+        else a.num_steps == b.num_steps
+    )
 
 
 def with_ode(model, ode: OdeConfig):
@@ -169,7 +173,9 @@ def plot(rows: list[dict], path: str, title: str = "") -> str:
             ax.annotate(r["grid"], (r["nfe"], r["perplexity"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
     trained = [r for r in rows if r.get("trained")]
     if trained:
-        ax.plot([r["nfe"] for r in trained], [r["perplexity"] for r in trained], "k*", markersize=10, label="trained grid")
+        ax.plot(
+            [r["nfe"] for r in trained], [r["perplexity"] for r in trained], "k*", markersize=10, label="trained grid"
+        )
     ax.set_xscale("log")
     ax.set_xlabel("vector-field evaluations per forward pass")
     ax.set_ylabel("validation perplexity")

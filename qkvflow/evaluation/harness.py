@@ -64,7 +64,9 @@ def _read_task_file(path: str) -> dict:
                 return f
             full = os.path.join(base, os.path.expanduser(str(f)))
             if not os.path.exists(full):
-                raise UserError(f"--tasks {path}: dataset_kwargs.data_files {f!r} does not exist (relative to the task file)")
+                raise UserError(
+                    f"--tasks {path}: dataset_kwargs.data_files {f!r} does not exist (relative to the task file)"
+                )
             return full
 
         if isinstance(files, dict):

@@ -119,4 +119,3 @@ def discretise(model, steps: int, solver: str = "euler") -> ParallelLMHeadModel:
     if model.lm_head is not None:
         lm_head = hnn.Linear(model.lm_head.rearrange((model.Vocab, config.Embed)), None, config.Embed, model.Vocab)
     return ParallelLMHeadModel(transformer, lm_head)
-

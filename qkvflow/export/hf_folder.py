@@ -1,12 +1,12 @@
 """Write a discrete `ParallelLMHeadModel` as a Hugging Face model folder.
 
-    config.json               QkvflowParallel{Gpt2,Llama}Config + auto_map -> the two .py files below
-    model.safetensors         torch state dict: haliax's to_torch_compatible_state_dict of the model
-                              (its module names are the torch ones; see qkvflow.models.discrete.model)
-    configuration_qkvflow.py  copied from qkvflow/hf, so trust_remote_code works without qkvflow
-    modeling_qkvflow.py
-    generation_config.json    special token ids; use_cache false (the torch model keeps no cache)
-    tokenizer files           when a tokenizer is given, as `prompt_tokenizer` makes it
+config.json               QkvflowParallel{Gpt2,Llama}Config + auto_map -> the two .py files below
+model.safetensors         torch state dict: haliax's to_torch_compatible_state_dict of the model
+                          (its module names are the torch ones; see qkvflow.models.discrete.model)
+configuration_qkvflow.py  copied from qkvflow/hf, so trust_remote_code works without qkvflow
+modeling_qkvflow.py
+generation_config.json    special token ids; use_cache false (the torch model keeps no cache)
+tokenizer files           when a tokenizer is given, as `prompt_tokenizer` makes it
 """
 
 import copy
@@ -50,7 +50,8 @@ def prompt_tokenizer(tokenizer):
             return fixed
     logger.warning(
         "the exported tokenizer appends %s to every text: pass add_special_tokens=False when encoding prompts "
-        "for generation", tokenizer.eos_token,
+        "for generation",
+        tokenizer.eos_token,
     )
     return tokenizer
 

@@ -91,7 +91,9 @@ class OdeDecoder(_Decoder):
                     if a_ij != 0.0:
                         y = y + a_ij * k_j
                 weights = jax.tree_util.tree_map(
-                    lambda w: w["ode_time", stage.time_index], self.table, is_leaf=hax.is_named_array  # noqa: B023
+                    lambda w: w["ode_time", stage.time_index],
+                    self.table,
+                    is_leaf=hax.is_named_array,  # noqa: B023
                 )
                 attend = PagedAttend(caches[layer], batch_info)
                 f = model.field.vector_field(weights, y, config=config, mask=None, pos_ids=pos_ids, attend_fn=attend)
@@ -127,7 +129,9 @@ def decoder_for(model, steps: Optional[int] = None):
     if isinstance(model, DiffEqFormerLMHeadModel):
         return OdeDecoder.build(model, steps)
     if steps is not None:
-        raise UserError(f"steps={steps}: only a DiffEqFormer has a grid to change; {type(model).__name__} has fixed layers")
+        raise UserError(
+            f"steps={steps}: only a DiffEqFormer has a grid to change; {type(model).__name__} has fixed layers"
+        )
     if isinstance(model, ParallelLMHeadModel):
         return ParallelDecoder(model)
     if hasattr(model, "decode") and hasattr(model, "initial_cache"):

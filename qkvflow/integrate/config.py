@@ -60,4 +60,3 @@ class OdeConfig:
     @property
     def is_adaptive(self) -> bool:
         return self.solver in ADAPTIVE_BY_DEFAULT if self.adaptive is None else self.adaptive
-

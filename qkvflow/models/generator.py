@@ -70,8 +70,14 @@ class HyperGenerator(eqx.Module):
             std = matrix_std(spec, config) if spec.kind == "matrix" else 0.0
             offset = 1.0 if spec.kind == "norm" else 0.0
             weights[name] = TimeDependentWeight.init(
-                spec.axes, embedding.TimeFeature, d, std=std, own_mlp=own, offset=offset,
-                normalise=config.time_embed_norm, key=k,
+                spec.axes,
+                embedding.TimeFeature,
+                d,
+                std=std,
+                own_mlp=own,
+                offset=offset,
+                normalise=config.time_embed_norm,
+                key=k,
             )
         generator = HyperGenerator(embedding, shared_mlp, weights)
         return generator._normalise_init(specs)

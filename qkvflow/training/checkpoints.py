@@ -135,7 +135,9 @@ def restore_error(checkpoint: str, error: BaseException, advice: str = TRAIN_ADV
             f"checkpoint {checkpoint!r}: array {_names('', [array])[0]} cannot be read, {part} is "
             f"damaged ({_first_line(ocdbt.group(3), error)}); {advice}"
         )
-    damaged = re.search(r"[\"']((?:file://)?" + re.escape(checkpoint.rstrip("/")) + r"/[^\"']+)[\"'][:;,]?\s*(.*)", message)
+    damaged = re.search(
+        r"[\"']((?:file://)?" + re.escape(checkpoint.rstrip("/")) + r"/[^\"']+)[\"'][:;,]?\s*(.*)", message
+    )
     if damaged:
         file = damaged.group(1).removeprefix("file://")
         relative = os.path.relpath(file, checkpoint)

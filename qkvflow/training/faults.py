@@ -178,7 +178,9 @@ def _read_metadata(fs, path: str) -> Optional[dict]:
         if _step_and_time(metadata) is not None:
             return metadata
         problem = "has no integer `step` and ISO-format `timestamp`"
-    raise UnreadableCheckpoint(f"checkpoint {path}: its metadata.json {problem}; its arrays may be complete, so it was not removed")
+    raise UnreadableCheckpoint(
+        f"checkpoint {path}: its metadata.json {problem}; its arrays may be complete, so it was not removed"
+    )
 
 
 def _step_and_time(metadata) -> Optional[tuple]:
@@ -282,7 +284,7 @@ class Injection:
             return None
         step, _, target = spec.partition(":")
         if target.startswith("grad:"):
-            target = target[len("grad:"):]
+            target = target[len("grad:") :]
         elif target != "loss":
             raise ValueError(f"{INJECT_ENV}={spec!r}: expected 'K:loss' or 'K:grad:NAME'")
         return Injection(int(step), target)
@@ -311,7 +313,9 @@ def _format(value: float) -> str:
     return f"{value:.4f}" if np.isfinite(value) else str(value)
 
 
-def describe_nonfinite(model, loss: float, grads_finite, step: int, total: int, names: Optional[list[str]] = None) -> str:
+def describe_nonfinite(
+    model, loss: float, grads_finite, step: int, total: int, names: Optional[list[str]] = None
+) -> str:
     """One line: which step, and where the non-finite values first appeared (parameters, then the
     loss, then the gradients). Run only when a step fired: it reads every parameter once."""
     where = f"step {step}/{total}"
@@ -383,7 +387,9 @@ def guard_nonfinite(inner: optax.GradientTransformation, inject: Optional[Inject
         if inject is not None and inject.target != "loss":
             when = state.count == inject.step - 1
             leaves, treedef = jax.tree_util.tree_flatten(grads)
-            leaves = [jnp.where(when & (inject.target in n), jnp.nan, 1.0).astype(g.dtype) * g for n, g in zip(names, leaves)]
+            leaves = [
+                jnp.where(when & (inject.target in n), jnp.nan, 1.0).astype(g.dtype) * g for n, g in zip(names, leaves)
+            ]
             grads = jax.tree_util.tree_unflatten(treedef, leaves)
         flags = jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree_util.tree_leaves(grads)])
         finite = jnp.all(flags)

@@ -137,7 +137,9 @@ def _is_ode_config(model_config) -> bool:
 
 def check_values(config: FinetuneConfig) -> None:
     if config.model is not None:
-        raise UserError("model is invalid here: the model comes from pretrained.config_path (remove the `model` section)")
+        raise UserError(
+            "model is invalid here: the model comes from pretrained.config_path (remove the `model` section)"
+        )
     if isinstance(config.steps, bool) or not isinstance(config.steps, int) or config.steps < 1:
         raise UserError(f"steps={config.steps!r} is invalid: expected an integer >= 1 (the number of layers M)")
     if config.solver not in SOLVERS:
@@ -156,7 +158,9 @@ def check_values(config: FinetuneConfig) -> None:
     if not os.path.isfile(p.config_path):
         raise UserError(f"pretrained.config_path={p.config_path!r}: file does not exist")
     if not p.checkpoint:
-        raise UserError("pretrained.checkpoint is missing: expected the ODE run's checkpoint folder (checkpoints/<run_id>)")
+        raise UserError(
+            "pretrained.checkpoint is missing: expected the ODE run's checkpoint folder (checkpoints/<run_id>)"
+        )
     if levanter.checkpoint.discover_latest_checkpoint(p.checkpoint) is None:
         raise UserError(
             f"pretrained.checkpoint={p.checkpoint!r}: no checkpoint found (expected checkpoints/<run_id>[/step-N])"
@@ -348,14 +352,27 @@ def _finetune(config: FinetuneConfig, preemption: faults.Preemption, cleanup: co
     Pos = model_config.max_Pos
     flops = model_config.flops_per_token(len(tokenizer), Pos.size) if hasattr(model_config, "flops_per_token") else None
     run = loop.Run(
-        config, "qkvflow finetune", Pos, model=model, is_trainable=is_trainable, flops_per_token=flops,
+        config,
+        "qkvflow finetune",
+        Pos,
+        model=model,
+        is_trainable=is_trainable,
+        flops_per_token=flops,
         eval_before=config.eval_before,
     )
     del model
-    print(f"fine-tuning ({config.finetune}) the {ode.config.ode.num_steps}-step ODE model as {config.steps} layers", flush=True)
+    print(
+        f"fine-tuning ({config.finetune}) the {ode.config.ode.num_steps}-step ODE model as {config.steps} layers",
+        flush=True,
+    )
     loss_fn = functools.partial(lm_loss, z_loss_weight=config.z_loss_weight)
     summary, state = loop.train_run(run, loss_fn, tokenizer, preemption, inject)
-    summary = {"method": config.finetune, "steps_M": config.steps, "pretrained_steps_N": ode.config.ode.num_steps, **summary}
+    summary = {
+        "method": config.finetune,
+        "steps_M": config.steps,
+        "pretrained_steps_N": ode.config.ode.num_steps,
+        **summary,
+    }
     summary.setdefault("trainable_parameter_count", summary.get("parameter_count"))
     if "run_id" not in summary:  # stopped before the trainer started
         return summary
@@ -475,10 +492,17 @@ def export(config: FinetuneConfig, model, base, tokenizer, run_id: str, summary:
         with outputs.replacing(path, kind=HF_KIND, key="export.hf_dir", protect=protect) as folder:
             save_hf_folder(out, folder, tokenizer=tokenizer, ode_steps=ode_steps)
         summary["hf_dir"] = path
-        what = "the discretised base model" if lora and not e.merged else "the fine-tuned model" + (" (merged)" if lora else "")
+        what = (
+            "the discretised base model"
+            if lora and not e.merged
+            else "the fine-tuned model" + (" (merged)" if lora else "")
+        )
         print(f"wrote {what} (Hugging Face format) to {path}", flush=True)
     if e.peft_dir is not None and config.finetune != "lora":
-        print("export.peft_dir: no adapter to write (finetune: full); the fine-tuned model is in export.hf_dir", flush=True)
+        print(
+            "export.peft_dir: no adapter to write (finetune: full); the fine-tuned model is in export.hf_dir",
+            flush=True,
+        )
     elif e.peft_dir is not None:
         from levanter.adaptor.lora import save_peft_pretrained
 

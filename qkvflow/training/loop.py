@@ -111,7 +111,13 @@ def make_evaluator(trainer: Trainer, config, eval_sets, tokenizer):
     t = config.trainer
     max_examples = None if t.max_eval_batches is None else t.max_eval_batches * t.eval_batch_size
     return levanter.eval.TaggedEvaluator(
-        t.EvalBatch, eval_sets, eval_losses(t.mp), tokenizer, trainer.device_mesh, trainer.compute_axis_mapping, max_examples
+        t.EvalBatch,
+        eval_sets,
+        eval_losses(t.mp),
+        tokenizer,
+        trainer.device_mesh,
+        trainer.compute_axis_mapping,
+        max_examples,
     )
 
 
@@ -159,7 +165,9 @@ def progress_hook(summary: dict, total_steps: int, log_every: int, tokens_per_st
 
 def _duration(seconds: float) -> str:
     seconds = int(round(seconds))
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    return (
+        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    )
 
 
 @dataclasses.dataclass
@@ -180,7 +188,9 @@ class Run:
     eval_before: bool = False
 
 
-def train_run(run: Run, loss_fn, tokenizer, preemption: faults.Preemption, inject=None, resume_from=None) -> tuple[dict, object]:
+def train_run(
+    run: Run, loss_fn, tokenizer, preemption: faults.Preemption, inject=None, resume_from=None
+) -> tuple[dict, object]:
     """Train `run` to `trainer.num_train_steps` (or `stop_after`, or a preemption). Returns the summary
     and the final trainer state (None if no state exists, e.g. stopped before the first step)."""
     config, t = run.config, run.config.trainer
@@ -276,10 +286,15 @@ def train_run(run: Run, loss_fn, tokenizer, preemption: faults.Preemption, injec
             raise
         if info is None:
             if preemption.requested:
-                print(f"{run.verb}: stopped by {preemption.signal_name} before the first step; nothing to save", file=sys.stderr)
+                print(
+                    f"{run.verb}: stopped by {preemption.signal_name} before the first step; nothing to save",
+                    file=sys.stderr,
+                )
                 summary.update(steps=start, preempted=True, stopped_by=preemption.signal_name)
                 return summary, state
-            raise UserError(f"{run.verb}: the training data yielded no batch (expected at least {t.train_batch_size} sequences)")
+            raise UserError(
+                f"{run.verb}: the training data yielded no batch (expected at least {t.train_batch_size} sequences)"
+            )
         trainer.run_hooks(info, force=True)
         checkpointer.wait_until_finished()
         summary["steps"] = int(info.step) + 1

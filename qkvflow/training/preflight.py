@@ -123,7 +123,7 @@ def _check_file_head(key: str, path: str, text_key: str) -> None:
         text = decoder.decode(head, final=len(head) < HEAD_BYTES)
     except UnicodeDecodeError as e:
         raise UserError(
-            f"{key}: file {path!r} is not UTF-8 text (byte {e.start}: {head[e.start:e.start + 1]!r}); "
+            f"{key}: file {path!r} is not UTF-8 text (byte {e.start}: {head[e.start : e.start + 1]!r}); "
             f"expected UTF-8 text in {FORMAT_NAMES} files"
         ) from None
     if not text.strip():
@@ -137,7 +137,9 @@ def _check_file_head(key: str, path: str, text_key: str) -> None:
         try:
             record = json.loads(first)
         except json.JSONDecodeError as e:
-            raise UserError(f"{key}: file {path!r} line 1 is not JSON ({e.msg}); expected one JSON object per line") from None
+            raise UserError(
+                f"{key}: file {path!r} line 1 is not JSON ({e.msg}); expected one JSON object per line"
+            ) from None
         _check_record(key, path, 1, record, text_key)
 
 
@@ -145,7 +147,7 @@ def _check_record(key: str, path: str, line: int, record, text_key: str) -> None
     if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
         raise UserError(
             f"{key}: file {path!r} line {line} has no string field {text_key!r} "
-            f"(expected objects like {{\"{text_key}\": \"...\"}}; {key.split('.source.')[0]}.format.text_key names the field)"
+            f'(expected objects like {{"{text_key}": "..."}}; {key.split(".source.")[0]}.format.text_key names the field)'
         )
 
 
@@ -166,8 +168,12 @@ def _check_jsonl_lines(key: str, path: str, text_key: str) -> None:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                what = "is blank" if not line.strip() else f"is not JSON ({e.msg.removesuffix(' at')} at column {e.colno})"
-                raise UserError(f"{key}: file {path!r} line {number} {what}; expected one JSON object per line") from None
+                what = (
+                    "is blank" if not line.strip() else f"is not JSON ({e.msg.removesuffix(' at')} at column {e.colno})"
+                )
+                raise UserError(
+                    f"{key}: file {path!r} line {number} {what}; expected one JSON object per line"
+                ) from None
             _check_record(key, path, number, record, text_key)
 
 
@@ -207,7 +213,9 @@ def _check_url_files(data, name: str, component, text_key: str) -> bool:
                 if not os.path.exists(path):
                     raise UserError(f"{where}: file {path!r} does not exist (expected a {FORMAT_NAMES} file)")
                 if os.path.isdir(path):
-                    raise UserError(f"{where}: {path!r} is a folder (expected a {FORMAT_NAMES} file, or a glob like {path}/*.jsonl)")
+                    raise UserError(
+                        f"{where}: {path!r} is a folder (expected a {FORMAT_NAMES} file, or a glob like {path}/*.jsonl)"
+                    )
                 _check_format(where, path, text_key)
                 if os.path.getsize(path) == 0:
                     raise UserError(f"{where}: file {path!r} is empty (expected at least one document)")
@@ -290,7 +298,9 @@ def check_values(config) -> None:
 
     t = config.trainer
     if t.id is not None and (not t.id or any(c in t.id for c in "/\\") or t.id != t.id.strip() or " " in t.id):
-        raise UserError(f"trainer.id={t.id!r} is invalid: expected a name without '/', '\\' or spaces (it names folders)")
+        raise UserError(
+            f"trainer.id={t.id!r} is invalid: expected a name without '/', '\\' or spaces (it names folders)"
+        )
     _positive("trainer.num_train_steps", t.num_train_steps)
     if isinstance(t.train_batch_size, int):
         _positive("trainer.train_batch_size", t.train_batch_size)
@@ -305,7 +315,9 @@ def check_values(config) -> None:
             _positive(f"trainer.{key}", value)
     for i, policy in enumerate(t.checkpointer.keep):
         if not isinstance(policy, dict) or "every" not in policy or set(policy) - {"every", "until"}:
-            raise UserError(f"trainer.checkpointer.keep[{i}]={policy!r} is invalid: expected {{every: N}} or {{every: N, until: M}}")
+            raise UserError(
+                f"trainer.checkpointer.keep[{i}]={policy!r} is invalid: expected {{every: N}} or {{every: N, until: M}}"
+            )
         _positive(f"trainer.checkpointer.keep[{i}].every", policy["every"])
         _positive(f"trainer.checkpointer.keep[{i}].until", policy.get("until"), allow_none=True)
     _positive("log_every", config.log_every)
@@ -441,7 +453,8 @@ def _shape_hint(leaf, stored, Vocab) -> str:
             "corpus.vocab_size) differs from the one the checkpoint was trained with"
         )
     return "; " + ", ".join(
-        f"{a.name}={n} in the checkpoint vs {a.size} here" + (f" (set by {AXIS_KEYS[a.name]})" if a.name in AXIS_KEYS else "")
+        f"{a.name}={n} in the checkpoint vs {a.size} here"
+        + (f" (set by {AXIS_KEYS[a.name]})" if a.name in AXIS_KEYS else "")
         for a, n in differ
     )
 

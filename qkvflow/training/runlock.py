@@ -45,7 +45,7 @@ class RunLock:
             logger.info(f"{self.run_path} is remote: no run lock (two runs with this id would share its folders)")
             return self
         if self.run_path.startswith("file://"):
-            self.path = os.path.join(self.run_path[len("file://"):], LOCK_FILE)
+            self.path = os.path.join(self.run_path[len("file://") :], LOCK_FILE)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)

@@ -52,7 +52,10 @@ def announce_corpus(config) -> None:
     """Say which corpus is prepared (building it trains a tokenizer); printed before JAX starts, so by
     every process."""
     if config.corpus is not None:
-        print(f"preparing corpus {config.corpus.name} in {os.path.join(config.corpus.root, config.corpus.name)} ...", flush=True)
+        print(
+            f"preparing corpus {config.corpus.name} in {os.path.join(config.corpus.root, config.corpus.name)} ...",
+            flush=True,
+        )
 
 
 def _initialize(config: TrainConfig) -> Optional[RunLock]:
@@ -90,7 +93,9 @@ class _ConsoleFilter(logging.Filter):
     lines (cache loading, tracing, checkpoint commits) and its benign warnings still go to the log file."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.ERROR or (record.levelno >= logging.WARNING and record.name.startswith("qkvflow"))
+        return record.levelno >= logging.ERROR or (
+            record.levelno >= logging.WARNING and record.name.startswith("qkvflow")
+        )
 
 
 def quiet_console(verbose: bool) -> None:

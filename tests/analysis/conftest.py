@@ -68,6 +68,7 @@ def gpt2_run(tmp_path_factory, corpus_root):
 
     from qkvflow.training.config import TrainConfig
     from qkvflow.training.session import with_corpus
+
     workdir = tmp_path_factory.mktemp("gpt2_run")
     config_path = _write_config(workdir / "gpt2.yaml", corpus_root, GPT2_YAML)
     config = draccus.parse(TrainConfig, config_path=config_path, args=[])

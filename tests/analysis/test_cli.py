@@ -72,7 +72,10 @@ def test_clusters_command(tmp_path, capsys):
 BAD = [
     (["--text", ""], "lyapunov: --text is empty"),
     (["--text", "   \n"], "lyapunov: --text is empty"),
-    (["--text", " ".join(["word"] * 13)], "is {n} tokens long, more than the model's max_seq_len of 12"),  # >= 13 tokens
+    (
+        ["--text", " ".join(["word"] * 13)],
+        "is {n} tokens long, more than the model's max_seq_len of 12",
+    ),  # >= 13 tokens
     (["--text", "x", "--steps", "0"], "--steps 0 is invalid"),
 ]
 
@@ -103,7 +106,10 @@ def test_an_unwritable_output_is_refused_before_the_analysis(tmp_path, capsys, m
 
     monkeypatch.setattr(qkvflow.analysis.clusters, "analyze_clusters", lambda *a, **k: pytest.fail("ran the analysis"))
     (tmp_path / "file.txt").write_text("x")
-    for output, reason in [("/proc/qkvflow-test/analysis", "cannot be written"), (str(tmp_path / "file.txt"), "is a file")]:
+    for output, reason in [
+        ("/proc/qkvflow-test/analysis", "cannot be written"),
+        (str(tmp_path / "file.txt"), "is a file"),
+    ]:
         assert cli.main(["analyze", "clusters", "--output", output]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith(f"qkvflow analyze: error: --output={output!r} {reason}"), err

@@ -101,7 +101,7 @@ def test_llama_grouped_query_heads_are_numbered_as_levanter_flattens_them(scan_l
     O = np.hstack([O0, np.zeros((D, E))])  # noqa: E741 (the paper's name for the output map)
     a = attn(model)
     q, k, v, o = a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight
-    names = lambda w: [a.name for a in w.axes][len(lead):]  # noqa: E731
+    names = lambda w: [a.name for a in w.axes][len(lead) :]  # noqa: E731
     assert names(q) == ["kv_head", "q_heads_per_group", "head_size", "embed"]
     assert names(o) == ["embed", "heads", "head_size"]
     model = eqx.tree_at(

@@ -37,7 +37,18 @@ def tiny_config(tmp_path):
 
 def test_speed_json_has_consistent_positive_numbers(tiny_config, tmp_path, capsys):
     out = tmp_path / "speed.json"
-    argv = ["--config_path", tiny_config, "--repeats", "3", "--warmup", "1", "--json_out", str(out), "--peak-flops", "1e12"]
+    argv = [
+        "--config_path",
+        tiny_config,
+        "--repeats",
+        "3",
+        "--warmup",
+        "1",
+        "--json_out",
+        str(out),
+        "--peak-flops",
+        "1e12",
+    ]
     assert speed.main(argv) == 0
     result = json.loads(out.read_text())
     assert json.loads(capsys.readouterr().out) == result  # stdout: the same one JSON object
@@ -83,14 +94,35 @@ def test_nominal_peaks_come_from_levanters_table():
 
     assert device_flops_for_jax_device("NVIDIA H100 80GB HBM3", "bf16") == pytest.approx(989.5e12)
     assert device_flops_for_jax_device("NVIDIA H200", "bf16") == pytest.approx(989.5e12)
-    assert device_flops_for_jax_device("NVIDIA H100 80GB HBM3", "tf32") == pytest.approx(494.5e12)  # f32 at DEFAULT precision
+    assert device_flops_for_jax_device("NVIDIA H100 80GB HBM3", "tf32") == pytest.approx(
+        494.5e12
+    )  # f32 at DEFAULT precision
     assert device_flops_for_jax_device("cpu", "bf16") is None
 
 
 def _scaling(tiny_config, tmp_path, values, variants):
-    code = cli.main(["bench", "scaling", "--what", "steps", "--config_path", tiny_config, "--values", values,
-                     "--variants", variants, "--checkpoints", "1", "--repeats", "1", "--warmup", "0",
-                     "--out_dir", str(tmp_path)])
+    code = cli.main(
+        [
+            "bench",
+            "scaling",
+            "--what",
+            "steps",
+            "--config_path",
+            tiny_config,
+            "--values",
+            values,
+            "--variants",
+            variants,
+            "--checkpoints",
+            "1",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--out_dir",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     with open(tmp_path / "scaling_steps.csv") as f:
         return list(csv.DictReader(f))
@@ -114,9 +146,20 @@ def test_scaling_sweeps_every_variant_and_value(tiny_config, tmp_path):
 
 
 def test_quality_table_lists_every_model():
-    result = {"iters": 5, "max_eval_batches": 1, "models": {
-        name: {"label": quality.LABELS[name], "val_loss": 3.0 + i, "train_loss": 3.5, "parameter_count": 10,
-               "wall_s": 1.0} for i, name in enumerate(quality.MODELS)}}
+    result = {
+        "iters": 5,
+        "max_eval_batches": 1,
+        "models": {
+            name: {
+                "label": quality.LABELS[name],
+                "val_loss": 3.0 + i,
+                "train_loss": 3.5,
+                "parameter_count": 10,
+                "wall_s": 1.0,
+            }
+            for i, name in enumerate(quality.MODELS)
+        },
+    }
     table = quality.markdown(result)
     for name in quality.MODELS:
         assert quality.LABELS[name] in table
@@ -128,12 +171,30 @@ def test_quality_grid_reports_each_models_best_learning_rate(monkeypatch, tmp_pa
 
     def fake_train_one(name, args, workdir, learning_rate=None):
         val = losses[(name, learning_rate)]
-        return {"label": quality.LABELS[name], "val_loss": val, "train_loss": val, "parameter_count": 1,
-                "wall_s": 1.0, "learning_rate": learning_rate}
+        return {
+            "label": quality.LABELS[name],
+            "val_loss": val,
+            "train_loss": val,
+            "parameter_count": 1,
+            "wall_s": 1.0,
+            "learning_rate": learning_rate,
+        }
 
     monkeypatch.setattr(quality, "train_one", fake_train_one)
-    code = cli.main(["bench", "quality", "--models", "ode,gpt2", "--learning_rates", "1e-3,2e-3",
-                     "--out_dir", str(tmp_path), "--workdir", str(tmp_path / "work")])
+    code = cli.main(
+        [
+            "bench",
+            "quality",
+            "--models",
+            "ode,gpt2",
+            "--learning_rates",
+            "1e-3,2e-3",
+            "--out_dir",
+            str(tmp_path),
+            "--workdir",
+            str(tmp_path / "work"),
+        ]
+    )
     assert code == 0
     result = json.loads((tmp_path / "quality.json").read_text())
     assert result["models"]["ode"]["learning_rate"] == 2e-3 and result["models"]["ode"]["val_loss"] == 1.9
@@ -149,8 +210,20 @@ def test_quality_never_reuses_or_removes_an_existing_checkpoint(monkeypatch, tmp
     (run / "step-100").mkdir(parents=True)
     (run / "step-100" / "metadata.json").write_text("{}")
     monkeypatch.setattr(quality, "train_one", lambda *a, **k: pytest.fail("trained"))
-    code = cli.main(["bench", "quality", "--models", "ode,gpt2", "--learning_rates", "1e-3,2e-3",
-                     "--out_dir", str(tmp_path), "--workdir", str(tmp_path / "work")])
+    code = cli.main(
+        [
+            "bench",
+            "quality",
+            "--models",
+            "ode,gpt2",
+            "--learning_rates",
+            "1e-3,2e-3",
+            "--out_dir",
+            str(tmp_path),
+            "--workdir",
+            str(tmp_path / "work"),
+        ]
+    )
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
     assert f"--workdir {tmp_path / 'work'} already holds {run}" in err
@@ -163,8 +236,22 @@ def test_quality_trains_each_model_a_few_steps(tmp_path):
         "QKVFLOW_SHARED_DIR"
     ):
         pytest.skip("tinyshakespeare source not available")
-    code = cli.main(["bench", "quality", "--iters", "5", "--max_eval_batches", "1", "--corpus_root",
-                     str(tmp_path / "corpora"), "--out_dir", str(tmp_path), "--workdir", str(tmp_path / "work")])
+    code = cli.main(
+        [
+            "bench",
+            "quality",
+            "--iters",
+            "5",
+            "--max_eval_batches",
+            "1",
+            "--corpus_root",
+            str(tmp_path / "corpora"),
+            "--out_dir",
+            str(tmp_path),
+            "--workdir",
+            str(tmp_path / "work"),
+        ]
+    )
     assert code == 0
     result = json.loads((tmp_path / "quality.json").read_text())
     assert set(result["models"]) == set(quality.MODELS)
@@ -185,7 +272,10 @@ def test_quality_trains_each_model_a_few_steps(tmp_path):
         (["bench", "speed", "--config_path", "{gpt2}"], "model.type must be an ODE model"),
         (["bench", "speed", "--config_path", "{tiny}", "--batch", "0"], "--batch=0 is invalid"),
         (["bench", "speed"], "--config_path"),
-        (["bench", "speed", "--config_path", "{old}"], "model.seq_len was removed in marin-levanter; use model.max_seq_len"),
+        (
+            ["bench", "speed", "--config_path", "{old}"],
+            "model.seq_len was removed in marin-levanter; use model.max_seq_len",
+        ),
         (["bench", "speed", "--config_path", "{tiny}", "--peak-flops", "0"], "--peak-flops=0.0 is invalid"),
     ],
 )

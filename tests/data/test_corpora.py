@@ -170,7 +170,7 @@ def test_levanter_reads_pydoc_offline(pydoc: PreparedCorpus, tmp_path: Path) -> 
 
     root = str(Path(pydoc.tokenizer).parents[1])  # the fixture's corpus root (a cache hit below)
     config = with_corpus(TrainConfig(data=LmDataConfig(shuffle=False), corpus=CorpusConfig(name="pydoc", root=root)))
-    (name, component), = config.data.components.items()
+    ((name, component),) = config.data.components.items()
     assert name == "pydoc" and isinstance(component.source, UrlDatasetSourceConfig)
     assert component.source.train_urls == list(pydoc.train_urls)
     assert component.source.validation_urls == list(pydoc.validation_urls)

@@ -49,6 +49,7 @@ def test_split_is_disjoint_complete_and_about_the_fraction(dataset_dir: str) -> 
     assert len(everything) == N_DOCS
     assert not set(train) & set(validation)
     assert sorted(train + validation) == sorted(everything)
+
     # The rule of the module docstring, written out: exactly these documents are held out.
     def held_out(text: str) -> bool:
         digest = hashlib.blake2b(f"0:{text}".encode("utf-8"), digest_size=8).digest()

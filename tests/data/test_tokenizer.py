@@ -36,7 +36,9 @@ def _sample_text(seed: int, lines: int) -> str:
     rng = random.Random(seed)
     out = []
     for _ in range(lines):
-        out.append(" ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 12))) + rng.choice(["\n", "\n", ".\n", "\t;\r\n"]))
+        out.append(
+            " ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 12))) + rng.choice(["\n", "\n", ".\n", "\t;\r\n"])
+        )
     return "".join(out)
 
 
@@ -126,7 +128,10 @@ def test_bpe_is_lossless_on_any_utf8_and_has_the_asked_vocabulary(sample: dict) 
     assert _gpt2_byte_symbols() <= set(tok.get_vocab())  # every byte can be written
     rng = random.Random(7)
     surrogates = range(0xD800, 0xE000)
-    randoms = ["".join(chr(c) for c in rng.choices([c for c in range(0x110000) if c not in surrogates][::97], k=60)) for _ in range(20)]
+    randoms = [
+        "".join(chr(c) for c in rng.choices([c for c in range(0x110000) if c not in surrogates][::97], k=60))
+        for _ in range(20)
+    ]
     validation = _jsonl(sample["bpe"] / "validation.jsonl")  # not seen by the BPE trainer
     for text in ANY_UTF8 + randoms + validation:
         ids = tok(text, add_special_tokens=False)["input_ids"]
@@ -156,14 +161,18 @@ def test_char_tokenizer_is_the_sorted_alphabet_and_round_trips(sample: dict, tmp
     for doc in docs:
         ids = tok(doc, add_special_tokens=False)["input_ids"]
         assert ids == [chars.index(c) for c in doc] and tok.decode(ids) == doc
-    with pytest.raises(Exception, match="Missing \\[UNK\\] token"):  # outside the alphabet: an error, never a silent token
+    with pytest.raises(
+        Exception, match="Missing \\[UNK\\] token"
+    ):  # outside the alphabet: an error, never a silent token
         tok("Z" if "Z" not in chars else "\u2603", add_special_tokens=False)
 
     # A text without a space still gets " " (Levanter writes `text + " " + eos`); vocab_size is a cap.
     (tmp_path / "nospace.txt").write_text("日本語\n", encoding="utf-8")
     for cap in (None, 6, 99):
         out = tmp_path / f"cap{cap}"
-        build_tokenizer_folder([str(tmp_path / "nospace.txt")], str(out), kind="char", vocab_size=cap, validation_fraction=0)
+        build_tokenizer_folder(
+            [str(tmp_path / "nospace.txt")], str(out), kind="char", vocab_size=cap, validation_fraction=0
+        )
         vocab = AutoTokenizer.from_pretrained(str(out)).get_vocab()
         assert vocab == {"\n": 0, " ": 1, "日": 2, "本": 3, "語": 4, EOS: 5}
 
@@ -179,7 +188,14 @@ def test_documents_split_and_jsonl_follow_the_documented_rule(sample: dict) -> N
         sources = json.loads((folder / "sources.json").read_text())
         assert (sources["train_documents"], sources["validation_documents"]) == (len(docs) - len(held), len(held))
         assert json.loads((folder / MARKER).read_text())["files"] == sorted(
-            ["sources.json", "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json", "train.jsonl", "validation.jsonl"]
+            [
+                "sources.json",
+                "special_tokens_map.json",
+                "tokenizer.json",
+                "tokenizer_config.json",
+                "train.jsonl",
+                "validation.jsonl",
+            ]
         )
 
 
@@ -187,7 +203,13 @@ def test_same_files_give_a_byte_identical_tokenizer(sample: dict, tmp_path: Path
     for kind, folder in (("bpe", sample["bpe"]), ("char", sample["char"])):
         again = tmp_path / kind
         _build(sample["files"], again, kind=kind, vocab_size=VOCAB if kind == "bpe" else None)
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "train.jsonl", "validation.jsonl"):
+        for name in (
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "special_tokens_map.json",
+            "train.jsonl",
+            "validation.jsonl",
+        ):
             assert (again / name).read_bytes() == (folder / name).read_bytes(), (kind, name)
     # (another process, with other hash seeds: the end-to-end test below compares its CLI build too)
 
@@ -304,13 +326,17 @@ def test_own_text_trains_offline_end_to_end(sample: dict, tmp_path: Path) -> Non
     """`qkvflow tokenizer` then `qkvflow train --config_path configs/own_text.yaml` (its default paths),
     each in a fresh process with the Hugging Face hub switched off; a tiny model, 4 steps."""
     env = train_env(1, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONPATH=str(ROOT))
-    run = lambda *a: subprocess.run([sys.executable, "-m", "qkvflow", *a], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)  # noqa: E731
+    run = lambda *a: subprocess.run(
+        [sys.executable, "-m", "qkvflow", *a], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )  # noqa: E731
     made = run("tokenizer", "--files", *sample["files"], "--text_key", "body", "--vocab_size", str(VOCAB),
                "--chunk_chars", str(CHUNK), "--validation_fraction", str(FRACTION), "--output", "cache/own_text")  # fmt: skip
     assert made.returncode == 0, made.stderr
     assert made.stdout.splitlines()[-1] == "next: qkvflow train --config_path configs/own_text.yaml"
     folder = tmp_path / "cache" / "own_text"
-    assert (folder / "tokenizer.json").read_bytes() == (sample["bpe"] / "tokenizer.json").read_bytes()  # another process
+    assert (folder / "tokenizer.json").read_bytes() == (
+        sample["bpe"] / "tokenizer.json"
+    ).read_bytes()  # another process
 
     tiny = ["--model.hidden_dim", "32", "--model.num_heads", "2", "--model.max_seq_len", "32", "--model.time_embed_dim", "8",
             "--model.num_frequencies", "16", "--model.ode.num_steps", "2", "--trainer.num_train_steps", "4",
@@ -340,5 +366,13 @@ def test_command_line_forms_and_a_config_file_give_the_same_output(sample: dict,
     assert (tmp_path / "from_yaml" / "tokenizer.json").read_bytes() == (sample["bpe"] / "tokenizer.json").read_bytes()
     rc, out, _ = _tokenizer_cli(capsys, "--help")
     assert rc == 0 and out.startswith("usage: qkvflow tokenizer --files A.txt B.jsonl --output DIR")
-    for option in ("--files", "--output", "--vocab_size", "--kind", "--text_key", "--validation_fraction", "--overwrite"):
+    for option in (
+        "--files",
+        "--output",
+        "--vocab_size",
+        "--kind",
+        "--text_key",
+        "--validation_fraction",
+        "--overwrite",
+    ):
         assert f"\n  {option} " in out

@@ -41,7 +41,10 @@ def test_a_baseline_is_evaluated_and_refuses_solver_grids(gpt2_run, capfd):
     for flag, value in (("--steps", "2,4"), ("--solver", "rk4"), ("--tolerances", "1e-3")):
         assert cli_main(["eval", "--config_path", config, "--checkpoint", checkpoint, flag, value]) == 2
         err = capfd.readouterr().err.strip()
-        assert err == f"qkvflow eval: error: {flag}: model.type=gpt2 has a fixed depth; solver grids apply to DiffEqFormer checkpoints"
+        assert (
+            err
+            == f"qkvflow eval: error: {flag}: model.type=gpt2 has a fixed depth; solver grids apply to DiffEqFormer checkpoints"
+        )
 
 
 def test_a_finetune_config_is_refused_in_one_line(gpt2_run, capfd):

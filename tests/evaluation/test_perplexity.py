@@ -23,13 +23,19 @@ def shared(tmp_path_factory):
 
 
 def _eval(capsys, corpora, checkpoint, *extra, config_path=TINY_TRAIN):
-    rc = cli_main(["eval", "--config_path", config_path, "--corpus.root", str(corpora), "--checkpoint", str(checkpoint), *extra])
+    rc = cli_main(
+        ["eval", "--config_path", config_path, "--corpus.root", str(corpora), "--checkpoint", str(checkpoint), *extra]
+    )
     out, err = capsys.readouterr()
     return rc, out, err
 
 
 def _rows(out: str) -> list[list[str]]:
-    return [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| ") and "solver" not in line]
+    return [
+        [c.strip() for c in line.strip("|").split("|")]
+        for line in out.splitlines()
+        if line.startswith("| ") and "solver" not in line
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +131,9 @@ def test_outputs_table_plot_and_overwrite_rules(shared, depth_run, capsys):
     table = _rows(stdout)
     assert [r[:2] for r in table] == [["euler", "N=1"], ["euler", "N=2 (trained)"], ["tsit5", "tol=0.01"]]
     assert table[1][4] == f"{result['rows'][1]['perplexity']:.2f}"
-    assert (out_dir / "depth.md").read_text().strip() == "\n".join(line for line in stdout.splitlines() if line.startswith("|"))
+    assert (out_dir / "depth.md").read_text().strip() == "\n".join(
+        line for line in stdout.splitlines() if line.startswith("|")
+    )
     corpora, pretrained = shared
     rc, _, err = _eval(capsys, corpora, pretrained, "--output", str(out_dir))
     assert rc == 2 and "pass --overwrite" in err and len(err.strip().splitlines()) == 1

@@ -225,7 +225,9 @@ def test_generate_a_left_padded_batch_token_for_token_as_jax(runs, exported, kin
     ids = torch.tensor([[pad] * (longest - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        generated = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=pad)
+        generated = hf.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=pad
+        )
         logits = hf(input_ids=ids, attention_mask=mask).logits.numpy()
     assert generated[:, longest:].tolist() == references
     # and the logits at the real positions are each prompt's own, to float32 round-off (argmax alone can
@@ -330,7 +332,9 @@ def test_bad_input_is_refused_with_one_line(runs, tmp_path, capsys, corpus_root)
     assert "export needs a DiffEqFormer checkpoint; got model.type=gpt2" in err
     parallel = tmp_path / "parallel.yaml"
     parallel.write_text(f"corpus:\n  name: pydoc\n  root: {corpus_root}\nmodel:\n  type: parallel_gpt2\n")
-    err = _refused(capsys, ["--config_path", str(parallel), "--checkpoint", checkpoint, "--output", str(tmp_path / "d")])
+    err = _refused(
+        capsys, ["--config_path", str(parallel), "--checkpoint", checkpoint, "--output", str(tmp_path / "d")]
+    )
     assert "got model.type=parallel_gpt2" in err
     err = _refused(capsys, [*args[:2], "--checkpoint", gpt2_checkpoint, "--output", str(tmp_path / "c")])
     assert "does not hold a DiffEqFormerGpt2Config model" in err
@@ -354,7 +358,9 @@ def test_a_damaged_checkpoint_is_named_in_one_line(runs, tmp_path, capsys):
         os.truncate(damaged, damaged.stat().st_size // 2)
         from qkvflow.cli import main
 
-        rc = main(["export", "--config_path", config_path, "--checkpoint", str(copy), "--output", str(tmp_path / f"o{i}")])
+        rc = main(
+            ["export", "--config_path", config_path, "--checkpoint", str(copy), "--output", str(tmp_path / f"o{i}")]
+        )
         err = capsys.readouterr().err
         if rc == 0:  # a file that holds only what the model does not read (none here holds optimizer state)
             continue

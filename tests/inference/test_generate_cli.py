@@ -21,7 +21,16 @@ def run_dir(tmp_path_factory, corpus_root):
 
 
 def args(corpus_root, checkpoint, *extra):
-    return ["generate", "--config_path", TINY, "--corpus.root", str(corpus_root), "--checkpoint", str(checkpoint), *extra]
+    return [
+        "generate",
+        "--config_path",
+        TINY,
+        "--corpus.root",
+        str(corpus_root),
+        "--checkpoint",
+        str(checkpoint),
+        *extra,
+    ]
 
 
 def one_error_line(capsys, argv, expected):
@@ -34,14 +43,18 @@ def one_error_line(capsys, argv, expected):
 def test_bad_input_is_one_line(capsys, corpus_root, tmp_path):
     missing = tmp_path / "none"
     one_error_line(capsys, args(corpus_root, missing, "--prompt", ""), "--prompt is empty")
-    one_error_line(capsys, args(corpus_root, missing, "--prompt", "x", "--temperature", "-0.5"), "temperature=-0.5 is invalid")
+    one_error_line(
+        capsys, args(corpus_root, missing, "--prompt", "x", "--temperature", "-0.5"), "temperature=-0.5 is invalid"
+    )
     one_error_line(
         capsys,
         args(corpus_root, missing, "--prompt", "x", "--model.ode.solver", "dopri5"),
         "model.ode.solver=dopri5 is adaptive: KV-cached decoding needs a fixed-step solver",
     )
     long_prompt = "word " * 40
-    one_error_line(capsys, args(corpus_root, missing, "--prompt", long_prompt), "more than the model's context max_seq_len=32")
+    one_error_line(
+        capsys, args(corpus_root, missing, "--prompt", long_prompt), "more than the model's context max_seq_len=32"
+    )
 
 
 def test_greedy_cli_equals_uncached_argmax(capsys, corpus_root, run_dir):

@@ -19,7 +19,9 @@ def test_greedy_from_a_lora_checkpoint(tmp_path_factory, capfd):
     corpora, pretrained = shared_setup(tmp_path_factory)
     workdir = tmp_path_factory.mktemp("ft_generate")
     args = base_args(workdir, corpora, pretrained)
-    config = draccus.parse(FinetuneConfig, config_path=TINY_FINETUNE, args=[*args[2:], "--trainer.num_train_steps", "2"])
+    config = draccus.parse(
+        FinetuneConfig, config_path=TINY_FINETUNE, args=[*args[2:], "--trainer.num_train_steps", "2"]
+    )
     summary = finetune(config)
     trained = summary["model"]  # the fine-tuned model in memory, LoRA modules unmerged: the reference
 

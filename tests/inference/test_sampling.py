@@ -73,6 +73,8 @@ def test_more_prompts_than_engine_slots_are_all_decoded(decoder):
     from qkvflow.inference.generate import EngineSizes
 
     wide = run(decoder, max_new_tokens=6)
-    narrow = generate(None, TOK, PROMPTS, SamplingOptions(max_new_tokens=6), decoder=decoder, sizes=EngineSizes(max_seqs=1))
+    narrow = generate(
+        None, TOK, PROMPTS, SamplingOptions(max_new_tokens=6), decoder=decoder, sizes=EngineSizes(max_seqs=1)
+    )
     assert [x.tokens for x in narrow] == [x.tokens for x in wide]
     assert all(len(x.tokens) == 6 for x in narrow)

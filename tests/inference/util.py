@@ -70,7 +70,7 @@ def greedy_reference(model, prompt: list[int], new: int, context: int = CONTEXT)
         top2 = np.sort(last)[-2:]
         margin = min(margin, float(top2[1] - top2[0]) / float(np.abs(last).max()))
         tokens.append(int(np.argmax(last)))
-    return tokens[len(prompt):], margin
+    return tokens[len(prompt) :], margin
 
 
 def round_off(nfe: int, hidden: int, scale: float) -> float:

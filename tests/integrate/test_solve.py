@@ -23,7 +23,9 @@ def field(t, y, args):
 
 
 def solve(solver, n, **kwargs):
-    y1, energy, stats = integrate(field, jnp.ones((), jnp.float64), None, OdeConfig(num_steps=n, solver=solver), **kwargs)
+    y1, energy, stats = integrate(
+        field, jnp.ones((), jnp.float64), None, OdeConfig(num_steps=n, solver=solver), **kwargs
+    )
     return y1, energy, stats
 
 

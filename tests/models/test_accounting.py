@@ -28,12 +28,16 @@ def test_parameter_slope_and_paper_table6():
 def test_describe_counts_baselines_and_flops():
     from levanter.models.gpt2 import Gpt2Config
 
-    gpt = describe(DescribeConfig(model=Gpt2Config(max_seq_len=64, hidden_dim=128, num_heads=4, num_layers=4), vocab_size=65))
+    gpt = describe(
+        DescribeConfig(model=Gpt2Config(max_seq_len=64, hidden_dim=128, num_heads=4, num_layers=4), vocab_size=65)
+    )
     # 4 layers of 12*h^2 + biases/norms 13h, plus embeddings and final norm
     h = 128
     expected = 4 * (12 * h * h + 13 * h) + 65 * h + 64 * h + 2 * h
     assert gpt["total_params"] == expected and gpt["hypernetwork_params"] == 0
-    ode = describe(DescribeConfig(model=DiffEqFormerGpt2Config(max_seq_len=64, hidden_dim=128, num_heads=4), vocab_size=65))
+    ode = describe(
+        DescribeConfig(model=DiffEqFormerGpt2Config(max_seq_len=64, hidden_dim=128, num_heads=4), vocab_size=65)
+    )
     assert ode["ode_evaluations"] == 12
     # same field cost per evaluation as a GPT layer: FLOPs scale with evaluations, not parameters
     per_layer = (gpt["forward_flops_per_token"] - 2 * h * 65) / 4

@@ -89,9 +89,15 @@ def llama_field(w, x, eps, heads):
 def generated_weights(model, t):
     """W(t) as plain arrays laid out (in, out): matrices (embed, heads, head_size), (heads, head_size, embed), ..."""
     layouts = {
-        "q": ("embed", "heads", "head_size"), "k": ("embed", "heads", "head_size"), "v": ("embed", "heads", "head_size"),
-        "o": ("heads", "head_size", "embed"), "w1": ("embed", "mlp"), "w2": ("mlp", "embed"),
-        "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
+        "q": ("embed", "heads", "head_size"),
+        "k": ("embed", "heads", "head_size"),
+        "v": ("embed", "heads", "head_size"),
+        "o": ("heads", "head_size", "embed"),
+        "w1": ("embed", "mlp"),
+        "w2": ("mlp", "embed"),
+        "w_gate": ("embed", "mlp"),
+        "w_up": ("embed", "mlp"),
+        "w_down": ("mlp", "embed"),
     }
     out = {}
     for name, w in model.generator(t).items():

@@ -103,7 +103,9 @@ def test_gradients_match_across_adjoints(other):
     model = smooth_model(config)
     ids = random_tokens(config)
     ref = _grads(model, ids)
-    alt_model = dataclasses.replace(model, _config=dataclasses.replace(config, ode=dataclasses.replace(ode, adjoint=other)))
+    alt_model = dataclasses.replace(
+        model, _config=dataclasses.replace(config, ode=dataclasses.replace(ode, adjoint=other))
+    )
     alt = _grads(alt_model, ids)
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(ref))
     assert _relative_difference(ref, alt) < (1e-5 if other == "direct" else 1e-3)
@@ -135,7 +137,9 @@ def test_kinetic_energy_is_integral_of_squared_speed():
     x, energy = model.embed(ids, pos), 0.0
     tokens = x.size // config.hidden_dim
     for k in range(n):
-        dx = model.field.vector_field(model.generator(k / n), x, config=config, mask=AttentionMask.causal(), pos_ids=pos)
+        dx = model.field.vector_field(
+            model.generator(k / n), x, config=config, mask=AttentionMask.causal(), pos_ids=pos
+        )
         energy += float(jnp.sum(dx.array**2)) / tokens / n
         x = x + dx / n
     _, solved_energy, _ = model.flow(ids)

@@ -63,7 +63,9 @@ def test_adam_moves_w_by_order_lr_at_any_d_emb():
 
 def test_normalised_embedding_has_unit_rms_and_defines_w():
     emb = SinusoidalTimeEmbedding.init(8)
-    w = TimeDependentWeight.init((A, B), emb.TimeFeature, 6, std=0.1, own_mlp=True, normalise=True, key=jrandom.PRNGKey(0))
+    w = TimeDependentWeight.init(
+        (A, B), emb.TimeFeature, 6, std=0.1, own_mlp=True, normalise=True, key=jrandom.PRNGKey(0)
+    )
     s = emb(0.4)
     e = np.asarray(hax.nn.silu(w.mlp(s)).array)
     e_hat = e / np.sqrt(np.mean(e**2) + 1e-6)

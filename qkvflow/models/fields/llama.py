@@ -1,6 +1,6 @@
 """Llama flavour: RMSNorm, SwiGLU feed-forward, rotary positions inside attention.
 
-    dx/dt = O(t) Attn_rope(RMS_a(x; t)) + W_down(t) (silu(W_gate(t) m) * W_up(t) m),   m = RMS_m(x; t)
+dx/dt = O(t) Attn_rope(RMS_a(x; t)) + W_down(t) (silu(W_gate(t) m) * W_up(t) m),   m = RMS_m(x; t)
 """
 
 import haliax.nn as hnn
