@@ -91,9 +91,7 @@ class OdeDecoder(_Decoder):
                     if a_ij != 0.0:
                         y = y + a_ij * k_j
                 weights = jax.tree_util.tree_map(
-                    lambda w: w["ode_time", stage.time_index],
-                    self.table,
-                    is_leaf=hax.is_named_array,  # noqa: B023
+                    lambda w, i=stage.time_index: w["ode_time", i], self.table, is_leaf=hax.is_named_array
                 )
                 attend = PagedAttend(caches[layer], batch_info)
                 f = model.field.vector_field(weights, y, config=config, mask=None, pos_ids=pos_ids, attend_fn=attend)

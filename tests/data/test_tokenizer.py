@@ -326,9 +326,11 @@ def test_own_text_trains_offline_end_to_end(sample: dict, tmp_path: Path) -> Non
     """`qkvflow tokenizer` then `qkvflow train --config_path configs/own_text.yaml` (its default paths),
     each in a fresh process with the Hugging Face hub switched off; a tiny model, 4 steps."""
     env = train_env(1, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONPATH=str(ROOT))
-    run = lambda *a: subprocess.run(
-        [sys.executable, "-m", "qkvflow", *a], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )  # noqa: E731
+
+    def run(*a):
+        command = [sys.executable, "-m", "qkvflow", *a]
+        return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
     made = run("tokenizer", "--files", *sample["files"], "--text_key", "body", "--vocab_size", str(VOCAB),
                "--chunk_chars", str(CHUNK), "--validation_fraction", str(FRACTION), "--output", "cache/own_text")  # fmt: skip
     assert made.returncode == 0, made.stderr
