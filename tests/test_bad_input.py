@@ -682,13 +682,12 @@ UNWRITABLE = [
 
 @pytest.mark.parametrize("args,message", [c[1:] for c in UNWRITABLE], ids=[c[0] for c in UNWRITABLE])
 def test_unwritable_outputs_are_refused_before_any_work(world, corpus_root, capsys, monkeypatch, args, message):
-    import qkvflow.cli.train
     import qkvflow.training.session
 
     def tripwire(config):
         raise Tripwire("an unwritable output reached the corpus or JAX's initialisation")
 
-    monkeypatch.setattr(qkvflow.cli.train, "with_corpus", tripwire)
+    monkeypatch.setattr(qkvflow.training.session, "with_corpus", tripwire)
     monkeypatch.setattr(qkvflow.training.session, "_initialize", tripwire)
     monkeypatch.chdir(world)
 

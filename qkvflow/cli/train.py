@@ -21,20 +21,15 @@ import os
 import signal
 import sys
 
-import haliax.partitioning
 import jax
 import jax.random as jrandom
 import levanter
 import levanter.tracker
-from haliax import Axis
-from haliax.partitioning import round_axis_for_partitioning
 
-from qkvflow.errors import UserError
 from qkvflow.plotting import plot_loss_curve
-from qkvflow.training import faults, loop, preflight
+from qkvflow.training import faults, loop, preflight, session
 from qkvflow.training.config import TrainConfig
 from qkvflow.training.loss import lm_loss
-from qkvflow.training.session import announce_corpus, initialize, with_corpus
 from qkvflow.training.tracking import metrics_file
 
 logger = logging.getLogger("qkvflow.cli.train")
@@ -49,21 +44,8 @@ def train(config: TrainConfig) -> dict:
 
 def _train(config: TrainConfig, preemption: faults.Preemption, cleanup: contextlib.ExitStack) -> dict:
     preflight.check_outputs(config)  # before the corpus, the tokenizer and Levanter start
-    announce_corpus(config)
-    config = with_corpus(config)
-    preflight.check(config)
-    tokenizer = preflight.load_tokenizer(config.data)
-    try:
-        inject = faults.Injection.from_env()
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    initialize(config, cleanup)
+    config, tokenizer, inject, Vocab = session.start(config, cleanup)
     t = config.trainer
-    with haliax.partitioning.set_mesh(t.device_mesh):
-        Vocab = round_axis_for_partitioning(Axis("vocab", len(tokenizer)), t.parameter_axis_mapping)
-    if t.load_checkpoint_path is None:  # this run's own folder: drop writes a kill interrupted
-        checkpointer = t.checkpointer
-        faults.remove_incomplete_checkpoints(checkpointer.expanded_path(t.id), checkpointer.delete_old_temp_checkpoints)
     resume_from = preflight.check_resume(config, Vocab)
     model_key = jrandom.split(jrandom.PRNGKey(t.seed), 4)[2]
     Pos = config.model.max_Pos

@@ -42,7 +42,6 @@ import levanter
 import levanter.checkpoint
 import levanter.tracker
 from haliax import Axis
-from haliax.partitioning import round_axis_for_partitioning
 from levanter.adaptor.lora import LoraConfig, lora_trainable_params_filter, loraize, merge_lora_modules
 from levanter.models.lm_model import LmConfig
 
@@ -313,28 +312,15 @@ def finetune(config: FinetuneConfig) -> dict:
 
 
 def _finetune(config: FinetuneConfig, preemption: faults.Preemption, cleanup: contextlib.ExitStack) -> dict:
-    from qkvflow.training.session import announce_corpus, initialize, with_corpus
+    from qkvflow.training import session
 
     preflight.check_outputs(config)  # the write probes first: before any work
     check_exports(config)
     check_values(config)
     pretrained = load_pretrained_config(config)
     check_pretrained_checkpoint(config, pretrained)
-    announce_corpus(config)
-    config = with_corpus(config)
-    preflight.check(config)
-    tokenizer = preflight.load_tokenizer(config.data)
-    try:
-        inject = faults.Injection.from_env()
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    initialize(config, cleanup)
+    config, tokenizer, inject, Vocab = session.start(config, cleanup)
     t = config.trainer
-    with haliax.partitioning.set_mesh(t.device_mesh):
-        Vocab = round_axis_for_partitioning(Axis("vocab", len(tokenizer)), t.parameter_axis_mapping)
-    if t.load_checkpoint_path is None:
-        checkpointer = t.checkpointer
-        faults.remove_incomplete_checkpoints(checkpointer.expanded_path(t.id), checkpointer.delete_old_temp_checkpoints)
 
     ode, base = load_base(config, pretrained, tokenizer, Vocab)
     lora = config.finetune == "lora"

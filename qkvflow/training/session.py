@@ -11,10 +11,11 @@ import contextlib
 import dataclasses
 import logging
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import levanter
+from haliax import Axis
 
 from qkvflow.errors import UserError
 from qkvflow.training import preflight
@@ -151,3 +152,40 @@ def initialize(config: TrainConfig, cleanup: contextlib.ExitStack) -> None:
     lock = _initialize(config)
     if lock is not None:
         cleanup.callback(lock.release)
+
+
+class Started(NamedTuple):
+    config: TrainConfig
+    """The config with `data` pointed at the prepared corpus (if it names one)."""
+    tokenizer: object
+    injection: object
+    """`faults.Injection` from the environment (test-only fault injection; None when unset)."""
+    Vocab: Axis
+    """The vocabulary axis, rounded up for the parameter mapping."""
+
+
+def start(config: TrainConfig, cleanup: contextlib.ExitStack) -> Started:
+    """What every training verb does after its own checks and before building a model: prepare the corpus,
+    run the config checks, load the tokenizer, read the fault-injection spec, initialise (processes, Levanter,
+    the run lock held until `cleanup` closes), and, for a run in its own folder, drop the checkpoint writes a
+    kill interrupted."""
+    from haliax.partitioning import round_axis_for_partitioning, set_mesh
+
+    from qkvflow.training import faults
+
+    announce_corpus(config)
+    config = with_corpus(config)
+    preflight.check(config)
+    tokenizer = preflight.load_tokenizer(config.data)
+    try:
+        injection = faults.Injection.from_env()
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    initialize(config, cleanup)
+    t = config.trainer
+    with set_mesh(t.device_mesh):
+        Vocab = round_axis_for_partitioning(Axis("vocab", len(tokenizer)), t.parameter_axis_mapping)
+    if t.load_checkpoint_path is None:  # this run's own folder: drop writes a kill interrupted
+        checkpointer = t.checkpointer
+        faults.remove_incomplete_checkpoints(checkpointer.expanded_path(t.id), checkpointer.delete_old_temp_checkpoints)
+    return Started(config, tokenizer, injection, Vocab)

@@ -10,14 +10,14 @@ import dataclasses
 import pytest
 from levanter.layers.rotary import DefaultRotaryEmbeddingsConfig
 from levanter.utils.activation import ActivationFunctionEnum
-from qkvflow.models.config import (
+
+from qkvflow.integrate.config import OdeConfig
+from qkvflow.models.diffeqformer import (
     DiffEqFormerGpt2Config,
     DiffEqFormerLlamaConfig,
     SharedOdeGpt2Config,
     SharedOdeLlamaConfig,
 )
-
-from qkvflow.integrate.config import OdeConfig
 
 COMMON = {
     "max_seq_len": 1024,
