@@ -72,7 +72,7 @@ class FinetuneGenerateConfig(FinetuneConfig, GenerateOptions):
 def _is_finetune_config(path: Optional[str]) -> bool:
     import yaml
 
-    from qkvflow.cli import _readable_config
+    from qkvflow.configfile import _readable_config
 
     if path is None:
         return False
