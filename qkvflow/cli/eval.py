@@ -129,11 +129,14 @@ def evaluate(config: EvalConfig, config_path: Optional[str] = None) -> dict:
         "config_path": config_path,
         "model_type": type(config.model).__name__,
     }
+    if not config.data.build_caches("validation"):  # tokenized on the first evaluation of this data
+        raise UserError("data has no validation set: expected validation_urls (or a corpus) in the data config")
+    # Outside the mesh, as training builds it (qkvflow.training.loop.make_evaluator): inside it, Levanter's
+    # tagged dataset commits its tag arrays to the mesh's devices, and its loader's host-side batching
+    # (one-CPU mesh) then refuses them on any mesh of more than one device, or of a GPU.
+    evaluator = perplexity.make_evaluator(config, config.model.max_Pos, config.data.the_tokenizer)
     with haliax.partitioning.set_mesh(t.device_mesh), hax.axis_mapping(t.parameter_axis_mapping):
         model = hax.shard(model, t.parameter_axis_mapping)  # onto the trainer's mesh, as training holds it
-        if not config.data.build_caches("validation"):  # tokenized on the first evaluation of this data
-            raise UserError("data has no validation set: expected validation_urls (or a corpus) in the data config")
-        evaluator = perplexity.make_evaluator(config, config.model.max_Pos, config.data.the_tokenizer)
         counts = perplexity.count_targets(evaluator, hf_tokenizer)
         rows = []
         for point in grid or [None]:

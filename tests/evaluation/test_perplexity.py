@@ -72,6 +72,32 @@ def test_at_the_trained_grid_eval_equals_the_runs_own_eval_loss(shared, depth_ru
     assert trained[0]["perplexity"] == pytest.approx(math.exp(run_loss), rel=32 * EPS32)
 
 
+def test_on_two_devices_eval_equals_the_runs_own_eval_loss(shared, tmp_path):
+    """`qkvflow eval` on a mesh of two devices (found on an H100, where the loader's one-CPU batching met
+    tag arrays committed to the GPU mesh): with 4 examples per device the evaluator scores the run's 8
+    evaluation examples, and the loss equals the run's to round-off of a mean over 8 x 32 targets whose
+    two per-device partial sums are added in another order (log2(256) = 8 eps per reassociation; 32 eps)."""
+    import os
+    import subprocess
+    import sys
+
+    from qkvflow.training.tracking import metrics_file, read_metrics
+
+    corpora, pretrained = shared
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    out = tmp_path / "depth"
+    proc = subprocess.run(
+        [sys.executable, "-m", "qkvflow", "eval", "--config_path", TINY_TRAIN, "--corpus.root", str(corpora),
+         "--checkpoint", str(pretrained), "--trainer.per_device_eval_parallelism", "4", "--output", str(out)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = read_metrics(metrics_file(str(pretrained.parent.parent / "runs"), "tiny"))
+    run_loss = [steps[s]["eval/loss"] for s in sorted(steps) if "eval/loss" in steps[s]][-1]
+    (row,) = json.loads((out / "depth.json").read_text())["rows"]
+    assert row["loss"] == pytest.approx(run_loss, rel=32 * EPS32, abs=0)
+
+
 def test_each_row_is_the_models_loss_at_its_grid_from_its_own_logits(shared, depth_run):
     """Reference from the definition: the mean over weighted positions of -log softmax(logits)[next
     token], with logits of the model at that grid, on the evaluator's batches; bpb = nats / (ln 2 bytes)."""
