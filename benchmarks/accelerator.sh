@@ -92,9 +92,12 @@ elif [ -z "$EXTRA" ]; then
         die "no accelerator found (no nvidia-smi GPU, no /dev/accel0): pass --extra gpu|tpu, or --cpu-dry-run"
     fi
 fi
+# The accelerator first (jax's default backend), and the CPU beside it: Levanter's data loader batches on
+# a one-CPU mesh and Haliax converts state dicts to numpy through the CPU backend (export), so a run
+# with the accelerator alone fails there ("Unknown backend cpu", seen on an H100).
 case "$EXTRA" in
-    gpu) export JAX_PLATFORMS=cuda ;;
-    tpu) export JAX_PLATFORMS=tpu ;;
+    gpu) export JAX_PLATFORMS=cuda,cpu ;;
+    tpu) export JAX_PLATFORMS=tpu,cpu ;;
     cpu) export JAX_PLATFORMS=cpu ;;
     *) die "--extra must be gpu or tpu, got '$EXTRA'" ;;
 esac
