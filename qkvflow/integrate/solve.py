@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import OdeConfig
-from .solvers import SOLVERS, evaluations
+from .solvers import SOLVERS, CountingController, evaluations
 
 
 class OdeStats(NamedTuple):
@@ -72,7 +72,7 @@ def integrate(
         state0 = (y0, jnp.zeros((), jnp.float32))
 
     if config.is_adaptive:
-        controller = dfx.PIDController(rtol=config.rtol, atol=config.atol)
+        controller = CountingController(dfx.PIDController(rtol=config.rtol, atol=config.atol))
         max_steps = config.max_steps
     else:
         controller = dfx.ConstantStepSize()
@@ -86,14 +86,15 @@ def integrate(
         dt0=dt0,
         y0=state0,
         args=args,
-        saveat=dfx.SaveAt(t1=True),
+        saveat=dfx.SaveAt(t1=True, controller_state=config.is_adaptive),
         stepsize_controller=controller,
         adjoint=build_adjoint(config),
         max_steps=max_steps,
     )
     final = jax.tree_util.tree_map(lambda a: a[-1], solution.ys)
     num_steps = solution.stats["num_steps"]
-    stats = OdeStats(num_steps=num_steps, nfe=evaluations(solver, num_steps))
+    leading = solution.controller_state[2] if config.is_adaptive else 0
+    stats = OdeStats(num_steps=num_steps, nfe=evaluations(solver, num_steps, leading))
     if tokens is None:
         return final, None, stats
     return final[0], final[1], stats

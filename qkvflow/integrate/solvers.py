@@ -4,9 +4,10 @@ All are diffrax explicit Runge-Kutta methods. diffrax ships no classical fourth-
 `RK4` below supplies its Butcher tableau (Kutta, 1901): c = (0, 1/2, 1/2, 1), b = (1/6, 1/3, 1/3, 1/6).
 """
 
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import diffrax as dfx
+import jax.numpy as jnp
 import numpy as np
 
 _rk4_tableau = dfx.ButcherTableau(
@@ -52,16 +53,52 @@ def stage_offsets(solver: dfx.AbstractSolver) -> tuple[float, ...]:
     return (0.0, *(float(c) for c in tableau.c))
 
 
-def evaluations(solver: dfx.AbstractSolver, num_steps):
+def evaluations(solver: dfx.AbstractSolver, num_steps, leading_rejections=0):
     """Vector-field evaluations used by `num_steps` steps (accepted and rejected alike).
 
     First-same-as-last methods (Tsit5, Dopri5) reuse the last stage of a step as the first of the
-    next, so they pay one extra evaluation at the start and one fewer per step.
+    next, so they pay one fewer evaluation per step, plus the first stage of every attempt at the
+    first step: 1 + `leading_rejections` (rejected attempts before the first accepted step, which
+    `CountingController` records; diffrax re-evaluates f(t0, y0) until a step is accepted).
     """
     tableau = getattr(solver, "tableau", None)
     if tableau is None:
         return num_steps
     stages = len(tableau.b_sol)
     if tableau.fsal:
-        return 1 + num_steps * (stages - 1)
+        return 1 + leading_rejections + num_steps * (stages - 1)
     return num_steps * stages
+
+
+class CountingController(dfx.AbstractAdaptiveStepSizeController):
+    """`inner` (a PIDController), also counting the rejected attempts before the first accepted step.
+
+    diffrax's statistics give accepted and rejected steps, but not when a rejection happened; a
+    first-same-as-last solver pays one more evaluation for each rejection of its first step (see
+    `evaluations`). The controller's state, unlike the solver's, survives rejected steps, so it can
+    keep the count: state = (inner state, a step was accepted, leading rejections).
+    """
+
+    inner: dfx.PIDController
+    rtol: float
+    atol: float
+    norm: Callable
+
+    def __init__(self, inner: dfx.PIDController):
+        self.inner = inner
+        self.rtol, self.atol, self.norm = inner.rtol, inner.atol, inner.norm
+
+    def wrap(self, direction):
+        return CountingController(self.inner.wrap(direction))
+
+    def init(self, terms, t0, t1, y0, dt0, args, func, error_order):
+        tnext, state = self.inner.init(terms, t0, t1, y0, dt0, args, func, error_order)
+        return tnext, (state, jnp.asarray(False), jnp.asarray(0, jnp.int32))
+
+    def adapt_step_size(self, t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state):
+        state, accepted, leading = controller_state
+        keep, next_t0, next_t1, made_jump, state, result = self.inner.adapt_step_size(
+            t0, t1, y0, y1_candidate, args, y_error, error_order, state
+        )
+        leading = leading + jnp.where(accepted | keep, 0, 1).astype(jnp.int32)
+        return keep, next_t0, next_t1, made_jump, (state, accepted | keep, leading), result

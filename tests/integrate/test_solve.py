@@ -57,3 +57,40 @@ def test_kinetic_energy_is_the_integral_of_the_squared_speed():
     _, energy, _ = solve("rk4", 64, tokens=1)
     # the energy rate is accumulated in float32 (qkvflow.integrate.solve): a few ulps of float32
     np.testing.assert_allclose(float(energy), exact, rtol=8 * np.finfo(np.float32).eps)
+
+
+def test_kinetic_energy_is_the_mean_over_tokens():
+    """Two token states y0 = (1, 2) of the same ODE: the rate is the squared speed summed over tokens
+    and divided by their number, so E = (1 + 4) / 2 times the one-token integral above."""
+    t = np.linspace(0.0, 1.0, 200_001)
+    integrand = np.exp(2 * np.sin(t)) * np.cos(t) ** 2
+    one_token = float(np.sum((integrand[1:] + integrand[:-1]) / 2) * (t[1] - t[0]))
+    y0 = jnp.array([1.0, 2.0], jnp.float64)
+    _, energy, _ = integrate(field, y0, None, OdeConfig(num_steps=64, solver="rk4"), tokens=2)
+    np.testing.assert_allclose(float(energy), 2.5 * one_token, rtol=8 * np.finfo(np.float32).eps)
+
+
+@pytest.mark.parametrize("solver, tol", [("tsit5", 1e-9), ("dopri5", 1e-9), ("heun", 1e-6)])
+def test_adaptive_solves_count_every_evaluation_the_solver_made(solver, tol):
+    """`stats.nfe` against a counter the field itself bumps at run time (a host callback), over an
+    adaptive solve whose first step (dt0 = 1/2) is too long, so that it is rejected before one is
+    accepted: first-same-as-last methods (Tsit5, Dopri5: 7 stages) then evaluate f(t0, y0) again at
+    each attempt, more than 1 + steps x 6; Heun pays 2 per step, rejected or not."""
+    import jax
+
+    calls = []
+
+    def counted(t, y, args):
+        jax.debug.callback(lambda: calls.append(1))
+        return field(t, y, args)
+
+    config = OdeConfig(num_steps=2, solver=solver, adaptive=True, rtol=tol, atol=tol, max_steps=4096)
+    y1, _, stats = integrate(counted, jnp.ones((), jnp.float64), None, config)
+    jax.block_until_ready(y1)
+    steps = int(stats.num_steps)
+    assert int(stats.nfe) == len(calls)
+    if solver == "heun":
+        assert len(calls) == 2 * steps
+    else:
+        assert len(calls) > 1 + 6 * steps  # the scenario this test is for: a rejected first step
+    assert abs(float(y1) - EXACT) < 100 * tol
