@@ -94,3 +94,34 @@ def test_adaptive_solves_count_every_evaluation_the_solver_made(solver, tol):
     else:
         assert len(calls) > 1 + 6 * steps  # the scenario this test is for: a rejected first step
     assert abs(float(y1) - EXACT) < 100 * tol
+
+
+def _one_step_by_hand(solver: str, h: float = 1.0, y0: float = 1.0) -> float:
+    """One step of each method from its textbook formula (Butcher, "Numerical Methods for ODEs", 2016)."""
+
+    def f(t, y):
+        return y * math.cos(t)
+
+    k1 = f(0.0, y0)
+    if solver == "euler":
+        return y0 + h * k1
+    if solver == "heun":  # trapezoidal predictor-corrector
+        k2 = f(h, y0 + h * k1)
+        return y0 + h * (k1 + k2) / 2
+    if solver == "midpoint":
+        return y0 + h * f(h / 2, y0 + h / 2 * k1)
+    if solver == "ralston":  # minimum-error second-order method
+        k2 = f(2 * h / 3, y0 + 2 * h / 3 * k1)
+        return y0 + h * (k1 / 4 + 3 * k2 / 4)
+    k2 = f(h / 2, y0 + h / 2 * k1)  # classical RK4
+    k3 = f(h / 2, y0 + h / 2 * k2)
+    k4 = f(h, y0 + h * k3)
+    return y0 + h * (k1 + 2 * k2 + 2 * k3 + k4) / 6
+
+
+@pytest.mark.parametrize("solver", list(ORDER))
+def test_one_step_is_the_methods_own_formula(solver):
+    """Methods of the same order share a convergence rate but not their step: one step of h = 1 equals
+    the method's formula to float64 round-off (a few ulp of the O(1) result)."""
+    y1, _, _ = solve(solver, 1)
+    assert float(y1) == pytest.approx(_one_step_by_hand(solver), rel=8 * np.finfo(np.float64).eps, abs=0)
