@@ -13,6 +13,13 @@ WEIGHT_CACHES = ("precompute", "on_the_fly")
 
 @dataclass(frozen=True)
 class OdeConfig:
+    """How `integrate` solves dx/dt = F(W(t), x) over t in [0, 1]: which diffrax solver, fixed or
+    adaptive steps, which adjoint differentiates the solve, and how W(t) reaches the field.
+
+    The paper's DiffEqFormer uses Euler with N equal steps (N = the baseline's layer count). Every
+    value is checked when the config is made; a bad one raises a one-line `UserError` naming the key.
+    """
+
     num_steps: int = 12
     """N: fixed step size dt = 1/N (the paper matches N to the baseline's layer count); for an
     adaptive solver, the size of the first step tried."""
@@ -59,4 +66,5 @@ class OdeConfig:
 
     @property
     def is_adaptive(self) -> bool:
+        """Whether steps are chosen by the PID controller (`adaptive`, or by default for tsit5/dopri5)."""
         return self.solver in ADAPTIVE_BY_DEFAULT if self.adaptive is None else self.adaptive

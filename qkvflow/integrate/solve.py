@@ -23,6 +23,9 @@ from .solvers import SOLVERS, CountingController, evaluations
 
 
 class OdeStats(NamedTuple):
+    """What a solve cost, from diffrax's statistics (per call, so per batch when the batch is solved
+    as one state)."""
+
     num_steps: jax.Array
     """Steps taken, rejected ones included."""
     nfe: jax.Array
@@ -30,10 +33,14 @@ class OdeStats(NamedTuple):
 
 
 def build_solver(config: OdeConfig) -> dfx.AbstractSolver:
+    """The diffrax solver named by `config.solver` (see `qkvflow.integrate.solvers.SOLVERS`)."""
     return SOLVERS[config.solver]()
 
 
 def build_adjoint(config: OdeConfig) -> dfx.AbstractAdjoint:
+    """The diffrax adjoint for `config.adjoint`: discretise-then-optimise with checkpoints
+    (`RecursiveCheckpointAdjoint`, K = `checkpoints`, or every step of a fixed grid), `DirectAdjoint`,
+    or the continuous adjoint (`BacksolveAdjoint`, Chen et al. 2018) with the forward solver."""
     if config.adjoint == "recursive_checkpoint":
         checkpoints = config.checkpoints
         if checkpoints is None and not config.is_adaptive:

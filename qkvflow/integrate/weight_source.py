@@ -32,12 +32,20 @@ def evaluation_times(config: OdeConfig) -> Optional[np.ndarray]:
 
 
 class WeightSource(eqx.Module):
+    """W(t) for the vector field: `source(t)` is the generator's weights at t.
+
+    On a fixed grid (`times` set) t is snapped to the nearest grid time, then read from `table`
+    (precompute) or generated there (on_the_fly); with an adaptive solver (`times` None) the generator
+    is called at the solver's own t. Built by `WeightSource.build(generator, ode_config)`.
+    """
+
     generator: eqx.Module
     times: Optional[jax.Array]
     table: Optional[dict]
 
     @staticmethod
     def build(generator, config: OdeConfig) -> "WeightSource":
+        """The source for `config`'s grid and weight cache."""
         times = evaluation_times(config)
         if times is None:
             return WeightSource(generator, None, None)
