@@ -24,6 +24,9 @@ from qkvflow.integrate.weight_source import generate_batched
 
 @dataclass(frozen=True)
 class AttentionCircuits:
+    """The attention weights Q, K, V, O of a model at each depth (ODE time t or layer), split by head,
+    for the circuit analyses."""
+
     depth: np.ndarray
     """[depth] the times t, or the layer indices 0..L-1."""
     depth_label: str

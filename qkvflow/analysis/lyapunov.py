@@ -39,6 +39,9 @@ from qkvflow.errors import UserError
 
 @dataclass(frozen=True)
 class TokenLyapunov:
+    """Finite-time Lyapunov exponents of one target token's final state with respect to every input
+    token's initial state, with the Euler trajectory they were computed along."""
+
     exponents: np.ndarray
     """[tokens, embed] lambda_{i,m} for the target token."""
     trajectory: np.ndarray

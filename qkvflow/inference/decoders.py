@@ -58,6 +58,10 @@ class _Decoder(eqx.Module):
 
 
 class OdeDecoder(_Decoder):
+    """A DiffEqFormer as a model of `levanter.inference`: each vector-field evaluation of its fixed-step
+    solve (every stage of every step, at its time t_k) is a layer with its own key/value cache, and
+    `decode` runs the solver's Runge-Kutta combinations over those layers (`schedule.Schedule`)."""
+
     model: DiffEqFormerLMHeadModel
     """The model with `config.model.ode.num_steps` set to the decoding grid N'."""
     table: dict
@@ -104,6 +108,9 @@ class OdeDecoder(_Decoder):
 
 
 class ParallelDecoder(_Decoder):
+    """A discrete parallel-block model (`ParallelLMHeadModel`) as a model of `levanter.inference`: one
+    key/value cache per block."""
+
     model: ParallelLMHeadModel
 
     def initial_cache(self, spec, *, dtype) -> ListCache:

@@ -24,6 +24,9 @@ HEADS, KV_HEAD, GROUP = "heads", "kv_head", "q_heads_per_group"
 
 
 class PagedAttend:
+    """The attention step of a decoder with Levanter's paged key/value cache: appends this call's keys
+    and values to `cache` (kept on the object for the caller to read back), then attends over them."""
+
     def __init__(self, cache: KvPageCache, batch_info: PageBatchInfo):
         self.cache = cache
         self.batch_info = batch_info

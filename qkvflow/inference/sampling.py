@@ -20,6 +20,9 @@ def top_k_mask(logits: jax.Array, k: int) -> jax.Array:
 
 
 class TopKSampler(Sampler):
+    """Levanter's `Sampler` (temperature, top-p) with the logits outside each row's `top_k` largest set
+    to -inf first."""
+
     top_k: int = eqx.field(static=True)
 
     def __init__(self, Vocab, top_k: int):

@@ -27,6 +27,9 @@ from qkvflow.integrate.weight_source import evaluation_times
 
 
 class Stage(NamedTuple):
+    """One stage of one explicit Runge-Kutta step: which weight-table time it evaluates at, and how it
+    combines the step's earlier increments."""
+
     time_index: int
     """Index of t_{n,i} in `evaluation_times(config)` (the rows of the weight table)."""
     a: tuple[float, ...]
@@ -34,6 +37,9 @@ class Stage(NamedTuple):
 
 
 class Schedule(NamedTuple):
+    """A fixed-step solve laid out as layers: step size h, the stages of every step, and the weights b
+    of the step's final combination x + h sum_i b_i k_i."""
+
     h: float
     stages: tuple[tuple[Stage, ...], ...]
     """stages[n][i]: step n, stage i."""

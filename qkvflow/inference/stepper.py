@@ -26,6 +26,9 @@ def _decode(decoder, cache, state: DecodeState, tokens, pos_ids):
 
 
 class CachedStepper:
+    """One sequence decoded incrementally through a decoder's `decode` and a one-slot paged cache: each
+    call appends tokens and returns their logits (the cached path that tests compare with full logits)."""
+
     def __init__(self, decoder, max_len: int, *, page_size: int = 8, dtype=jnp.float32):
         pages = -(-max_len // page_size)
         table = PageTable.init(pages, 1, page_size, pages)

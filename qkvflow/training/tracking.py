@@ -20,6 +20,9 @@ from levanter.tracker.tracker import TrackerConfig
 
 
 class JsonlTracker(Tracker):
+    """A Levanter tracker that appends one JSON record per line to `file`: offline, readable, and
+    safe to append to after a resume (a line cut short by a kill never swallows the next record)."""
+
     name: str = "jsonl"
 
     def __init__(self, file: str):
@@ -62,6 +65,8 @@ class JsonlTracker(Tracker):
 @TrackerConfig.register_subclass("jsonl")
 @dataclass
 class JsonlTrackerConfig(TrackerConfig):
+    """`trainer.tracker: {type: jsonl, path: DIR}`: metrics go to DIR/<run id>/metrics.jsonl."""
+
     path: str = "runs"
 
     def init(self, run_id: Optional[str]):
