@@ -13,6 +13,9 @@ WEIGHT_CACHES = ("precompute", "on_the_fly")
 
 @dataclass(frozen=True)
 class OdeConfig:
+    """How x(1) = x(0) + int_0^1 F(W(t), x(t)) dt is computed: the diffrax solver and its steps or
+    tolerances, the gradient method (adjoint), and how W(t) is supplied (weight_cache). `model.ode` in YAML."""
+
     num_steps: int = 12
     """N: fixed step size dt = 1/N (the paper matches N to the baseline's layer count); for an
     adaptive solver, the size of the first step tried."""

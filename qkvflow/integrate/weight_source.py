@@ -32,6 +32,12 @@ def evaluation_times(config: OdeConfig) -> Optional[np.ndarray]:
 
 
 class WeightSource(eqx.Module):
+    """t -> W(t) for the vector field during one solve (see the module docstring).
+
+    `times` is the fixed-step grid (None for adaptive solvers, which call the generator at the
+    solver's own t); `table` holds W at every grid time when `weight_cache` is "precompute".
+    """
+
     generator: eqx.Module
     times: Optional[jax.Array]
     table: Optional[dict]
