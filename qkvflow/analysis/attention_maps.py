@@ -29,7 +29,7 @@ def attention_probabilities(h: NamedArray, weights: dict, config, pos_ids: Named
     """P [heads, position, key_position] for normed inputs h [position, embed], causal."""
     q = affine(h, weights, "q", config.Embed)
     k = affine(h, weights, "k", config.Embed)
-    if config.flavour == "llama":
+    if config.flavour_spec.rotary:
         rotary = config.rope.build(config.HeadSize)
         q, k = rotary(q, pos_ids), rotary(k, pos_ids)
     Pos = h.resolve_axis(config.max_Pos.name)

@@ -81,7 +81,7 @@ def load_config(path: str) -> tuple:
     from levanter.models.lm_model import LmConfig
 
     import qkvflow.training.config  # noqa: F401  (registers model types)
-    from qkvflow.models.diffeqformer import DiffEqFormerConfig
+    from qkvflow.models import registry
     from qkvflow.training.compat import check_config
 
     file = Path(path)
@@ -95,7 +95,7 @@ def load_config(path: str) -> tuple:
     if not isinstance(raw, dict) or not isinstance(raw.get("model"), dict):
         raise UserError(f"{path}: needs a `model:` section (a diffeqformer_* or shared_ode_* model)")
     model = draccus.decode(LmConfig, raw["model"])
-    if not isinstance(model, DiffEqFormerConfig):
+    if not registry.is_ode(model):
         raise UserError(
             f"{path}: model.type must be an ODE model (diffeqformer_*/shared_ode_*), got {raw['model'].get('type')!r}"
         )
@@ -121,27 +121,33 @@ def apply_overrides(model, args):
 
 
 def baseline_config(model, *, remat: bool = True):
-    """Levanter's discrete model of the same shape, with one layer per vector-field evaluation."""
+    """Levanter's discrete model of the same shape, with one layer per vector-field evaluation
+    (the flavour's `baseline`: Levanter's gpt2 or llama)."""
     from qkvflow.models.accounting import nominal_evaluations
 
-    layers = nominal_evaluations(model)
-    if model.flavour == "gpt2":
-        from levanter.models.gpt2 import Gpt2Config
+    return BASELINES[model.flavour_spec.baseline](model, nominal_evaluations(model), remat)
 
-        if model.mlp_dim % model.hidden_dim:
-            raise UserError(f"intermediate_dim={model.mlp_dim} must be a multiple of hidden_dim for the GPT-2 baseline")
-        return Gpt2Config(
-            max_seq_len=model.max_seq_len,
-            hidden_dim=model.hidden_dim,
-            num_layers=layers,
-            num_heads=model.num_heads,
-            mlp_scale=model.mlp_dim // model.hidden_dim,
-            initializer_range=model.initializer_range,
-            layer_norm_epsilon=model.layer_norm_epsilon,
-            activation_function=model.activation_function,
-            use_bias=model.bias,
-            gradient_checkpointing=remat,
-        )
+
+def _gpt2_baseline(model, layers: int, remat: bool):
+    from levanter.models.gpt2 import Gpt2Config
+
+    if model.mlp_dim % model.hidden_dim:
+        raise UserError(f"intermediate_dim={model.mlp_dim} must be a multiple of hidden_dim for the GPT-2 baseline")
+    return Gpt2Config(
+        max_seq_len=model.max_seq_len,
+        hidden_dim=model.hidden_dim,
+        num_layers=layers,
+        num_heads=model.num_heads,
+        mlp_scale=model.mlp_dim // model.hidden_dim,
+        initializer_range=model.initializer_range,
+        layer_norm_epsilon=model.layer_norm_epsilon,
+        activation_function=model.activation_function,
+        use_bias=model.bias,
+        gradient_checkpointing=remat,
+    )
+
+
+def _llama_baseline(model, layers: int, remat: bool):
     from levanter.models.llama import LlamaConfig
 
     return LlamaConfig(
@@ -160,15 +166,18 @@ def baseline_config(model, *, remat: bool = True):
     )
 
 
+BASELINES = {"gpt2": _gpt2_baseline, "llama": _llama_baseline}
+"""Levanter type name -> builder of that baseline (flavour.baseline names one)."""
+
+
 def train_flops_per_token(config, vocab: int, tokens_per_batch: int) -> dict:
     """Model FLOPs of one training step per token: 3 x forward, plus the hypernetwork's share.
     Attention's FLOPs are at the full context (`max_seq_len`), as every benchmark step uses it."""
-    from qkvflow.models import accounting
-    from qkvflow.models.diffeqformer import DiffEqFormerConfig
+    from qkvflow.models import accounting, registry
 
     forward = float(config.flops_per_token(vocab, config.max_seq_len))
     hyper = 0.0
-    if isinstance(config, DiffEqFormerConfig):
+    if registry.is_ode(config):
         hyper = accounting.hypernetwork_flops_per_forward(config, vocab) / tokens_per_batch
     return {
         "forward_per_token": forward,

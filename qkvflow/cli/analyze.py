@@ -52,9 +52,9 @@ def _train_config(path: str, overrides: list[str]):
 
 
 def _require_ode_model(config, analysis: str, path: str) -> None:
-    from qkvflow.models.diffeqformer import DiffEqFormerConfig
+    from qkvflow.models import registry
 
-    if not isinstance(config.model, DiffEqFormerConfig):
+    if not registry.is_ode(config.model):
         raise UserError(
             f"{analysis} needs an ODE model, whose weights are functions of t (type diffeqformer_* or "
             f"shared_ode_*); {path} describes Levanter's discrete {type(config.model).__name__}"

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from qkvflow.errors import UserError
-from qkvflow.models import accounting
-from qkvflow.models.diffeqformer import DiffEqFormerConfig
+from qkvflow.models import accounting, registry
 from qkvflow.training.config import TrainConfig
 
 GPT2_VOCAB = 50257
@@ -66,7 +65,7 @@ def describe(config: DescribeConfig) -> dict:
     model = config.model
     vocab, source = vocabulary(config)
     out = {"model_type": type(model).__name__, "vocab_size": vocab, "vocab_source": source}
-    if isinstance(model, DiffEqFormerConfig):
+    if registry.is_ode(model):
         out.update(accounting.parameter_counts(model, vocab))
         out["ode_solver"] = model.ode.solver
         out["ode_evaluations"] = accounting.nominal_evaluations(model)

@@ -77,9 +77,9 @@ def check(config: EvalConfig, config_path: Optional[str]) -> None:
     if not is_ode(config.model):
         given = [f"--{k}" for k in ("steps", "solver", "tolerances") if getattr(config, k) is not None]
         if given:
-            from levanter.models.lm_model import LmConfig
+            from qkvflow.models import registry
 
-            kind = LmConfig.get_choice_name(type(config.model))
+            kind = registry.type_name(config.model)
             raise UserError(
                 f"{' and '.join(given)}: model.type={kind} has a fixed depth; solver grids apply to DiffEqFormer checkpoints"
             )
@@ -89,9 +89,9 @@ def check(config: EvalConfig, config_path: Optional[str]) -> None:
 
 
 def is_ode(model_config) -> bool:
-    from qkvflow.models.diffeqformer import DiffEqFormerConfig
+    from qkvflow.models import registry
 
-    return isinstance(model_config, DiffEqFormerConfig)
+    return registry.is_ode(model_config)
 
 
 def points(config: EvalConfig):

@@ -51,16 +51,13 @@ def check_output(args) -> None:
 
 
 def _train_config(path: str, overrides: list[str]):
-    import qkvflow.models.discrete  # noqa: F401  (registers parallel_*, so such configs parse and are refused)
     from qkvflow import cli
-    from qkvflow.models.diffeqformer import DiffEqFormerConfig
+    from qkvflow.models import registry
     from qkvflow.training.config import TrainConfig
 
     config = cli.parse(TrainConfig, [cli.CONFIG_PATH, path, *overrides], "export")
-    if not isinstance(config.model, DiffEqFormerConfig):
-        from levanter.models.lm_model import LmConfig
-
-        kind = LmConfig.get_choice_name(type(config.model))
+    if not registry.is_ode(config.model):
+        kind = registry.type_name(config.model)
         raise UserError(f"{path}: export needs a DiffEqFormer checkpoint; got model.type={kind}")
     return config
 
@@ -90,7 +87,7 @@ def export(args, overrides: list[str]) -> dict:
     exact = steps == config.model.ode.num_steps and config.model.ode.solver == "euler"
     return {
         "output": args.output,
-        "model_type": f"qkvflow_parallel_{discrete.config.flavour}",
+        "model_type": discrete.config.flavour_spec.hf_model_type,
         "layers": steps,
         "ode_steps": config.model.ode.num_steps,
         "equals_ode_solve": exact,

@@ -132,14 +132,14 @@ def check_solver(config) -> None:
     import dataclasses
 
     from qkvflow.inference.schedule import schedule
-    from qkvflow.models.diffeqformer import DiffEqFormerConfig
+    from qkvflow.models import registry
 
     if isinstance(config, FinetuneConfig):
         return
     if config.steps is not None and config.steps < 1:
         raise UserError(f"--steps {config.steps} is invalid: expected an integer >= 1 (the fixed grid N')")
     model = config.model
-    if isinstance(model, DiffEqFormerConfig):
+    if registry.is_ode(model):
         ode = model.ode if config.steps is None else dataclasses.replace(model.ode, num_steps=config.steps)
         schedule(ode)
 

@@ -23,19 +23,16 @@ from haliax.nn.scan import ScanCheckpointPolicy, Stacked
 from qkvflow.errors import UserError
 from qkvflow.integrate.config import OdeConfig
 from qkvflow.integrate.weight_source import evaluation_times, generate_batched
+from qkvflow.models import registry
 from qkvflow.models.diffeqformer import DiffEqFormerConfig
-from qkvflow.models.discrete.layers import Gpt2Mlp, ParallelAttention, ParallelBlock, SwiGluMlp, make_norm
-from qkvflow.models.discrete.model import PARALLEL_CONFIGS, ParallelConfig, ParallelLMHeadModel, ParallelTransformer
+from qkvflow.models.discrete.layers import ParallelAttention, ParallelBlock, make_mlp, make_norm
+from qkvflow.models.discrete.model import ParallelConfig, ParallelLMHeadModel, ParallelTransformer
 
 SOLVERS = ("euler",)
 
-# Field weight -> module of ParallelBlock (biases follow as f"{name}_bias"); also in docs/export.md.
-WEIGHT_MAP = {
-    "attn_norm": "attn_norm", "mlp_norm": "mlp_norm",
-    "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-    "w1": "mlp.up_proj", "w2": "mlp.down_proj",  # GPT-2 flavour
-    "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj",  # Llama flavour
-}  # fmt: skip
+# Field weight -> module of ParallelBlock (biases follow as f"{name}_bias"); also in docs/export.md:
+# attn_norm, mlp_norm -> themselves; q, k, v, o -> self_attn.{q,k,v,o}_proj; the feed-forward's weights
+# -> mlp.* as the flavour's `ffn_modules` says (w1, w2 -> up_proj, down_proj for GPT-2).
 FOLDED = ("o", "w2", "w_down")
 """Output projections of the two branches: they (and their biases) carry the factor dt."""
 
@@ -46,8 +43,10 @@ def step_times(steps: int) -> np.ndarray:
 
 
 def discrete_config(config: DiffEqFormerConfig, steps: int, weights: dict) -> ParallelConfig:
-    """The parallel config with M = `steps` layers that holds `weights` (the generator's W(t_k))."""
-    return PARALLEL_CONFIGS[config.flavour](
+    """The parallel config with M = `steps` layers that holds `weights` (the generator's W(t_k)), of the
+    family that `config`'s family declares it discretises to."""
+    first_ffn_weight = config.flavour_spec.ffn_modules[0][0]
+    return registry.discrete_family(config).config_class(
         max_seq_len=config.max_seq_len,
         hidden_dim=config.hidden_dim,
         num_heads=config.num_heads,
@@ -57,7 +56,7 @@ def discrete_config(config: DiffEqFormerConfig, steps: int, weights: dict) -> Pa
         layer_norm_epsilon=config.layer_norm_epsilon,
         activation_function=config.activation_function,
         attention_bias="q_bias" in weights,
-        mlp_bias="w1_bias" in weights or "w_gate_bias" in weights,
+        mlp_bias=f"{first_ffn_weight}_bias" in weights,
         tie_word_embeddings=config.tied_embeddings,
         rope=config.rope,
         attn_backend=config.attn_backend,
@@ -84,15 +83,12 @@ def _blocks(config: ParallelConfig, w: dict, dt: float) -> ParallelBlock:
         _linear(w, "v", Embed, Qkv, dt),
         _linear(w, "o", Qkv, Embed, dt),
     )
-    if config.flavour == "gpt2":
-        up, down = _linear(w, "w1", Embed, Mlp, dt), _linear(w, "w2", Mlp, Embed, dt)
-        mlp = Gpt2Mlp(up, down, config.activation_function.to_fn())
-        norms = [make_norm(config, w[n], w[f"{n}_bias"]) for n in ("attn_norm", "mlp_norm")]
-    else:
-        io = {"w_gate": (Embed, Mlp), "w_up": (Embed, Mlp), "w_down": (Mlp, Embed)}
-        mlp = SwiGluMlp(*(_linear(w, name, In, Out, dt) for name, (In, Out) in io.items()))
-        norms = [make_norm(config, w[n]) for n in ("attn_norm", "mlp_norm")]
-    return ParallelBlock(norms[0], attn, norms[1], mlp)
+    projections = {}
+    for name, module in config.flavour_spec.ffn_modules:  # down_proj reads the Mlp axis, the others write it
+        In, Out = (Mlp, Embed) if module == "down_proj" else (Embed, Mlp)
+        projections[module] = _linear(w, name, In, Out, dt)
+    norms = [make_norm(config, w[n], w.get(f"{n}_bias")) for n in ("attn_norm", "mlp_norm")]
+    return ParallelBlock(norms[0], attn, norms[1], make_mlp(config, projections))
 
 
 def discretise(model, steps: int, solver: str = "euler") -> ParallelLMHeadModel:

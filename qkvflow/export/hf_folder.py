@@ -86,14 +86,16 @@ def _drop_trailing_eos(processor, eos_id: int) -> bool:
 
 def hf_config(model, *, ode_steps=None, tokenizer=None):
     """The transformers config of `model` (a ParallelLMHeadModel)."""
-    from qkvflow.export.hf.configuration_qkvflow import QkvflowParallelGpt2Config, QkvflowParallelLlamaConfig
+    from qkvflow.export.hf import configuration_qkvflow
 
     config = model.config
-    if config.flavour == "llama" and type(config.rope) is not DefaultRotaryEmbeddingsConfig:
+    flavour = config.flavour_spec
+    if flavour.rotary and type(config.rope) is not DefaultRotaryEmbeddingsConfig:
         raise UserError(
             f"model.rope={type(config.rope).__name__} is not supported by the export: expected rope type default"
         )
-    cls = QkvflowParallelGpt2Config if config.flavour == "gpt2" else QkvflowParallelLlamaConfig
+    name = flavour.hf_name
+    cls = getattr(configuration_qkvflow, f"QkvflowParallel{name}Config")
     special = {}
     if tokenizer is not None:
         special = {f"{n}_token_id": getattr(tokenizer, f"{n}_token_id") for n in ("bos", "eos", "pad")}
@@ -105,7 +107,7 @@ def hf_config(model, *, ode_steps=None, tokenizer=None):
         intermediate_size=config.mlp_dim,
         max_position_embeddings=config.max_seq_len,
         layer_norm_eps=config.layer_norm_epsilon,
-        hidden_act="silu" if config.flavour == "llama" else config.activation_function.value,
+        hidden_act=flavour.hidden_act(config.activation_function),
         attention_bias=config.has_attention_bias,
         mlp_bias=config.has_mlp_bias,
         rope_theta=float(config.rope.theta),
@@ -115,7 +117,6 @@ def hf_config(model, *, ode_steps=None, tokenizer=None):
         ode_steps=ode_steps,
         **special,
     )
-    name = "Gpt2" if config.flavour == "gpt2" else "Llama"
     hf.architectures = [f"QkvflowParallel{name}ForCausalLM"]
     hf.auto_map = {
         "AutoConfig": f"configuration_qkvflow.QkvflowParallel{name}Config",

@@ -84,7 +84,7 @@ def load_ode_export(folder: str):
     from levanter.models.lm_model import LmConfig
     from safetensors.numpy import load_file
 
-    import qkvflow.models.diffeqformer  # noqa: F401  (registers the model types)
+    import qkvflow.models  # noqa: F401  (declares every model family)
 
     path = os.path.join(folder, CONFIG_FILE)
     try:

@@ -1,0 +1,8 @@
+"""Model families: configs and LM head models, declared in `qkvflow.models.registry`.
+
+Importing any `qkvflow.models` module imports the modules below, which declare qkvflow's families
+(and register their YAML type names with Levanter): a new family's module is added here.
+"""
+
+from qkvflow.models import diffeqformer as diffeqformer
+from qkvflow.models import discrete as discrete

@@ -64,7 +64,7 @@ def forward_flops_per_token(config, vocab_size: int, context_length: int | None 
         num_heads=config.num_heads,
         seq_len=config.max_seq_len if context_length is None else context_length,
         vocab_size=vocab_size,
-        glu=config.flavour == "llama",
+        glu=config.flavour_spec.gated_mlp,
     )
 
 

@@ -4,7 +4,8 @@
     x(1) = x(0) + int_0^1 F(W(t), x(t)) dt          (diffrax; W from the generator)
     logits = norm(x(1)) @ unembedding
 
-The configs are registered with Levanter, so that YAML `model: {type: ...}` selects them:
+The configs are declared as model families (`qkvflow.models.registry.register`, which also registers
+them with Levanter), so that YAML `model: {type: ...}` selects them:
 
 | type                 | field | weights                                   |
 |----------------------|-------|-------------------------------------------|
@@ -40,13 +41,24 @@ from qkvflow.errors import check as _check
 from qkvflow.integrate.config import OdeConfig
 from qkvflow.integrate.solve import OdeStats, integrate
 from qkvflow.integrate.weight_source import WeightSource
-from qkvflow.models.fields import FIELDS
+from qkvflow.models.flavour import GPT2, LLAMA, Flavour
 from qkvflow.models.generator import HyperGenerator, SharedGenerator
+from qkvflow.models.registry import register
 
 
 @dataclass(frozen=True)
 class DiffEqFormerConfig(LmConfig):
+    """A continuous-depth transformer: the hidden state solves dx/dt = F(W(t), x) on t in [0, 1].
+
+    The fields below size the blocks and the generator of W(t) and set the solve (`ode`); the block
+    design (norm, feed-forward, positions) is the class's flavour, declared with the family in
+    `qkvflow.models.registry` (`flavour` is its name, `flavour_spec` the `Flavour`). Which generator
+    makes W(t) is the class's `generator`: "hyper" (a hypernetwork per weight, the DiffEqFormer of
+    Tong et al. 2025) or "shared" (constant W plus c * t biases).
+    """
+
     flavour: ClassVar[str] = "gpt2"
+    flavour_spec: ClassVar[Flavour] = GPT2
     generator: ClassVar[str] = "hyper"
 
     max_seq_len: int = 1024
@@ -107,19 +119,15 @@ class DiffEqFormerConfig(LmConfig):
     # --- flavour-dependent defaults -------------------------------------------------------------
     @property
     def mlp_dim(self) -> int:
-        if self.intermediate_dim is not None:
-            return self.intermediate_dim
-        if self.flavour == "gpt2":
-            return 4 * self.hidden_dim
-        return -(-(8 * self.hidden_dim // 3) // 64) * 64
+        return self.flavour_spec.mlp_dim(self.hidden_dim, self.intermediate_dim)
 
     @property
     def bias(self) -> bool:
-        return self.flavour == "gpt2" if self.use_bias is None else self.use_bias
+        return self.flavour_spec.biases if self.use_bias is None else self.use_bias
 
     @property
     def tied_embeddings(self) -> bool:
-        return self.flavour == "gpt2" if self.tie_word_embeddings is None else self.tie_word_embeddings
+        return self.flavour_spec.tied_embeddings if self.tie_word_embeddings is None else self.tie_word_embeddings
 
     # --- named axes (positions: Levanter's `max_Pos` and `KeyPos`) --------------------------------
     Embed = property(lambda self: Axis("embed", self.hidden_dim))
@@ -137,29 +145,34 @@ class DiffEqFormerConfig(LmConfig):
         return forward_flops_per_token(self, vocab_size, context_length)
 
 
-@LmConfig.register_subclass("diffeqformer_gpt2")
+@register("diffeqformer_gpt2", flavour=GPT2, ode=True, discretises_to="parallel_gpt2")
 @dataclass(frozen=True)
 class DiffEqFormerGpt2Config(DiffEqFormerConfig):
-    flavour: ClassVar[str] = "gpt2"
+    """The DiffEqFormer with GPT-2 blocks (LayerNorm, GELU feed-forward, learned positions)."""
 
 
-@LmConfig.register_subclass("diffeqformer_llama")
+@register("diffeqformer_llama", flavour=LLAMA, ode=True, discretises_to="parallel_llama")
 @dataclass(frozen=True)
 class DiffEqFormerLlamaConfig(DiffEqFormerConfig):
-    flavour: ClassVar[str] = "llama"
+    """The DiffEqFormer with Llama blocks (RMSNorm, SwiGLU, rotary positions); Llama's eps and gate."""
+
     activation_function: ActivationFunctionEnum = ActivationFunctionEnum.silu
     layer_norm_epsilon: float = 1e-6
 
 
-@LmConfig.register_subclass("shared_ode_gpt2")
+@register("shared_ode_gpt2", flavour=GPT2, ode=True, discretises_to="parallel_gpt2")
 @dataclass(frozen=True)
 class SharedOdeGpt2Config(DiffEqFormerGpt2Config):
+    """Weight-shared baseline (N-ODE Transformer): constant W plus c * t biases, GPT-2 blocks."""
+
     generator: ClassVar[str] = "shared"
 
 
-@LmConfig.register_subclass("shared_ode_llama")
+@register("shared_ode_llama", flavour=LLAMA, ode=True, discretises_to="parallel_llama")
 @dataclass(frozen=True)
 class SharedOdeLlamaConfig(DiffEqFormerLlamaConfig):
+    """Weight-shared baseline with Llama blocks."""
+
     generator: ClassVar[str] = "shared"
 
 
@@ -167,6 +180,12 @@ GENERATORS = {"hyper": HyperGenerator, "shared": SharedGenerator}
 
 
 class DiffEqFormerLMHeadModel(LmHeadModel[DiffEqFormerConfig]):
+    """Levanter's `LmHeadModel` whose depth is an ODE solve (the module docstring's three lines).
+
+    `flow` integrates the flavour's field with the generator's W(t) (`qkvflow.integrate`); `activations`
+    is norm(x(1)), so Levanter's trainer, evaluator and loss use the model as they use a GPT-2.
+    """
+
     _config: DiffEqFormerConfig = eqx.field(static=True)
     _Vocab: Axis = eqx.field(static=True)
     token_embeddings: hnn.Embedding
@@ -185,7 +204,7 @@ class DiffEqFormerLMHeadModel(LmHeadModel[DiffEqFormerConfig]):
 
     @property
     def field(self):
-        return FIELDS[self._config.flavour]
+        return self._config.flavour_spec.field
 
     @classmethod
     def init(cls, Vocab: Axis, config: DiffEqFormerConfig, *, key) -> "DiffEqFormerLMHeadModel":
@@ -193,14 +212,12 @@ class DiffEqFormerLMHeadModel(LmHeadModel[DiffEqFormerConfig]):
         Embed, std = config.Embed, config.initializer_range
         tokens = hnn.Embedding.init(Vocab, Embed, key=k_tok, initializer_range=std)
         positions = None
-        if config.flavour == "gpt2":
+        flavour = config.flavour_spec
+        if flavour.learned_positions:
             positions = hnn.Embedding.init(config.max_Pos, Embed, key=k_pos, initializer_range=std / 2)
-        specs = FIELDS[config.flavour].weight_specs(config)
+        specs = flavour.field.weight_specs(config)
         generator = GENERATORS[config.generator].init(specs, config, key=k_gen)
-        if config.flavour == "gpt2":
-            final_norm = hnn.LayerNorm.init(Embed, eps=config.layer_norm_epsilon, use_bias=True)
-        else:
-            final_norm = hnn.RmsNorm.init(Embed, eps=config.layer_norm_epsilon, use_bias=False)
+        final_norm = flavour.init_norm(Embed, config.layer_norm_epsilon)
         lm_head = None if config.tied_embeddings else hax.random.normal(k_head, (Embed, Vocab)) * std
         return cls(config, Vocab, tokens, positions, generator, final_norm, lm_head)
 

@@ -47,6 +47,13 @@ def matrix_std(spec: WeightSpec, config) -> float:
 
 
 class HyperGenerator(eqx.Module):
+    """The DiffEqFormer's weights as functions of depth: W(t) = Proj(MLP(Sinusoidal(t))) for every named weight.
+
+    One sinusoidal embedding of t is shared; each weight has its own time MLP (or one shared MLP,
+    `shared_time_mlp`) and its own projection to the weight's shape (`qkvflow.nn.time_dependent`).
+    Calling it at t gives the dict of named arrays one field evaluation reads.
+    """
+
     time_embedding: SinusoidalTimeEmbedding
     shared_mlp: Optional[TimeMLP]
     weights: dict[str, TimeDependentWeight]

@@ -15,8 +15,7 @@ from levanter.optim import AdamConfig, OptimizerConfig
 from levanter.trainer import TrainerConfig
 
 import qkvflow.data.heldout  # noqa: F401  (registers the `hf_heldout` data source)
-import qkvflow.models.diffeqformer  # noqa: F401  (registers the model types with Levanter)
-import qkvflow.models.discrete  # noqa: F401  (registers parallel_gpt2 / parallel_llama: discretised models)
+import qkvflow.models  # noqa: F401  (declares every model family: registers its type with Levanter)
 import qkvflow.training.tracking  # noqa: F401  (registers the jsonl tracker, so that any verb parses `type: jsonl`)
 from qkvflow.models.diffeqformer import DiffEqFormerGpt2Config
 

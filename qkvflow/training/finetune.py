@@ -129,9 +129,9 @@ def discretise_model(model, steps: int, solver: str):
 
 
 def _is_ode_config(model_config) -> bool:
-    from qkvflow.models.diffeqformer import DiffEqFormerConfig
+    from qkvflow.models import registry
 
-    return isinstance(model_config, DiffEqFormerConfig)
+    return registry.is_ode(model_config)
 
 
 def check_values(config: FinetuneConfig) -> None:
@@ -170,7 +170,7 @@ def load_pretrained_config(config: FinetuneConfig) -> TrainConfig:
     """The pretraining run's config; only its `model` is used."""
     import draccus
 
-    import qkvflow.models.discrete  # noqa: F401  (registers parallel_*, so such configs parse and are refused)
+    import qkvflow.models  # noqa: F401  (declares every model family, so parallel_* configs parse and are refused)
     from qkvflow.configfile import _user_cause, parse
 
     path = config.pretrained.config_path

@@ -9,7 +9,7 @@ import jax.random as jrandom
 import numpy as np
 
 from qkvflow.integrate.config import OdeConfig
-from qkvflow.models.discrete import PARALLEL_CONFIGS
+from qkvflow.models import registry
 from tests.helpers import Vocab, tiny_config, tiny_model
 
 CONTEXT = 16
@@ -41,7 +41,9 @@ def on_grid(model, steps):
 
 
 def parallel_model(flavour, layers=3, seed=0):
-    config = PARALLEL_CONFIGS[flavour](max_seq_len=CONTEXT, hidden_dim=32, num_heads=4, num_layers=layers)
+    config = registry.family(f"parallel_{flavour}").config_class(
+        max_seq_len=CONTEXT, hidden_dim=32, num_heads=4, num_layers=layers
+    )
     return config.build(Vocab, key=jrandom.PRNGKey(seed))
 
 

@@ -12,8 +12,15 @@ from transformers import PretrainedConfig
 
 
 class QkvflowParallelConfig(PretrainedConfig):
+    """The fields of a parallel-block model. The flavour's design is class data, mirroring
+    qkvflow.models.flavour (this file must not import qkvflow): `layer_norm` (LayerNorm, else RMSNorm),
+    `gated_mlp` (SwiGLU), `learned_positions` (else rotary)."""
+
     model_type = "qkvflow_parallel"
     flavour = "gpt2"
+    layer_norm = True
+    gated_mlp = False
+    learned_positions = True
     keys_to_ignore_at_inference = ["past_key_values"]
 
     def __init__(
@@ -59,11 +66,13 @@ class QkvflowParallelConfig(PretrainedConfig):
 class QkvflowParallelGpt2Config(QkvflowParallelConfig):
     model_type = "qkvflow_parallel_gpt2"
     flavour = "gpt2"
+    layer_norm, gated_mlp, learned_positions = True, False, True
 
 
 class QkvflowParallelLlamaConfig(QkvflowParallelConfig):
     model_type = "qkvflow_parallel_llama"
     flavour = "llama"
+    layer_norm, gated_mlp, learned_positions = False, True, False
 
     def __init__(self, hidden_act="silu", layer_norm_eps=1e-6, attention_bias=False, mlp_bias=False, **kwargs):
         kwargs.setdefault("tie_word_embeddings", False)

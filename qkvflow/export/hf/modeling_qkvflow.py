@@ -42,7 +42,7 @@ class RmsNorm(nn.Module):
 
 
 def make_norm(config: QkvflowParallelConfig) -> nn.Module:
-    if config.flavour == "gpt2":
+    if config.layer_norm:
         return nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
     return RmsNorm(config.hidden_size, config.layer_norm_eps)
 
@@ -95,7 +95,7 @@ class ParallelMlp(nn.Module):
     def __init__(self, config: QkvflowParallelConfig):
         super().__init__()
         h, m, b = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gated = config.flavour == "llama"
+        self.gated = config.gated_mlp
         if self.gated:
             self.gate_proj = nn.Linear(h, m, bias=b)
         self.up_proj = nn.Linear(h, m, bias=b)
@@ -143,7 +143,7 @@ class QkvflowParallelModel(QkvflowParallelPreTrainedModel):
     def __init__(self, config: QkvflowParallelConfig):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        if config.flavour == "gpt2":
+        if config.learned_positions:
             self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.layers = nn.ModuleList(ParallelBlock(config) for _ in range(config.num_hidden_layers))
         self.norm = make_norm(config)
@@ -167,7 +167,7 @@ class QkvflowParallelModel(QkvflowParallelPreTrainedModel):
             mask = mask & attention_mask.bool()[:, None, None, :]
         x = self.embed_tokens(input_ids)
         rotary = None
-        if self.config.flavour == "gpt2":
+        if self.config.learned_positions:
             x = x + self.embed_positions(position_ids)
         else:
             rotary = rotary_cos_sin(self.config, position_ids, x.dtype)

@@ -13,9 +13,7 @@ Attention is computed as in `qkvflow.models.fields.common.self_attention` (Levan
 from typing import TYPE_CHECKING, Callable, Optional
 
 import equinox as eqx
-import haliax as hax
 import haliax.nn as hnn
-import jax.numpy as jnp
 import jax.random as jrandom
 from haliax import NamedArray
 from levanter.layers.attention import AttentionMask
@@ -28,13 +26,7 @@ if TYPE_CHECKING:  # annotations only: the config lives beside the model, which 
 
 def make_norm(config: "ParallelConfig", weight=None, bias=None) -> hnn.LayerNorm | hnn.RmsNorm:
     """The flavour's pre-norm: LayerNorm (GPT-2) or float32 RMSNorm (Llama), as the ODE fields use."""
-    Embed, eps = config.Embed, config.layer_norm_epsilon
-    if config.flavour == "gpt2":
-        weight = hax.ones(Embed) if weight is None else weight
-        bias = hax.zeros(Embed) if bias is None else bias
-        return hnn.LayerNorm(Embed, weight, bias, eps=eps)
-    weight = hax.ones(Embed) if weight is None else weight
-    return hnn.RmsNorm(Embed, weight, None, eps=eps, dtype=jnp.float32)
+    return config.flavour_spec.norm(config.Embed, config.layer_norm_epsilon, weight, bias)
 
 
 class ParallelAttention(eqx.Module):
@@ -58,7 +50,7 @@ class ParallelAttention(eqx.Module):
         """`attend_fn` replaces `attend` as in `qkvflow.models.fields.common.self_attention`."""
         config = self.config
         q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
-        if config.flavour == "llama":
+        if config.flavour_spec.rotary:
             rotary = config.rope.build(config.HeadSize)
             q, k = rotary(q, pos_ids), rotary(k, pos_ids)
         out = (attend_fn or attend)(q, k, v, config, mask)
@@ -104,6 +96,18 @@ class SwiGluMlp(eqx.Module):
         return self.down_proj(hnn.silu(self.gate_proj(m)) * self.up_proj(m))
 
 
+def mlp_class(config: "ParallelConfig") -> type:
+    """The flavour's feed-forward module: SwiGLU when it is gated, act(up) down otherwise."""
+    return SwiGluMlp if config.flavour_spec.gated_mlp else Gpt2Mlp
+
+
+def make_mlp(config: "ParallelConfig", projections: dict) -> "Gpt2Mlp | SwiGluMlp":
+    """The feed-forward module holding `projections` ({module name: hnn.Linear}, e.g. up_proj, down_proj)."""
+    if config.flavour_spec.gated_mlp:
+        return SwiGluMlp(**projections)
+    return Gpt2Mlp(**projections, act=config.activation_function.to_fn())
+
+
 class ParallelBlock(eqx.Module):
     attn_norm: hnn.LayerNorm | hnn.RmsNorm
     self_attn: ParallelAttention
@@ -113,9 +117,8 @@ class ParallelBlock(eqx.Module):
     @staticmethod
     def init(config: "ParallelConfig", *, key) -> "ParallelBlock":
         k_attn, k_mlp = jrandom.split(key)
-        mlp_cls = Gpt2Mlp if config.flavour == "gpt2" else SwiGluMlp
         attn = ParallelAttention.init(config, key=k_attn)
-        return ParallelBlock(make_norm(config), attn, make_norm(config), mlp_cls.init(config, key=k_mlp))
+        return ParallelBlock(make_norm(config), attn, make_norm(config), mlp_class(config).init(config, key=k_mlp))
 
     def __call__(
         self, x: NamedArray, mask: Optional[AttentionMask | NamedArray], pos_ids: NamedArray, attend_fn=None

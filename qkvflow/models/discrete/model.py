@@ -41,13 +41,19 @@ from levanter.models.lm_model import LmConfig, LmHeadModel
 from levanter.utils.activation import ActivationFunctionEnum
 
 from qkvflow.errors import check as _check
+from qkvflow.models.flavour import GPT2, LLAMA, Flavour
+from qkvflow.models.registry import register
 
 from .layers import ParallelBlock, make_norm
 
 
 @dataclass(frozen=True)
 class ParallelConfig(LmConfig):
+    """A stack of `num_layers` parallel blocks; the block design is the class's flavour (`flavour_spec`),
+    declared with the family in `qkvflow.models.registry`."""
+
     flavour: ClassVar[str] = "gpt2"
+    flavour_spec: ClassVar[Flavour] = GPT2
 
     max_seq_len: int = 1024
     hidden_dim: int = 768
@@ -82,18 +88,11 @@ class ParallelConfig(LmConfig):
     # --- flavour-dependent defaults (the same rules as DiffEqFormerConfig) -----------------------
     @property
     def mlp_dim(self) -> int:
-        if self.intermediate_dim is not None:
-            return self.intermediate_dim
-        if self.flavour == "gpt2":
-            return 4 * self.hidden_dim
-        return -(-(8 * self.hidden_dim // 3) // 64) * 64
+        return self.flavour_spec.mlp_dim(self.hidden_dim, self.intermediate_dim)
 
-    def _flavour_default(self, value: Optional[bool]) -> bool:
-        return self.flavour == "gpt2" if value is None else value
-
-    has_attention_bias = property(lambda self: self._flavour_default(self.attention_bias))
-    has_mlp_bias = property(lambda self: self._flavour_default(self.mlp_bias))
-    tied_embeddings = property(lambda self: self._flavour_default(self.tie_word_embeddings))
+    has_attention_bias = property(lambda self: _default(self.attention_bias, self.flavour_spec.biases))
+    has_mlp_bias = property(lambda self: _default(self.mlp_bias, self.flavour_spec.biases))
+    tied_embeddings = property(lambda self: _default(self.tie_word_embeddings, self.flavour_spec.tied_embeddings))
 
     # --- named axes: the same names as the ODE models', so weights move between them by name ------
     # (positions: Levanter's `max_Pos` and `KeyPos`)
@@ -118,25 +117,27 @@ class ParallelConfig(LmConfig):
             num_heads=self.num_heads,
             seq_len=context_length,
             vocab_size=vocab_size,
-            glu=self.flavour == "llama",
+            glu=self.flavour_spec.gated_mlp,
         )
 
 
-@LmConfig.register_subclass("parallel_gpt2")
+def _default(value: Optional[bool], flavour_default: bool) -> bool:
+    return flavour_default if value is None else value
+
+
+@register("parallel_gpt2", flavour=GPT2, ode=False)
 @dataclass(frozen=True)
 class ParallelGpt2Config(ParallelConfig):
-    flavour: ClassVar[str] = "gpt2"
+    """Parallel blocks of the GPT-2 flavour (what a diffeqformer_gpt2 / shared_ode_gpt2 discretises to)."""
 
 
-@LmConfig.register_subclass("parallel_llama")
+@register("parallel_llama", flavour=LLAMA, ode=False)
 @dataclass(frozen=True)
 class ParallelLlamaConfig(ParallelConfig):
-    flavour: ClassVar[str] = "llama"
+    """Parallel blocks of the Llama flavour, with Llama's eps and gate."""
+
     activation_function: ActivationFunctionEnum = ActivationFunctionEnum.silu
     layer_norm_epsilon: float = 1e-6
-
-
-PARALLEL_CONFIGS = {"gpt2": ParallelGpt2Config, "llama": ParallelLlamaConfig}
 
 
 class ParallelTransformer(ModuleWithStateDictSerialization):
@@ -152,7 +153,7 @@ class ParallelTransformer(ModuleWithStateDictSerialization):
         std = config.initializer_range
         tokens = hnn.Embedding.init(Vocab, config.Embed, key=k_tok, initializer_range=std)
         positions = None
-        if config.flavour == "gpt2":
+        if config.flavour_spec.learned_positions:
             positions = hnn.Embedding.init(config.max_Pos, config.Embed, key=k_pos, initializer_range=std / 2)
         layers = Stacked.init(config.Layers, ParallelBlock, gradient_checkpointing=config.gradient_checkpointing)(
             config, key=jrandom.split(k_layers, config.num_layers)

@@ -1,0 +1,136 @@
+"""The model-family registry is the one place a family declares itself.
+
+The toy families below are declared in this file only, through `qkvflow.models.registry.register`
+(no other qkvflow file knows them); YAML selects them, accounting counts them, they run, and an ODE
+toy discretises by its declared rule. The reference parameter counts are written from the shapes.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+import draccus
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from levanter.models.gpt2 import Gpt2Config
+from levanter.models.lm_model import LmConfig
+from levanter.utils.activation import ActivationFunctionEnum
+
+from qkvflow.errors import UserError
+from qkvflow.models import accounting, registry
+from qkvflow.models.diffeqformer import DiffEqFormerConfig, DiffEqFormerGpt2Config
+from qkvflow.models.discrete.model import ParallelConfig
+from qkvflow.models.flavour import GPT2, LLAMA
+from tests.helpers import Vocab, random_tokens, tiny_model
+
+# A discrete variant with a new flavour: Llama blocks, but learned absolute positions instead of rotary.
+LEARNED_LLAMA = LLAMA.replace(name="llama_learned", learned_positions=True, rotary=False)
+
+
+@registry.register("test_toy_parallel_llama_learned", flavour=LEARNED_LLAMA, ode=False)
+@dataclass(frozen=True)
+class ToyParallelConfig(ParallelConfig):
+    pass
+
+
+# An ODE variant: GPT-2 blocks with a ReLU feed-forward, discretised into Levanter-trainable parallel blocks.
+@registry.register("test_toy_relu_ode", flavour=GPT2, ode=True, discretises_to="parallel_gpt2")
+@dataclass(frozen=True)
+class ToyReluOdeConfig(DiffEqFormerConfig):
+    activation_function: ActivationFunctionEnum = ActivationFunctionEnum.relu
+
+
+TINY = {"max_seq_len": 12, "hidden_dim": 32, "num_heads": 4}
+TINY_ODE = TINY | {"time_embed_dim": 8, "num_frequencies": 16, "ode": {"num_steps": 2, "solver": "euler"}}
+
+
+def from_yaml(type_name: str, fields: dict):
+    return draccus.decode(LmConfig, {"type": type_name, **fields})
+
+
+def test_a_discrete_toy_family_is_built_from_yaml_counted_and_run():
+    config = from_yaml("test_toy_parallel_llama_learned", TINY | {"num_layers": 2})
+    assert type(config) is ToyParallelConfig and config.flavour == "llama_learned"
+    assert not registry.is_ode(config)
+    # Parameters from the shapes: embeddings (tokens, learned positions), per layer q, k, v, o (no biases),
+    # SwiGLU gate, up, down, two RMSNorm scales; the final RMSNorm; an untied head (Llama's default).
+    h, m, P, V, L = 32, LLAMA.mlp_width(32), 12, Vocab.size, 2
+    expected = V * h + P * h + L * (4 * h * h + 3 * h * m + 2 * h) + h + h * V
+    assert m == 128  # SwiGLU's width: 8 * 32 // 3 = 85, rounded up to a multiple of 64
+    assert accounting.count(accounting.model_shapes(config, V)) == expected
+    model = tiny_model(config)
+    assert model.model.embed_positions is not None
+    logits = model(random_tokens(config)).array
+    assert logits.shape[-1] == V and bool(jnp.all(jnp.isfinite(logits)))
+
+
+def test_an_ode_toy_family_is_built_from_yaml_counted_run_and_discretised():
+    from qkvflow.export.discretise import discretise
+
+    config = from_yaml("test_toy_relu_ode", TINY_ODE)
+    assert type(config) is ToyReluOdeConfig and registry.is_ode(config)
+    assert config.activation_function is ActivationFunctionEnum.relu
+    # The activation has no parameters: the counts are the GPT-2 DiffEqFormer's of the same shape.
+    sibling = DiffEqFormerGpt2Config(**(TINY_ODE | {"ode": config.ode}))
+    assert accounting.parameter_counts(config, Vocab.size) == accounting.parameter_counts(sibling, Vocab.size)
+    model, gelu = tiny_model(config), tiny_model(sibling)  # same key: same weights, only the activation differs
+    tokens = random_tokens(config)
+    logits = np.asarray(model(tokens).array)
+    assert np.isfinite(logits).all()
+    assert np.abs(logits - np.asarray(gelu(tokens).array)).max() > 0  # ReLU, not the GELU default, is used
+    discrete = discretise(model, config.ode.num_steps)
+    assert registry.family_of(discrete.config).name == "parallel_gpt2"
+    assert discrete.config.activation_function is ActivationFunctionEnum.relu
+    # float32 round-off: folding dt into the output projections reorders one product per layer; measured
+    # at about 2 ulps of the logits' scale for 2 steps, so 8 ulps per step.
+    tol = 8 * np.finfo(np.float32).eps * np.abs(logits).max() * config.ode.num_steps
+    assert np.abs(np.asarray(discrete(tokens).array) - logits).max() <= tol
+
+
+@pytest.mark.parametrize("family", registry.families(), ids=lambda f: f.name)
+def test_every_family_round_trips_its_type_name(family):
+    config = from_yaml(family.name, {})
+    assert type(config) is family.config_class
+    assert LmConfig.get_choice_name(family.config_class) == family.name == registry.type_name(config)
+    assert registry.family(family.name) is family and registry.family_of(config) is family
+    assert config.flavour == family.flavour.name and config.flavour_spec is family.flavour
+    assert isinstance(config.model_type, type) and family.model_class is config.model_type
+    assert registry.is_ode(config) == family.ode
+    if family.discretises_to is not None:
+        assert not registry.family(family.discretises_to).ode
+
+
+def test_the_shipped_families_are_declared():
+    shipped = {f.name: (f.flavour.name, f.ode, f.discretises_to) for f in registry.families()}
+    assert {k: v for k, v in shipped.items() if not k.startswith("test_")} == {
+        "diffeqformer_gpt2": ("gpt2", True, "parallel_gpt2"),
+        "diffeqformer_llama": ("llama", True, "parallel_llama"),
+        "shared_ode_gpt2": ("gpt2", True, "parallel_gpt2"),
+        "shared_ode_llama": ("llama", True, "parallel_llama"),
+        "parallel_gpt2": ("gpt2", False, None),
+        "parallel_llama": ("llama", False, None),
+    }
+
+
+def test_an_unknown_name_is_a_one_line_user_error_listing_the_known_ones():
+    with pytest.raises(UserError) as caught:
+        registry.family("diffeqformer_gtp2")
+    message = str(caught.value)
+    assert "\n" not in message and "'diffeqformer_gtp2'" in message
+    for family in registry.families():
+        assert repr(family.name) in message
+
+
+def test_levanters_own_models_have_no_family_and_are_not_odes():
+    assert registry.family_of(Gpt2Config()) is None and not registry.is_ode(Gpt2Config())
+    with pytest.raises(UserError, match="declares no discretisation"):
+        registry.discrete_family(Gpt2Config())
+
+
+def test_a_name_cannot_be_declared_twice():
+    with pytest.raises(ValueError, match="declared twice"):
+        registry.register("parallel_gpt2", flavour=GPT2, ode=False)(
+            dataclass(frozen=True)(type("Again", (ParallelConfig,), {}))
+        )
+    assert registry.family("parallel_gpt2").config_class.__name__ == "ParallelGpt2Config"
+    assert dataclasses.is_dataclass(registry.family("parallel_gpt2").config_class)
