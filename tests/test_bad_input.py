@@ -306,6 +306,11 @@ CASES = [
         "no_text.jsonl' line 1 has no string field 'body'",
     ),
     (
+        "unset-tokenizer",
+        [*DATA, TRAIN, "[{corpus}/pydoc/train.jsonl]", "--data.tokenizer", "null"],
+        "data.tokenizer is not set",
+    ),
+    (
         "missing-tokenizer",
         [*DATA, TRAIN, "[{corpus}/pydoc/train.jsonl]", "--data.tokenizer", "{w}/no_tokenizer"],
         "data.tokenizer: '{w}/no_tokenizer' does not exist",
