@@ -412,6 +412,24 @@ def test_incomplete_checkpoints_are_found_and_removed(tmp_path):
     assert incomplete_checkpoints(str(tmp_path / "missing")) == []
 
 
+def test_the_newest_checkpoint_is_kept_even_when_temporary(tmp_path):
+    """The checkpoint a resume loads is never removed: here the newest is a temporary one, step-10, and
+    its name sorts before step-9's (so the newest is found by step, as Levanter finds it, not by name);
+    only the superseded temporary step-9 and the interrupted step-11 go."""
+    import levanter.checkpoint
+
+    from qkvflow.training.faults import remove_incomplete_checkpoints
+
+    run = tmp_path / "run"
+    _checkpoint_folder(run, "step-8", _meta(8, "2025-01-01T00:00:08"))
+    _checkpoint_folder(run, "step-9", _meta(9, "2025-01-01T00:00:09", temporary=True))
+    _checkpoint_folder(run, "step-10", _meta(10, "2025-01-01T00:00:10", temporary=True))
+    _checkpoint_folder(run, "step-11")
+    assert remove_incomplete_checkpoints(str(run)) == [str(run / "step-11"), str(run / "step-9")]
+    assert sorted(p.name for p in run.iterdir()) == ["step-10", "step-8"]
+    assert levanter.checkpoint.discover_latest_checkpoint(str(run)) == str(run / "step-10")
+
+
 UNREADABLE = {
     "truncated": '{"step": garbage',
     "empty": "",
