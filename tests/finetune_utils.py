@@ -77,13 +77,15 @@ def shared_setup(tmp_path_factory) -> tuple[Path, Path]:
     for 8 steps with `qkvflow train` (which also builds Levanter's token caches in the corpus folder).
     A freshly initialised model would not do: its logits are too small for a few LoRA steps to move."""
     from qkvflow.data.corpora import prepare_corpus
+    from tests.helpers import shared_path
     from tests.train_utils import train
 
-    root = tmp_path_factory.getbasetemp() / "finetune_shared"
+    root, lock = shared_path(tmp_path_factory, "finetune_shared")
     corpora, pretrained = root / "corpora", root / "checkpoints" / "tiny"
-    if not any(pretrained.glob("step-*/metadata.json")):
-        root.mkdir(parents=True, exist_ok=True)
-        prepare_corpus("pydoc", str(corpora))
-        proc = train(root, corpora)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    with lock:  # one training run for every test process
+        if not any(pretrained.glob("step-*/metadata.json")):
+            root.mkdir(parents=True, exist_ok=True)
+            prepare_corpus("pydoc", str(corpora))
+            proc = train(root, corpora)
+            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return corpora, pretrained

@@ -1,5 +1,7 @@
 """Small models shared by the tests."""
 
+import os
+
 import haliax as hax
 import jax.random as jrandom
 from haliax import Axis
@@ -58,3 +60,17 @@ def logit_tolerance(layers: int, hidden: int) -> float:
     import numpy as np
 
     return 4 * float(np.finfo(np.float32).eps) * math.sqrt(layers * hidden)
+
+
+def shared_path(tmp_path_factory, name: str):
+    """A folder that every test process of this run shares, and the lock to hold while filling it:
+    under pytest-xdist (`-n 2`, as CI runs) each worker has its own base temp folder, so the shared
+    one is their common parent; without xdist it is the run's base temp folder. For what is built
+    once and then only read (a trained checkpoint); the corpus stays per process, since every
+    training run may add to its Levanter cache."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    return base / name, FileLock(str(base / f"{name}.lock"))

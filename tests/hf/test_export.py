@@ -16,7 +16,6 @@ from typing import Optional
 import numpy as np
 import pytest
 
-from qkvflow.data.corpora import prepare_corpus
 from tests.helpers import logit_tolerance
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,13 +38,6 @@ TOKENS = np.array([[5, 17, 300, 42, 9, 1000, 7, 7, 123, 64, 2, 88], [1, 2, 3, 4,
 
 def _relative_error(a, b) -> float:
     return float(np.abs(a - b).max() / np.abs(b).max())
-
-
-@pytest.fixture(scope="module")
-def corpus_root(tmp_path_factory):
-    root = tmp_path_factory.getbasetemp() / "shared_corpora"
-    prepare_corpus("pydoc", str(root))
-    return root
 
 
 def _save_run(workdir: Path, corpus_root: Path, model_yaml: str, *, seed=0):
