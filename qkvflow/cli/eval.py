@@ -19,7 +19,9 @@ DiffEqFormer, --steps/--solver/--tolerances evaluate the same parameters at each
 --output it is also written as depth.md and depth.json, with the plot depth.png (perplexity against
 vector-field evaluations), into DIR (qkvflow.outputs: an absent or empty folder, or an earlier
 `qkvflow eval` output with --overwrite). --tasks runs lm-evaluation-harness tasks through Levanter's
-harness (qkvflow.evaluation.harness; `pip install 'qkvflow[eval]'`).
+harness (qkvflow.evaluation.harness; `pip install 'qkvflow[eval]'`) on the model of every row: at
+each grid of --steps/--solver/--tolerances, printed as a second table with one row per grid, task and
+metric (`lm_eval` in depth.json, a list in the order of the rows).
 """
 
 from __future__ import annotations
@@ -160,7 +162,7 @@ def evaluate(config: EvalConfig, config_path: Optional[str] = None) -> dict:
             raise UserError("data has no validation set: expected validation_urls (or a corpus) in the data config")
         evaluator = perplexity.make_evaluator(config, model.config.max_Pos, config.data.the_tokenizer)
         counts = perplexity.count_targets(evaluator, hf_tokenizer)
-        rows = []
+        rows, lm_eval = [], []
         for point in grid or [None]:
             m = model if point is None else depth.with_ode(model, point.ode)
             try:
@@ -183,16 +185,15 @@ def evaluate(config: EvalConfig, config_path: Optional[str] = None) -> dict:
                     row["nfe"] = depth.fixed_evaluations(point.ode)
             row.update(scored.as_dict())
             rows.append(row)
+            if config.tasks is not None:  # the same model at the same grid through lm-eval: one run per row
+                outputs = harness.run(m, config, task_spec, config.max_examples, log_samples=config.log_samples)
+                lm_eval.append(
+                    {k: row[k] for k in ("solver", "grid", "steps", "tolerance", "nfe", "trained")} | outputs
+                )
         result["rows"] = rows
         result["eval_examples"] = len(evaluator.dataset.as_sync_dataset())
         if config.tasks is not None:
-            result["lm_eval"] = harness.run(
-                model if grid is None else depth.with_ode(model, grid[0].ode),
-                config,
-                task_spec,
-                config.max_examples,
-                log_samples=config.log_samples,
-            )
+            result["lm_eval"] = lm_eval
     return result
 
 

@@ -126,8 +126,9 @@ def test_tasks_on_a_lora_checkpoint_score_the_fine_tuned_model(lora_eval):
     from tests.evaluation.test_harness import QUESTIONS
 
     _, reference, result, stdout = lora_eval
-    lm_eval = result["lm_eval"]
+    assert [(r["grid"], r["trained"]) for r in result["lm_eval"]] == [("4 layers", True)]
+    lm_eval = result["lm_eval"][0]
     assert lm_eval["results"]["qkvflow_tiny_mc"]["acc,none"] == 0.5
-    assert "| qkvflow_tiny_mc | acc | 0.5000 |" in stdout
+    assert "| - | 4 layers (trained) | qkvflow_tiny_mc | acc | 0.5000 |" in stdout
     scored = {s["doc_id"]: [r[0][0] for r in s["resps"]] for s in lm_eval["samples"]["qkvflow_tiny_mc"]}
     np.testing.assert_allclose([scored[i] for i in range(len(QUESTIONS))], reference, rtol=0, atol=1e-4)
