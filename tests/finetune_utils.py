@@ -89,3 +89,32 @@ def shared_setup(tmp_path_factory) -> tuple[Path, Path]:
             proc = train(root, corpora)
             assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return corpora, pretrained
+
+
+_FINETUNED: dict = {}
+PRETRAINED_OVERRIDES = ("--model.initializer_range", "0.3")
+
+
+def finetuned(tmp_path_factory, corpus_root: Path, method: str = "lora"):
+    """(args, checkpoint, config, summary) of one tiny `qkvflow finetune` run per test session and
+    `method` (lora or full), shared by the eval and generate tests: 2 steps at M = 4 layers, in this
+    process (`summary["model"]` is the fine-tuned model in memory, LoRA unmerged), from a freshly
+    initialised tiny ODE checkpoint (seconds, where a pretraining run takes half a minute). `args` are
+    the command-line options that name its config, pretrained checkpoint, corpus and outputs."""
+    import draccus
+
+    from qkvflow.training.finetune import FinetuneConfig, finetune
+
+    key = (str(tmp_path_factory.getbasetemp()), method)
+    if key not in _FINETUNED:
+        workdir = tmp_path_factory.mktemp(f"finetuned_{method}")
+        # initial weights of std 0.3 rather than 0.02: logits of a few nats and blocks that matter, so that
+        # two LoRA steps move the validation loss (from a near-uniform model they barely do)
+        pretrained = save_fresh_checkpoint(workdir / "pretrained", corpus_root, TINY_TRAIN, *PRETRAINED_OVERRIDES)
+        args = [*base_args(workdir, corpus_root, pretrained), "--finetune", method, "--trainer.num_train_steps", "2"]
+        args += ["--pretrained.overrides", json.dumps(list(PRETRAINED_OVERRIDES))]
+        config = draccus.parse(FinetuneConfig, config_path=TINY_FINETUNE, args=args[2:])
+        summary = finetune(config)
+        assert summary.get("finished"), summary
+        _FINETUNED[key] = (args, workdir / "checkpoints" / summary["run_id"], config, summary)
+    return _FINETUNED[key]

@@ -5,7 +5,9 @@
                  [--tasks T1,T2 [--max_examples K]] [--dotted.key value ...]
 
 CFG is the run's `qkvflow train` config (any model type: a DiffEqFormer, or Levanter's GPT-2/Llama
-baseline) and CKPT its checkpoint folder (checkpoints/<run_id>, newest step, or a step-N folder).
+baseline) or `qkvflow finetune` config (LoRA or full: the discretised M-layer model with its
+fine-tuned parameters, LoRA merged, loaded as `qkvflow generate` loads it) and CKPT its checkpoint
+folder (checkpoints/<run_id>, newest step, or a step-N folder).
 Every other `--dotted.key value` overrides CFG as in `qkvflow train`: another validation set is
 `--data.components.NAME.source.validation_urls '[...]'` (or a whole `--data '{...}'`), all of it rather
 than the run's `trainer.max_eval_batches` cap is `--trainer.max_eval_batches null`.
@@ -13,11 +15,13 @@ than the run's `trainer.max_eval_batches` cap is `--trainer.max_eval_batches nul
 The loss is the run's own evaluation (qkvflow.evaluation.perplexity); without --steps, --solver or
 --tolerances it is the model at its config's grid, and equals the run's last `eval/loss`. For a
 DiffEqFormer, --steps/--solver/--tolerances evaluate the same parameters at each grid
-(qkvflow.evaluation.depth); a baseline has a fixed depth and refuses them. The table is printed; with
+(qkvflow.evaluation.depth); a baseline or a fine-tuned model has a fixed depth and refuses them. The table is printed; with
 --output it is also written as depth.md and depth.json, with the plot depth.png (perplexity against
 vector-field evaluations), into DIR (qkvflow.outputs: an absent or empty folder, or an earlier
 `qkvflow eval` output with --overwrite). --tasks runs lm-evaluation-harness tasks through Levanter's
-harness (qkvflow.evaluation.harness; `pip install 'qkvflow[eval]'`).
+harness (qkvflow.evaluation.harness; `pip install 'qkvflow[eval]'`) on the model of every row: at
+each grid of --steps/--solver/--tolerances, printed as a second table with one row per grid, task and
+metric (`lm_eval` in depth.json, a list in the order of the rows).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Optional
 from qkvflow import outputs
 from qkvflow.errors import UserError
 from qkvflow.training.config import TrainConfig
+from qkvflow.training.finetune import FinetuneConfig, is_finetune_config
 
 KIND = "eval_table"
 TRAINING_ONLY = ("epochs", "stop_after", "log_every", "z_loss_weight", "nonfinite", "data_seed", "loss_curve")
@@ -38,7 +43,7 @@ FILES = ("depth.md", "depth.json", "depth.png")
 
 
 @dataclass
-class EvalConfig(TrainConfig):
+class EvalOptions:
     checkpoint: Optional[str] = None
     """The run's checkpoints: checkpoints/<run_id> (its newest step-N) or a step-N folder."""
     steps: Optional[str] = None
@@ -57,10 +62,29 @@ class EvalConfig(TrainConfig):
     """lm-evaluation-harness tasks, comma-separated (e.g. arc_easy,piqa), or paths of task YAML files."""
     max_examples: Optional[int] = None
     """lm-eval's `limit`: at most this many examples per task."""
+    log_samples: bool = False
+    """With --tasks and --output: also keep lm-eval's per-document requests and scores (`samples` in depth.json)."""
+
+
+@dataclass
+class EvalConfig(TrainConfig, EvalOptions):
+    """A training config plus the evaluation options."""
+
+
+@dataclass
+class FinetuneEvalConfig(FinetuneConfig, EvalOptions):
+    """A fine-tuning config plus the evaluation options. `steps` and `solver` are the fine-tuning
+    config's (the depth M and the discretisation of the model it trained): a fine-tuned checkpoint is
+    a parallel transformer of fixed depth, so the solver grids do not apply (`refuse_grids`)."""
+
+
+GRID_OPTIONS = ("--steps", "--solver", "--tolerances", "--adaptive_solver")
 
 
 def _output_rules(config: EvalConfig, config_path: Optional[str]) -> dict:
     protect = [("--checkpoint", config.checkpoint), ("--config_path", config_path)]
+    if isinstance(config, FinetuneConfig):
+        protect += [("pretrained.checkpoint", config.pretrained.checkpoint)]
     return {"kind": KIND, "key": "--output", "overwrite": config.overwrite, "protect": protect}
 
 
@@ -74,7 +98,7 @@ def check(config: EvalConfig, config_path: Optional[str]) -> None:
         raise UserError(
             f"--checkpoint {config.checkpoint!r}: no checkpoint found (expected checkpoints/<run_id>[/step-N])"
         )
-    if not is_ode(config.model):
+    if not isinstance(config, FinetuneConfig) and not is_ode(config.model):
         given = [f"--{k}" for k in ("steps", "solver", "tolerances") if getattr(config, k) is not None]
         if given:
             from qkvflow.models import registry
@@ -109,11 +133,12 @@ def evaluate(config: EvalConfig, config_path: Optional[str] = None) -> dict:
     import haliax.partitioning
 
     from qkvflow.evaluation import depth, perplexity
-    from qkvflow.training.checkpoints import load_model
+    from qkvflow.training.checkpoints import load_run_model
     from qkvflow.training.session import announce_corpus, with_corpus
 
     check(config, config_path)
-    grid = points(config) if is_ode(config.model) else None
+    finetuned = isinstance(config, FinetuneConfig)
+    grid = points(config) if not finetuned and is_ode(config.model) else None
     if config.tasks is not None:
         from qkvflow.evaluation import harness
 
@@ -122,23 +147,25 @@ def evaluate(config: EvalConfig, config_path: Optional[str] = None) -> dict:
         harness.preload(task_spec)
     announce_corpus(config)
     config = with_corpus(config)
-    model, hf_tokenizer = load_model(config, config.checkpoint)
+    model, hf_tokenizer = load_run_model(config, config.checkpoint)  # a finetune run's: discretised, LoRA merged
     t = config.trainer
     result: dict = {
         "checkpoint": config.checkpoint,
         "config_path": config_path,
-        "model_type": type(config.model).__name__,
+        "model_type": type(model.config).__name__,
     }
+    if finetuned:
+        result["finetune"] = config.finetune
     if not config.data.build_caches("validation"):  # tokenized on the first evaluation of this data
         raise UserError("data has no validation set: expected validation_urls (or a corpus) in the data config")
     # Outside the mesh, as training builds it (qkvflow.training.loop.make_evaluator): inside it, Levanter's
     # tagged dataset commits its tag arrays to the mesh's devices, and its loader's host-side batching
     # (one-CPU mesh) then refuses them on any mesh of more than one device, or of a GPU.
-    evaluator = perplexity.make_evaluator(config, config.model.max_Pos, config.data.the_tokenizer)
+    evaluator = perplexity.make_evaluator(config, model.config.max_Pos, config.data.the_tokenizer)
     with haliax.partitioning.set_mesh(t.device_mesh), hax.axis_mapping(t.parameter_axis_mapping):
         model = hax.shard(model, t.parameter_axis_mapping)  # onto the trainer's mesh, as training holds it
         counts = perplexity.count_targets(evaluator, hf_tokenizer)
-        rows = []
+        rows, lm_eval = [], []
         for point in grid or [None]:
             m = model if point is None else depth.with_ode(model, point.ode)
             try:
@@ -150,7 +177,7 @@ def evaluate(config: EvalConfig, config_path: Optional[str] = None) -> dict:
                         f"{point.ode.max_steps} steps; raise --model.ode.max_steps or loosen the tolerance"
                     ) from None
                 raise
-            row = {"solver": "-", "grid": f"{getattr(config.model, 'num_layers', '?')} layers", "steps": None,
+            row = {"solver": "-", "grid": f"{getattr(model.config, 'num_layers', '?')} layers", "steps": None,
                    "tolerance": None, "nfe": None, "nfe_min": None, "nfe_max": None, "trained": True}  # fmt: skip
             if point is not None:
                 row.update(solver=point.ode.solver, grid=point.label, tolerance=point.tolerance,
@@ -161,12 +188,15 @@ def evaluate(config: EvalConfig, config_path: Optional[str] = None) -> dict:
                     row["nfe"] = depth.fixed_evaluations(point.ode)
             row.update(scored.as_dict())
             rows.append(row)
+            if config.tasks is not None:  # the same model at the same grid through lm-eval: one run per row
+                outputs = harness.run(m, config, task_spec, config.max_examples, log_samples=config.log_samples)
+                lm_eval.append(
+                    {k: row[k] for k in ("solver", "grid", "steps", "tolerance", "nfe", "trained")} | outputs
+                )
         result["rows"] = rows
         result["eval_examples"] = len(evaluator.dataset.as_sync_dataset())
         if config.tasks is not None:
-            result["lm_eval"] = harness.run(
-                model if grid is None else depth.with_ode(model, grid[0].ode), config, task_spec, config.max_examples
-            )
+            result["lm_eval"] = lm_eval
     return result
 
 
@@ -183,21 +213,29 @@ def write(result: dict, config: EvalConfig, config_path: Optional[str]) -> list[
     return [os.path.join(config.output, name) for name in FILES]
 
 
-def refuse_finetune_config(path: Optional[str]) -> None:
-    """A `qkvflow finetune` config (it names a `pretrained` run) describes a LoRA or fully fine-tuned
-    discretised model, which this verb does not rebuild yet: one line instead of draccus's unknown keys."""
-    import yaml
-
-    try:
-        with open(path) as f:
-            text = yaml.safe_load(f)
-    except (OSError, TypeError, yaml.YAMLError):
-        return  # cli.parse names the problem
-    if isinstance(text, dict) and "pretrained" in text:
+def refuse_grids(argv: list[str], config_path: Optional[str]) -> None:
+    """A `qkvflow finetune` checkpoint is a discretised model of fixed depth (its config's `steps: M`
+    layers); there `steps` and `solver` are the fine-tuning config's own keys, so --steps/--solver
+    would silently rebuild another model instead of choosing a grid: one line instead."""
+    given = [key for key in GRID_OPTIONS if any(a == key or a.startswith(key + "=") for a in argv)]
+    if given:
         raise UserError(
-            f"{path} is a `qkvflow finetune` config: evaluating fine-tuned checkpoints is not supported yet "
-            "(the run's eval_loss is in finetune_summary.json beside its checkpoints); pass a `qkvflow train` config"
+            f"{' and '.join(given)}: {config_path} is a `qkvflow finetune` config, whose checkpoint is a discretised "
+            "model of fixed depth (its `steps: M` layers); solver grids apply to DiffEqFormer checkpoints of `qkvflow train`"
         )
+
+
+def read_config(argv: list[str]):
+    """EvalConfig for a `qkvflow train` config, FinetuneEvalConfig for a `qkvflow finetune` one (as
+    `qkvflow generate` tells them apart: a `pretrained:` section)."""
+    from qkvflow import cli
+
+    config_path, _ = cli.split_config_path(argv)
+    cls = EvalConfig
+    if is_finetune_config(config_path):
+        refuse_grids(argv, config_path)
+        cls = FinetuneEvalConfig
+    return cli.parse(cls, argv, "eval", required="the run's `qkvflow train` or `qkvflow finetune` config")
 
 
 def quiet_logging(verbose: bool = False) -> None:
@@ -220,8 +258,7 @@ def main(argv: list[str]) -> int:
         print(usage.short_help("qkvflow eval", EvalConfig, __doc__.split("\n\n")[0], hide=TRAINING_ONLY))
         return 0
     config_path, _ = cli.split_config_path(argv)
-    refuse_finetune_config(config_path)
-    config = cli.parse(EvalConfig, usage.full_listing_args(argv), "eval", required="the run's `qkvflow train` config")
+    config = read_config(usage.full_listing_args(argv))
     quiet_logging(config.verbose)
     result = evaluate(config, config_path)
     print(depth.markdown_table(result["rows"]))

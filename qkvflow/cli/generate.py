@@ -24,7 +24,7 @@ from typing import List, Optional
 
 from qkvflow.errors import UserError
 from qkvflow.training.config import TrainConfig
-from qkvflow.training.finetune import FinetuneConfig
+from qkvflow.training.finetune import FinetuneConfig, is_finetune_config
 
 
 @dataclass
@@ -69,23 +69,11 @@ class FinetuneGenerateConfig(FinetuneConfig, GenerateOptions):
     M of the discretised model), so --steps N' does not apply."""
 
 
-def _is_finetune_config(path: Optional[str]) -> bool:
-    import yaml
-
-    from qkvflow.configfile import _readable_config
-
-    if path is None:
-        return False
-    with open(_readable_config(path)) as f:
-        loaded = yaml.safe_load(f)
-    return isinstance(loaded, dict) and "pretrained" in loaded
-
-
 def read_config(argv: list[str]):
     from qkvflow import cli
 
     path, _ = cli.split_config_path(argv)
-    cls = FinetuneGenerateConfig if _is_finetune_config(path) else GenerateConfig
+    cls = FinetuneGenerateConfig if is_finetune_config(path) else GenerateConfig
     return cli.parse(cls, argv, "generate", required="the config the checkpoint was trained with (YAML)")
 
 
@@ -146,58 +134,9 @@ def check_solver(config) -> None:
 
 def load(config):
     """(model, tokenizer) of the checkpoint: the trained model, or the fine-tuned one with LoRA merged."""
-    if isinstance(config, FinetuneConfig):
-        return load_finetuned(config)
-    from qkvflow.training.checkpoints import load_model
+    from qkvflow.training.checkpoints import load_run_model
 
-    return load_model(config, config.checkpoint)
-
-
-def load_finetuned(config: FinetuneConfig):
-    """The fine-tuned model of `config`'s run: the discretised base (`finetune.load_base`), LoRA added
-    as fine-tuning added it, the checkpoint's model restored into that shape, the adapters merged."""
-    import equinox as eqx
-    import jax
-    import levanter.checkpoint
-    import numpy as np
-    from haliax import Axis
-    from levanter.trainer_state import make_floating_point_trainable_filter
-
-    from qkvflow.cli import finetune
-    from qkvflow.training import preflight
-    from qkvflow.training.checkpoints import restore_error
-    from qkvflow.training.session import with_corpus
-
-    pretrained = finetune.load_pretrained_config(config)
-    config = with_corpus(config)
-    tokenizer = preflight.load_tokenizer(config.data)
-    if hasattr(tokenizer, "as_hf_tokenizer"):
-        tokenizer = tokenizer.as_hf_tokenizer()
-    _, base = finetune.load_base(config, pretrained, tokenizer, Axis("vocab", len(tokenizer)))
-    model, is_trainable = base, True
-    if config.finetune == "lora":
-        model = finetune.add_lora(base, config.lora, config.lora_seed)
-        is_trainable = finetune._frozen(model)
-    # the trainer saves only the trainable parameters (Levanter's `saveable_training_mask`): restore
-    # those, keep the rest (the discretised base) from the pretrained checkpoint
-    trainable, frozen = eqx.partition(model, make_floating_point_trainable_filter(is_trainable))
-    path = levanter.checkpoint.discover_latest_checkpoint(config.checkpoint)
-    if path is None:
-        raise UserError(
-            f"checkpoint {config.checkpoint!r}: no checkpoint found (expected checkpoints/<run_id>[/step-N])"
-        )
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
-    try:
-        with jax.set_mesh(mesh):
-            shape = eqx.filter_eval_shape(lambda: trainable)
-            trainable = levanter.checkpoint.load_checkpoint(shape, path, subpath="model", mesh=mesh)
-    except (KeyError, ValueError, FileNotFoundError) as e:
-        raise restore_error(path, e, advice="use an earlier step-N folder of the run") or UserError(
-            f"checkpoint {path!r} does not hold the model that {config.finetune} fine-tuning of this config "
-            f"trains ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
-        ) from None
-    model = eqx.combine(trainable, frozen)
-    return finetune.merged_model(model, base, config.lora, config.lora_seed), tokenizer
+    return load_run_model(config, config.checkpoint)
 
 
 def tokenizer_of(config):

@@ -56,7 +56,7 @@ def short_help(
     for f in dataclasses.fields(config_cls):
         if f.name in hide:
             continue
-        doc = get_attribute_docstring(config_cls, f.name).docstring_below
+        doc = _docstring(config_cls, f.name, get_attribute_docstring)
         if f.name in SECTIONS or _is_dataclass_type(hints.get(f.name)):
             sections.append((f.name, SECTIONS.get(f.name) or _first_paragraph(doc)))
         elif f.name in FLAGS and hints.get(f.name) is bool:
@@ -70,6 +70,17 @@ def short_help(
         lines += _rows(sections) + [""]
     lines += [f"every key with its default: {prog} {HELP_ALL}", f"reference: {REFERENCE}"]
     return "\n".join(lines)
+
+
+def _docstring(config_cls, name: str, get_attribute_docstring) -> str:
+    """The docstring below field `name`, from the class of the MRO that declares it (a config made of
+    mixins, e.g. `EvalConfig(TrainConfig, EvalOptions)`, declares its options in a base)."""
+    for cls in config_cls.__mro__:
+        if dataclasses.is_dataclass(cls) and name in getattr(cls, "__annotations__", {}):
+            doc = get_attribute_docstring(cls, name).docstring_below
+            if doc:
+                return doc
+    return ""
 
 
 def _rows(rows, width: int = 100) -> list[str]:

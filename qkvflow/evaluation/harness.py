@@ -159,15 +159,19 @@ def run(model, config, spec: list, max_examples: Optional[int] = None, *, log_sa
         )
 
 
-def summary_table(outputs: dict) -> str:
-    """Markdown: one row per task and metric (stderr beside it when lm-eval computed one)."""
-    lines = ["| task | metric | value | stderr |", "|---|---|---|---|"]
-    for task, metrics in sorted((outputs or {}).get("results", {}).items()):
-        for key, value in sorted(metrics.items()):
-            if "stderr" in key or key == "alias" or not isinstance(value, (int, float)):
-                continue
-            metric, _, filt = key.partition(",")
-            err = metrics.get(f"{metric}_stderr,{filt}") if filt else metrics.get(f"{metric}_stderr")
-            err_text = f"{err:.4f}" if isinstance(err, (int, float)) else "-"
-            lines.append(f"| {task} | {metric} | {value:.4f} | {err_text} |")
+def summary_table(runs: list[dict]) -> str:
+    """Markdown: one row per run (a solver grid of `qkvflow eval`, labelled by its `solver`, `grid` and
+    `trained` keys), task and metric, with lm-eval's stderr beside it when it computed one (the
+    example count Levanter adds as `sample_len` is not a metric, and is in `n-samples`)."""
+    lines = ["| solver | steps or tolerance | task | metric | value | stderr |", "|---|---|---|---|---|---|"]
+    for run in runs:
+        grid = run["grid"] + (" (trained)" if run.get("trained") else "")
+        for task, metrics in sorted((run or {}).get("results", {}).items()):
+            for key, value in sorted(metrics.items()):
+                if "stderr" in key or key in ("alias", "sample_len") or not isinstance(value, (int, float)):
+                    continue
+                metric, _, filt = key.partition(",")
+                err = metrics.get(f"{metric}_stderr,{filt}") if filt else metrics.get(f"{metric}_stderr")
+                err_text = f"{err:.4f}" if isinstance(err, (int, float)) else "-"
+                lines.append(f"| {run['solver']} | {grid} | {task} | {metric} | {value:.4f} | {err_text} |")
     return "\n".join(lines)

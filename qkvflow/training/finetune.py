@@ -41,6 +41,7 @@ import jax.random as jrandom
 import levanter
 import levanter.checkpoint
 import levanter.tracker
+import numpy as np
 from haliax import Axis
 from levanter.adaptor.lora import LoraConfig, lora_trainable_params_filter, loraize, merge_lora_modules
 from levanter.models.lm_model import LmConfig
@@ -232,6 +233,71 @@ def load_base(config: FinetuneConfig, pretrained: TrainConfig, tokenizer, Vocab:
     except UserError as e:
         raise UserError(f"pretrained.checkpoint: {e}") from None
     return ode, discretise_model(ode, config.steps, config.solver)
+
+
+def is_finetune_config(path: Optional[str]) -> bool:
+    """Whether the YAML file at `path` is a `qkvflow finetune` config (it has a `pretrained:` section):
+    how `qkvflow generate` and `qkvflow eval` tell a fine-tuning run from a training run. An unreadable
+    file is not one (the config parser then names the problem)."""
+    import yaml
+
+    from qkvflow.configfile import _readable_config
+
+    if path is None:
+        return False
+    try:
+        with open(_readable_config(path)) as f:
+            loaded = yaml.safe_load(f)
+    except (OSError, ValueError, yaml.YAMLError):
+        return False
+    return isinstance(loaded, dict) and "pretrained" in loaded
+
+
+def load_finetuned(config: FinetuneConfig, checkpoint: str):
+    """(model, Hugging Face tokenizer) of a `qkvflow finetune` checkpoint of `config`'s run: the
+    discretised base (`load_base`), LoRA added as fine-tuning added it, the checkpoint's trainable
+    parameters restored into that shape, the adapters merged (`merged_model`). With `finetune: full`
+    every parameter comes from the checkpoint. The model is a `steps`-layer parallel transformer."""
+    from levanter.trainer_state import make_floating_point_trainable_filter
+
+    from qkvflow.training.checkpoints import missing_arrays, name_some, restore_error
+    from qkvflow.training.session import with_corpus
+
+    check_values(config)
+    pretrained = load_pretrained_config(config)
+    check_pretrained_checkpoint(config, pretrained)
+    config = with_corpus(config)
+    tokenizer = preflight.load_tokenizer(config.data)
+    if hasattr(tokenizer, "as_hf_tokenizer"):
+        tokenizer = tokenizer.as_hf_tokenizer()
+    _, base = load_base(config, pretrained, tokenizer, Axis("vocab", len(tokenizer)))
+    model, is_trainable = base, True
+    if config.finetune == "lora":
+        model = add_lora(base, config.lora, config.lora_seed)
+        is_trainable = _frozen(model)
+    # the trainer saves only the trainable parameters (Levanter's `saveable_training_mask`): restore
+    # those, keep the rest (the discretised base) from the pretrained checkpoint
+    trainable, frozen = eqx.partition(model, make_floating_point_trainable_filter(is_trainable))
+    path = levanter.checkpoint.discover_latest_checkpoint(checkpoint)
+    if path is None:
+        raise UserError(f"checkpoint {checkpoint!r}: no checkpoint found (expected checkpoints/<run_id>[/step-N])")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    try:
+        with jax.set_mesh(mesh):
+            shape = eqx.filter_eval_shape(lambda: trainable)
+            trainable = levanter.checkpoint.load_checkpoint(shape, path, subpath="model", mesh=mesh)
+    except (KeyError, ValueError, FileNotFoundError) as e:
+        what = f"checkpoint {path!r} does not hold the model that {config.finetune} fine-tuning of this config trains"
+        absent = missing_arrays(path, e)
+        if absent:  # e.g. the checkpoint of a full run for a LoRA config: name the arrays, not resume options
+            raise UserError(
+                f"{what}: it lacks {len(absent)} of its arrays ({name_some(absent)}); expected a checkpoint of this config's run"
+            ) from None
+        raise restore_error(path, e, advice="use an earlier step-N folder of the run") or UserError(
+            f"{what} ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        ) from None
+    model = eqx.combine(trainable, frozen)
+    return merged_model(model, base, config.lora, config.lora_seed), tokenizer
 
 
 # --- the run ------------------------------------------------------------------------------------------

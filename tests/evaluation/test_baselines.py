@@ -47,9 +47,11 @@ def test_a_baseline_is_evaluated_and_refuses_solver_grids(gpt2_run, capfd):
         )
 
 
-def test_a_finetune_config_is_refused_in_one_line(gpt2_run, capfd):
+def test_a_finetune_config_without_its_pretrained_checkpoint_is_refused_in_one_line(gpt2_run, capfd):
+    """A `qkvflow finetune` config is evaluated as its run's model (tests/evaluation/test_finetuned.py),
+    rebuilt from the pretrained checkpoint it names: here absent (the config's relative default)."""
     from tests.finetune_utils import TINY_FINETUNE
 
     assert cli_main(["eval", "--config_path", TINY_FINETUNE, "--checkpoint", gpt2_run[1]]) == 2
     err = capfd.readouterr().err.strip()
-    assert "is a `qkvflow finetune` config" in err and len(err.splitlines()) == 1
+    assert "pretrained.checkpoint='checkpoints/tiny': no checkpoint found" in err and len(err.splitlines()) == 1

@@ -102,14 +102,40 @@ def test_levanter_still_lacks_loglikelihood_rolling():
         LevanterHarnessLM.loglikelihood_rolling(object(), [])
 
 
-def test_cli_tasks_and_one_line_refusals(run, tmp_path, capfd, monkeypatch):
+def test_cli_tasks_at_several_grids_and_one_line_refusals(run, tmp_path, capfd, monkeypatch):
+    """`--tasks T --steps 1,2`: lm-eval runs once per grid on the model integrated on that grid (the
+    harness's scores against the logits are test_multiple_choice_...'s), one table row per grid; then
+    the refusals."""
+    from qkvflow.evaluation import harness
+
     capsys = capfd  # the token cache builder needs a real stderr file descriptor
     config, model, tokenizer, path = run
     base = ["eval", "--config_path", TINY_TRAIN, "--corpus.root", str(config.corpus.root), "--checkpoint", str(path)]
-    task = _write_task(tmp_path, [0, 0, 0, 0])
-    assert cli_main([*base, "--tasks", task]) == 0
+    task = _write_task(tmp_path, [0, 1, 2, 3])
+    seen, real = [], harness.run
+
+    def spy(model, *args, **kwargs):
+        out = real(model, *args, **kwargs)
+        seen.append(
+            (model.config.ode.solver, model.config.ode.num_steps, out["results"]["qkvflow_tiny_mc"]["acc,none"])
+        )
+        return out
+
+    with monkeypatch.context() as patch:
+        patch.setattr(harness, "run", spy)
+        assert cli_main([*base, "--tasks", task, "--steps", "1,2", "--output", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
-    assert "| qkvflow_tiny_mc | acc |" in out
+    assert [s[:2] for s in seen] == [("euler", 1), ("euler", 2)]
+    rows = [line for line in out.splitlines() if "| qkvflow_tiny_mc | acc |" in line]
+    assert rows == [
+        f"| euler | N=1 | qkvflow_tiny_mc | acc | {seen[0][2]:.4f} | - |",
+        f"| euler | N=2 (trained) | qkvflow_tiny_mc | acc | {seen[1][2]:.4f} | - |",
+    ]
+    written = json.loads((tmp_path / "out" / "depth.json").read_text())["lm_eval"]
+    assert [(r["steps"], r["results"]["qkvflow_tiny_mc"]["acc,none"]) for r in written] == [
+        (1, seen[0][2]),
+        (2, seen[1][2]),
+    ]
     # a missing data file: one line at once, not lm-eval's 10 retries with backoff
     bad = tmp_path / "bad.yaml"
     bad.write_text(open(task).read().replace("mc.jsonl", "missing.jsonl"))

@@ -2,6 +2,7 @@
 
 import json
 
+import equinox as eqx
 import pytest
 
 from qkvflow import cli
@@ -77,3 +78,71 @@ def test_greedy_cli_equals_uncached_argmax(capsys, corpus_root, run_dir):
     assert record["tokens"] == expected
     assert printed == tokenizer.decode(expected) + "\n"
     assert record["prompt"] == prompt and record["finish_reason"] == "length"
+
+
+def test_stream_prints_the_same_text_as_the_completion(capfd, corpus_root, run_dir, tmp_path):
+    """--stream true prints the completion piece by piece as it is decoded; what reaches stdout is the
+    text printed without it (and written to the JSONL), and the same ending newline."""
+    checkpoint = run_dir / "checkpoints" / "tiny"
+    argv = args(corpus_root, checkpoint, "--prompt", "The function", "--max_new_tokens", "8", "--temperature", "0")
+    out = tmp_path / "out.jsonl"
+    assert cli.main([*argv, "--output_jsonl", str(out)]) == 0
+    plain = capfd.readouterr().out
+    assert cli.main([*argv, "--stream", "true"]) == 0
+    streamed = capfd.readouterr().out
+    completion = json.loads(out.read_text())["completion"]
+    assert streamed == plain == completion + "\n"
+    assert len(completion) > 0
+
+
+LLAMA_YAML = """corpus:
+  name: pydoc
+  root: {root}
+model:
+  type: llama
+  max_seq_len: 32
+  hidden_dim: 32
+  intermediate_dim: 64
+  num_heads: 2
+  num_kv_heads: 2
+  num_layers: 2
+trainer:
+  mp: p=f32,c=f32
+"""
+
+
+class Causal(eqx.Module):
+    """A Levanter model called with a causal mask (without one its attention sees every position)."""
+
+    model: eqx.Module
+
+    def __call__(self, input_ids):
+        from levanter.layers.attention_mask import AttentionMask
+
+        return self.model(input_ids, attn_mask=AttentionMask.causal())
+
+
+def test_greedy_cli_on_a_llama_baseline_equals_uncached_argmax(capfd, corpus_root, tmp_path):
+    """Levanter's Llama (the baseline `qkvflow train` builds for model.type llama), freshly initialised
+    and saved as a checkpoint: the CLI's greedy tokens are the argmax of its full-sequence causal logits."""
+    from qkvflow.cli.generate import read_config
+    from qkvflow.training.checkpoints import load_model
+    from tests.finetune_utils import save_fresh_checkpoint
+
+    config_path = tmp_path / "llama.yaml"
+    config_path.write_text(LLAMA_YAML.format(root=corpus_root))
+    checkpoint = save_fresh_checkpoint(tmp_path / "ckpt", corpus_root, str(config_path))
+    out = tmp_path / "out.jsonl"
+    prompt, new = "The function", 8
+    argv = ["generate", "--config_path", str(config_path), "--checkpoint", str(checkpoint), "--prompt", prompt,
+            "--max_new_tokens", str(new), "--temperature", "0"]  # fmt: skip
+    assert cli.main([*argv, "--output_jsonl", str(out)]) == 0, capfd.readouterr().err
+    record = json.loads(out.read_text())
+
+    config = read_config(argv[1:])
+    model, tokenizer = load_model(config, str(checkpoint))
+    assert type(model).__name__ == "LlamaLMHeadModel"
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    expected, margin = greedy_reference(Causal(model), ids, new, CONTEXT)
+    assert margin > round_off(2, 32, 1.0)
+    assert record["tokens"] == expected
