@@ -142,3 +142,16 @@ def test_bad_config_names_key(key, value):
     with pytest.raises(UserError, match=f"model.{key}") as err:
         NodeTransformerConfig(**{key: value})
     assert "\n" not in str(err.value)
+
+
+def test_causal_field_is_causal(setup):
+    """Causal-LM adaptation: a later state never moves an earlier one's derivative."""
+    config = NodeTransformerConfig(max_len=8, causal=True)
+    block = setup[1]["blocks"][0]
+    tokens = jnp.array([SOS, 0, 1, 1, 3])
+    x = jax.random.normal(jax.random.PRNGKey(6), (5, D))
+    mask, row_mask = masks(tokens, config)
+    base = field(0.5, x, block, mask, row_mask, config)
+    moved = field(0.5, x.at[3].add(1.0), block, mask, row_mask, config)
+    np.testing.assert_array_equal(np.asarray(base[:3]), np.asarray(moved[:3]))
+    assert not np.allclose(np.asarray(base[3:]), np.asarray(moved[3:]))
