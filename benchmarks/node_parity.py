@@ -70,7 +70,8 @@ def plot(results, path):
             ax.plot(lengths, nfe, marker="o", label=f"lr={r['lr']} seed={r['seed']} acc={r['best_train_acc']:.2f}")
     ax.set_xlabel("string length L")
     ax.set_ylabel("NFE per string (both blocks)")
-    ax.legend(fontsize=7)
+    if any(r["nfe_by_length"] for r in results):
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -155,3 +155,20 @@ def test_causal_field_is_causal(setup):
     moved = field(0.5, x.at[3].add(1.0), block, mask, row_mask, config)
     np.testing.assert_array_equal(np.asarray(base[:3]), np.asarray(moved[:3]))
     assert not np.allclose(np.asarray(base[3:]), np.asarray(moved[3:]))
+
+
+def test_parity_benchmark_writes_outputs(tmp_path):
+    """The reproduction command runs end to end (vanilla, 2 steps, length <= 2) and writes JSON, table, plot."""
+    import importlib.util
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "node_parity.py"
+    spec = importlib.util.spec_from_file_location("node_parity", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    argv = ["--max-length", "2", "--models", "vanilla", "--lrs", "1e-2", "--seeds", "0", "--steps", "2"]
+    assert bench.main([*argv, "--out", str(tmp_path)]) == 0
+    (result,) = json.loads((tmp_path / "results_L2.json").read_text())
+    assert result["model"] == "vanilla" and 0.0 <= result["best_train_acc"] <= 1.0
+    assert (tmp_path / "table_L2.md").exists() and (tmp_path / "nfe_L2.png").exists()
