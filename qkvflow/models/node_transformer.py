@@ -14,7 +14,7 @@ and the kinetic regulariser (eq. 6)
 
     R = lambda / (2 L) * sum_blocks int_0^1 ||X'(t)||_F^2 dt      (per string, L = tokens incl. SOS)
 
-is `integrate(..., kinetic=...)`'s running energy E(t) = int sum ||X'||^2 / L dt times lambda / 2.
+is `integrate(..., tokens=1)`'s augmented energy int ||X'||_F^2 dt, times lambda / (2 L).
 Each example is solved separately (`jax.vmap` over the solve), so step counts and NFE are per string.
 
 Padding: strings are padded to one width; PAD keys are masked out of attention and the field is zero
