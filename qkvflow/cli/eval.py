@@ -133,7 +133,7 @@ def evaluate(config: EvalConfig, config_path: Optional[str] = None) -> dict:
     import haliax.partitioning
 
     from qkvflow.evaluation import depth, perplexity
-    from qkvflow.training.checkpoints import load_run_model
+    from qkvflow.training.finetune import load_run_model
     from qkvflow.training.session import announce_corpus, with_corpus
 
     check(config, config_path)

@@ -57,18 +57,6 @@ def load_model(config: TrainConfig, checkpoint: str, *, vocab_size: int | None =
     return model, tokenizer
 
 
-def load_run_model(config, checkpoint: str):
-    """(model, Hugging Face tokenizer) of a checkpoint of `qkvflow train` (`config` a TrainConfig:
-    `load_model`) or of `qkvflow finetune` (a FinetuneConfig: the discretised model with its fine-tuned
-    parameters, LoRA merged, `qkvflow.training.finetune.load_finetuned`). What `qkvflow generate` and
-    `qkvflow eval` decode and score."""
-    from qkvflow.training.finetune import FinetuneConfig, load_finetuned
-
-    if isinstance(config, FinetuneConfig):
-        return load_finetuned(config, checkpoint)
-    return load_model(config, checkpoint)
-
-
 SHOWN = 3
 """How many array names a message lists before "and N more"."""
 

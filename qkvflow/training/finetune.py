@@ -567,3 +567,15 @@ def export(config: FinetuneConfig, model, base, tokenizer, run_id: str, summary:
             save_peft_pretrained(model, lora, base_path, folder, prompt_tokenizer(tokenizer), prefix=PEFT_PREFIX)
         summary["peft_dir"] = path
         print(f"wrote the LoRA adapter (PEFT) to {path}", flush=True)
+
+
+def load_run_model(config, checkpoint: str):
+    """(model, Hugging Face tokenizer) of a checkpoint of `qkvflow train` (`config` a TrainConfig:
+    `qkvflow.training.checkpoints.load_model`) or of `qkvflow finetune` (a FinetuneConfig: the
+    discretised model with its fine-tuned parameters, LoRA merged, `load_finetuned`). What
+    `qkvflow generate` and `qkvflow eval` decode and score."""
+    from qkvflow.training.checkpoints import load_model
+
+    if isinstance(config, FinetuneConfig):
+        return load_finetuned(config, checkpoint)
+    return load_model(config, checkpoint)
