@@ -128,7 +128,6 @@ def test_two_processes_match_one_process_with_four_devices(tmp_path, corpus_root
         assert json.loads((step / "metadata.json").read_text())["step"] == int(step.name.split("-")[1])
 
 
-@pytest.mark.slow
 def test_sigterm_to_one_process_stops_both_and_the_run_resumes(tmp_path, corpus_root, four_devices):
     """SIGTERM reaches only process 1: both processes stop after the same step, save, exit 0; a
     second launch resumes both from that checkpoint and ends with the reference's losses."""

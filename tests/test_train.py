@@ -84,10 +84,7 @@ MESHES = {
 }
 
 
-# data parallelism alone is slow-marked: FSDP and FSDP x TP cover the multi-device path in the default suite
-@pytest.mark.parametrize(
-    "mode", [pytest.param(m, marks=pytest.mark.slow) if m == "data_parallel" else m for m in MESHES]
-)
+@pytest.mark.parametrize("mode", list(MESHES))
 def test_four_devices_match_one(tmp_path, corpus_root, reference, mode):
     one, four = reference[0], tmp_path
     extra = MESHES[mode]
