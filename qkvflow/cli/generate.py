@@ -73,7 +73,12 @@ def read_config(argv: list[str]):
     from qkvflow import cli
 
     path, _ = cli.split_config_path(argv)
-    cls = FinetuneGenerateConfig if is_finetune_config(path) else GenerateConfig
+    cls = GenerateConfig
+    if is_finetune_config(path):
+        from qkvflow.cli.eval import refuse_grids
+
+        refuse_grids(argv, path)  # --steps would set the fine-tuning config's depth M, not a grid N'
+        cls = FinetuneGenerateConfig
     return cli.parse(cls, argv, "generate", required="the config the checkpoint was trained with (YAML)")
 
 

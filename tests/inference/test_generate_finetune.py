@@ -30,3 +30,13 @@ def test_greedy_from_a_lora_checkpoint(tmp_path_factory, corpus_root, capfd, tmp
     expected, margin = greedy_reference(trained, tokenizer(prompt, add_special_tokens=False)["input_ids"], new, CONTEXT)
     assert margin > round_off(4, 32, 1.0)
     assert record["tokens"] == expected
+
+
+def test_steps_is_refused_for_a_finetune_checkpoint(tmp_path_factory, corpus_root, capfd):
+    """A fine-tuning config's `steps` is the depth M of the model it trained: --steps there would rebuild
+    another model (and fail at restore), so it is refused in one line before anything is loaded."""
+    args, checkpoint, _config, _summary = finetuned(tmp_path_factory, corpus_root, "lora")
+    argv = ["generate", *args, "--checkpoint", str(checkpoint), "--prompt", "x", "--steps", "2"]
+    assert cli.main(argv) == 2
+    err = capfd.readouterr().err.strip()
+    assert "\n" not in err and "--steps" in err and "qkvflow finetune" in err, err
