@@ -63,6 +63,19 @@ def test_trains_evaluates_checkpoints_and_plots(reference):
     assert (tmp_path / "runs" / "tiny" / "loss_curve.png").stat().st_size > 10_000
 
 
+def test_weight_decay_reaches_the_matrix_generators_only(reference):
+    """The run's optimizer uses qkvflow's ODE decay mask (tests/test_weight_decay.py checks it parameter
+    by parameter). Counted here from tiny_train.yaml: hidden 32, MLP 128, d_emb 8, 16 frequencies (33
+    time features); per matrix, Proj holds d_emb x its entries and its time MLP 33 x 8 + 8 x 8 weights."""
+    import json
+
+    workdir, _ = reference
+    events = [json.loads(line) for line in open(metrics_file(str(workdir / "runs"), "tiny"))]
+    summary = {k: v for e in events if e.get("event") == "summary" for k, v in e["metrics"].items()}
+    entries = 4 * 32 * 32 + 2 * 32 * 128  # Q, K, V, O; W1, W2
+    assert summary["decayed_parameter_count"] == 8 * entries + 6 * (33 * 8 + 8 * 8)
+
+
 def test_stop_and_resume_reproduces_uninterrupted_losses(tmp_path, corpus_root, reference):
     whole, split = reference[0], tmp_path
     first = _ok(train(split, corpus_root, "--stop_after", "4"))

@@ -36,7 +36,7 @@ from levanter.utils.jax_utils import parameter_count
 from levanter.utils.tree_utils import inference_mode
 
 from qkvflow.errors import UserError
-from qkvflow.training import faults, preflight
+from qkvflow.training import faults, preflight, weight_decay
 from qkvflow.training.checkpoints import restore_error
 from qkvflow.training.tracking import JsonlTrackerConfig, drop_steps_from, metrics_file
 
@@ -195,7 +195,8 @@ def train_run(
     and the final trainer state (None if no state exists, e.g. stopped before the first step)."""
     config, t = run.config, run.config.trainer
     t = dataclasses.replace(t, crash_on_nan=False, crash_on_inf=False)  # the guard decides, after the step
-    optimizer = faults.guard_nonfinite(config.optimizer.build(t.num_train_steps), inject)
+    optimizer_config = weight_decay.with_decay_mask(config.optimizer, config.model)
+    optimizer = faults.guard_nonfinite(optimizer_config.build(t.num_train_steps), inject)
     guard = faults.NonFiniteGuard(optimizer, config.nonfinite, t.num_train_steps, verb=run.verb)
     summary: dict = {}
     target = min(t.num_train_steps, config.stop_after or math.inf)
@@ -224,8 +225,15 @@ def train_run(
         print(f"resuming run {run_id} after step {start}", flush=True)  # every process: where each one starts
     drop_replayed_metrics(t, run_id, start)
     total, trainable = parameter_count(state.model), parameter_count(state.trainable_model)
-    levanter.tracker.log_summary({"parameter_count": total, "trainable_parameter_count": trainable})
+    decayed = weight_decay.decayed_parameter_count(optimizer_config, state.trainable_model)
+    logger.info(
+        f"weight decay on {decayed:,} of {trainable:,} trainable parameters (mask: {optimizer_config.weight_decay_modules!r})"
+    )
+    levanter.tracker.log_summary(
+        {"parameter_count": total, "trainable_parameter_count": trainable, "decayed_parameter_count": decayed}
+    )
     summary.update(run_id=run_id, checkpoints=t.checkpointer.expanded_path(run_id), parameter_count=total)
+    summary["decayed_parameter_count"] = decayed
     if trainable != total:
         summary["trainable_parameter_count"] = trainable
     if start >= target:
