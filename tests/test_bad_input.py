@@ -221,6 +221,11 @@ CASES = [
         "corpus.name='wikipedia' is invalid: expected one of pydoc, tinyshakespeare",
     ),
     ("corpus-vocab-0", ["--corpus.vocab_size", "0"], "corpus.vocab_size=0 is invalid"),
+    (
+        "corpus-eval-split",
+        ["--corpus.eval_split", "tst"],
+        "corpus.eval_split='tst' is invalid: expected one of validation, selection, test",
+    ),
     # data files and the tokenizer
     (
         "missing-data",

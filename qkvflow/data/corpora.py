@@ -4,6 +4,11 @@
 document per line), a Hugging Face tokenizer directory ``<root>/<name>/tokenizer`` and a
 ``manifest.json``; nothing is ever downloaded.
 
+The validation documents are also written as two disjoint halves, ``selection.jsonl`` (even positions)
+and ``test.jsonl`` (odd positions), so that a study can choose hyperparameters on one and report on
+the other (``EVAL_SPLITS``; `qkvflow bench compare`). Training evaluates on ``validation`` (both
+halves) unless the config's ``corpus.eval_split`` says otherwise.
+
 Special tokens: ``<|endoftext|>`` is both bos and eos, and the tokenizer's post-processor already wraps
 every encoded text as ``<|endoftext|> text <|endoftext|>``. Levanter's ``BatchTokenizer`` probes
 ``tokenizer("hi there")``, sees both tokens present and therefore adds nothing itself (otherwise it would
@@ -37,8 +42,10 @@ if TYPE_CHECKING:
     from levanter.data.text import LmDataConfig
 
 NAMES = ("pydoc", "tinyshakespeare")
+EVAL_SPLITS = ("validation", "selection", "test")
+"""Held-out documents: all of them, the even-positioned half (for choosing), the odd-positioned half (for reporting)."""
 DEFAULT_PYDOC_VOCAB = 2048
-_FORMAT_VERSION = 1  # bump when the on-disk layout or tokenizer recipe changes
+_FORMAT_VERSION = 2  # bump when the on-disk layout or tokenizer recipe changes (2: selection/test halves)
 
 
 @dataclass(frozen=True)
@@ -49,24 +56,33 @@ class PreparedCorpus:
     validation_urls: list[str]
     tokenizer: str  # local directory loadable with AutoTokenizer.from_pretrained(path) offline
 
-    def data_config(self, name: str, base: "LmDataConfig | None" = None) -> "LmDataConfig":
+    def data_config(
+        self, name: str, base: "LmDataConfig | None" = None, eval_split: str = "validation"
+    ) -> "LmDataConfig":
         """`base` (Levanter's `LmDataConfig`; its defaults if None) reading this corpus: one `url`
-        component called `name`, this tokenizer, and the token cache inside the corpus folder.
+        component called `name` that evaluates on `eval_split` (`EVAL_SPLITS`), this tokenizer, and the
+        token cache inside the corpus folder.
 
         Levanter reuses an existing cache by folder alone (a changed tokenizer only logs a warning), so
-        the cache lives inside the corpus folder, which is replaced whenever the corpus is rebuilt.
+        the cache lives inside the corpus folder, which is replaced whenever the corpus is rebuilt; each
+        eval split has its own cache folder, so that one split's cache is never read as another's.
         """
         import dataclasses
 
         from levanter.data.text import DatasetComponent, LmDataConfig, UrlDatasetSourceConfig
 
-        source = UrlDatasetSourceConfig(train_urls=list(self.train_urls), validation_urls=list(self.validation_urls))
+        if eval_split not in EVAL_SPLITS:
+            raise ValueError(f"eval_split={eval_split!r}: expected one of {', '.join(EVAL_SPLITS)}")
+        folder = Path(self.tokenizer).parent
+        held_out = list(self.validation_urls) if eval_split == "validation" else [str(folder / f"{eval_split}.jsonl")]
+        source = UrlDatasetSourceConfig(train_urls=list(self.train_urls), validation_urls=held_out)
+        cache = "levanter_cache" if eval_split == "validation" else f"levanter_cache_{eval_split}"
         return dataclasses.replace(
             base or LmDataConfig(),
             tokenizer=self.tokenizer,
             components={name: DatasetComponent(source=source)},
             train_weights={name: 1.0},
-            cache_dir=str(Path(self.tokenizer).parent / "levanter_cache"),
+            cache_dir=str(folder / cache),
         )
 
 
@@ -113,6 +129,8 @@ def prepare_corpus(
         try:
             _write_jsonl(tmp / "train.jsonl", train)
             _write_jsonl(tmp / "validation.jsonl", validation)
+            _write_jsonl(tmp / "selection.jsonl", validation[0::2])
+            _write_jsonl(tmp / "test.jsonl", validation[1::2])
             hf = _wrap(build())
             if len(hf) != vocab:
                 raise RuntimeError(f"{name}: tokenizer has {len(hf)} tokens, expected {vocab}")
@@ -173,7 +191,7 @@ def _is_cached(out: Path, key: dict[str, Any]) -> bool:
         manifest = json.loads((out / "manifest.json").read_text())
     except (OSError, ValueError):
         return False
-    files = ("train.jsonl", "validation.jsonl", "tokenizer/tokenizer.json")
+    files = ("train.jsonl", "validation.jsonl", "selection.jsonl", "test.jsonl", "tokenizer/tokenizer.json")
     return all(manifest.get(k) == v for k, v in key.items()) and all((out / f).is_file() for f in files)
 
 

@@ -28,6 +28,9 @@ class CorpusConfig:
     name: str = "pydoc"
     root: str = "cache/corpora"
     vocab_size: Optional[int] = None
+    eval_split: str = "validation"
+    """Held-out documents the run evaluates on: `validation` (all), or one of its two disjoint halves,
+    `selection` (to choose hyperparameters on) and `test` (to report on): qkvflow.data.corpora."""
 
 
 @dataclass

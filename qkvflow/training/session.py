@@ -25,10 +25,12 @@ from qkvflow.training.runlock import RunLock
 
 def check_corpus(c) -> None:
     """UserError unless the `corpus:` section names a known corpus and a usable vocabulary size."""
-    from qkvflow.data.corpora import NAMES
+    from qkvflow.data.corpora import EVAL_SPLITS, NAMES
 
     if c.name not in NAMES:
         raise UserError(f"corpus.name={c.name!r} is invalid: expected one of {', '.join(NAMES)}")
+    if c.eval_split not in EVAL_SPLITS:
+        raise UserError(f"corpus.eval_split={c.eval_split!r} is invalid: expected one of {', '.join(EVAL_SPLITS)}")
     if c.vocab_size is not None and (isinstance(c.vocab_size, bool) or c.vocab_size < 1):
         raise UserError(f"corpus.vocab_size={c.vocab_size!r} is invalid: expected null or an integer >= 1")
 
@@ -45,7 +47,7 @@ def with_corpus(config: TrainConfig) -> TrainConfig:
         corpus = prepare_corpus(c.name, c.root, vocab_size=c.vocab_size)
     except (ValueError, RuntimeError) as e:  # e.g. a vocabulary size the corpus cannot have
         raise UserError(f"corpus: {e}") from None
-    data = corpus.data_config(c.name, config.data)
+    data = corpus.data_config(c.name, config.data, eval_split=c.eval_split)
     return dataclasses.replace(config, data=data)
 
 

@@ -65,6 +65,27 @@ def test_pydoc_split_is_disjoint_deterministic_and_complete(pydoc: PreparedCorpu
     assert (manifest["train_docs"], manifest["validation_docs"]) == (len(train), len(validation))
 
 
+def test_selection_and_test_halves_partition_validation(pydoc: PreparedCorpus) -> None:
+    """The documented rule: the even-positioned held-out documents choose, the odd-positioned report."""
+    folder = Path(pydoc.tokenizer).parent
+    validation = _docs(pydoc.validation_urls[0])
+    selection, test = _docs(str(folder / "selection.jsonl")), _docs(str(folder / "test.jsonl"))
+    assert selection == [d for i, d in enumerate(validation) if i % 2 == 0]
+    assert test == [d for i, d in enumerate(validation) if i % 2 == 1]
+    assert len(selection) - len(test) in (0, 1) and test and not set(selection) & set(test)
+    for split, docs in (("validation", validation), ("selection", selection), ("test", test)):
+        data = pydoc.data_config("pydoc", eval_split=split)
+        (component,) = data.components.values()
+        assert _docs(component.source.validation_urls[0]) == docs
+        assert component.source.train_urls == pydoc.train_urls
+        caches = {
+            pydoc.data_config("pydoc", eval_split=other).cache_dir for other in ("validation", "selection", "test")
+        }
+        assert len(caches) == 3  # a split's cache is never reused for another split
+    with pytest.raises(ValueError, match="eval_split='tset'"):
+        pydoc.data_config("pydoc", eval_split="tset")
+
+
 def test_pydoc_tokenizer_loads_offline_and_round_trips(pydoc: PreparedCorpus) -> None:
     tok = AutoTokenizer.from_pretrained(pydoc.tokenizer)
     assert len(tok) == 2048
