@@ -1,4 +1,4 @@
-"""Benchmarks behind `qkvflow bench speed|scaling|quality`: throughput, memory scaling and quality benchmarks.
+"""Benchmarks behind `qkvflow bench speed|scaling|quality|compare`: throughput, memory scaling and quality benchmarks.
 
 * speed:   one process; a DiffEqFormer and its Levanter GPT-2/Llama baseline of the same shape
            (layers = ODE steps), jitted training steps timed after compilation; one JSON object.
@@ -6,4 +6,7 @@
            in a fresh subprocess; CSV + PNG in benchmarks/results/.
 * quality: DiffEqFormer, GPT-2 and the weight-shared ODE trained on Tiny Shakespeare with nanoGPT's
            CPU budget via `qkvflow train`; validation losses as JSON and a markdown table.
+* compare: a study (benchmarks/compare/*.yaml) of models x learning rates x seeds, the learning rate
+           chosen on a selection split and the test loss reported with seed spread and paired 95%
+           intervals against a baseline (qkvflow.bench.stats); resumable.
 """

@@ -1,4 +1,4 @@
-"""`qkvflow bench MODE ...`: dispatch to a benchmark of qkvflow.bench (speed, scaling, quality)."""
+"""`qkvflow bench MODE ...`: dispatch to a benchmark of qkvflow.bench (speed, scaling, quality, compare)."""
 
 import importlib
 
@@ -8,6 +8,7 @@ MODES = {
     "speed": "qkvflow.bench.speed",
     "scaling": "qkvflow.bench.scaling",
     "quality": "qkvflow.bench.quality",
+    "compare": "qkvflow.bench.compare",
 }
 
 

@@ -1,0 +1,351 @@
+"""`qkvflow bench compare STUDY.yaml`: models x learning rates x seeds, chosen on one split, reported on another.
+
+A study file (benchmarks/compare/*.yaml) names a base `qkvflow train` config (corpus, data, trainer,
+optimizer), a budget (`iters`), peak `learning_rates`, `seeds`, a `baseline` and the `models`, each a
+YAML overlay merged into the base (a `model:` section, and optionally `optimizer:` keys). Then:
+
+1. every (model, learning rate, seed) trains through `qkvflow train` (trainer.seed = data_seed =
+   seed), evaluating on the corpus's `selection` half of the held-out documents
+   (`corpus.eval_split`, qkvflow.data.corpora): its last eval loss is its selection loss;
+2. per model, the learning rate with the lowest mean selection loss over the seeds is chosen;
+3. the chosen runs alone are evaluated on the `test` half (`qkvflow eval --corpus.eval_split test`);
+4. per model: mean and standard deviation of the test loss over seeds, and the paired 95% interval
+   of its difference to the baseline (qkvflow.bench.stats), with the parameter count and the
+   training FLOPs (3 x forward: qkvflow.models.accounting, Levanter's `flops_per_token`).
+
+It is resumable: a finished run leaves `results/<run>.json` and is not trained again; an
+interrupted run resumes from its checkpoint (the same `trainer.id`, qkvflow's exact resume); more
+seeds or learning rates may be added to a study between invocations. The work folder holds
+`study.json`, written when the study starts: a folder without it (and not empty) or holding another
+study is refused, and only checkpoints of this study's runs are removed (after a model's test
+evaluation, unless --keep_checkpoints).
+"""
+
+import argparse
+import copy
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from qkvflow.bench import stats
+from qkvflow.errors import UserError
+from qkvflow.outputs import check_writable
+from qkvflow.training.tracking import metrics_file, read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+STUDY_KEYS = {"base", "baseline", "iters", "learning_rates", "seeds", "models", "title"}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qkvflow bench compare", description=__doc__.split("\n\n")[0])
+    p.add_argument("study", help="study YAML (e.g. benchmarks/compare/tinyshakespeare.yaml)")
+    p.add_argument("--workdir", required=True, help="where runs, checkpoints and partial results live (resumable)")
+    p.add_argument("--out_dir", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--name", default=None, help="output files OUT_DIR/NAME.{json,md} (default: the study's name)")
+    p.add_argument("--iters", type=int, default=None, help="override the study's budget (training steps per run)")
+    p.add_argument("--seeds", default=None, help="override the seeds, comma-separated")
+    p.add_argument("--learning_rates", default=None, help="override the peak learning rates, comma-separated")
+    p.add_argument("--models", default=None, help="a comma-separated subset of the study's models")
+    p.add_argument("--corpus_root", default=str(ROOT / "cache" / "corpora"))
+    p.add_argument("--keep_checkpoints", action="store_true")
+    p.add_argument("--timeout", type=float, default=7200.0, help="seconds per training run")
+    return p
+
+
+def load_study(path: str, args) -> dict:
+    """The study file with the command line's overrides, checked; `base` resolved beside the file."""
+    try:
+        study = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise UserError(f"bench compare: cannot read study {path}: {e.strerror}") from None
+    if not isinstance(study, dict):
+        raise UserError(f"bench compare: {path}: expected a mapping with keys {sorted(STUDY_KEYS)}")
+    unknown = set(study) - STUDY_KEYS
+    if unknown:
+        raise UserError(f"bench compare: {path}: unknown key(s) {sorted(unknown)}; expected {sorted(STUDY_KEYS)}")
+    for key, given in (("iters", args.iters), ("seeds", args.seeds), ("learning_rates", args.learning_rates)):
+        if given is not None:
+            study[key] = (
+                given if key == "iters" else [float(x) if key == "learning_rates" else int(x) for x in given.split(",")]
+            )
+    models = study.get("models")
+    if not isinstance(models, dict) or not models:
+        raise UserError(f"bench compare: {path}: models: expected a mapping of name -> overlay")
+    if args.models:
+        chosen = [m.strip() for m in args.models.split(",") if m.strip()]
+        missing = [m for m in chosen if m not in models]
+        if missing:
+            raise UserError(f"--models: {missing} not in the study's models {sorted(models)}")
+        study["models"] = {m: models[m] for m in chosen}
+    if study.get("baseline") not in study["models"]:
+        raise UserError(
+            f"bench compare: {path}: baseline={study.get('baseline')!r} is not one of the models {sorted(study['models'])}"
+        )
+    if not isinstance(study.get("iters"), int) or study["iters"] < 1:
+        raise UserError(f"bench compare: {path}: iters={study.get('iters')!r} is invalid: expected an integer >= 1")
+    lrs, seeds = study.get("learning_rates"), study.get("seeds")
+    if not lrs or not all(isinstance(x, (int, float)) and 0 < x < 1 for x in lrs):
+        raise UserError(f"bench compare: {path}: learning_rates={lrs!r} is invalid: expected numbers in (0, 1)")
+    if not seeds or not all(isinstance(s, int) and s >= 0 for s in seeds) or len(set(seeds)) != len(seeds):
+        raise UserError(f"bench compare: {path}: seeds={seeds!r} is invalid: expected distinct integers >= 0")
+    base = (Path(path).parent / str(study.get("base"))).resolve()
+    if not base.is_file():
+        raise UserError(f"bench compare: {path}: base={study.get('base')!r}: no such file beside the study")
+    study["base"] = str(base)
+    study["name"] = Path(path).stem
+    return study
+
+
+def merge(base: dict, overlay: dict) -> dict:
+    """`base` with `overlay` merged in, mappings key by key (a `model:` overlay replaces the base's model)."""
+    out = copy.deepcopy(base)
+    for key, value in overlay.items():
+        if key != "model" and isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def run_id(model: str, lr: float, seed: int) -> str:
+    return f"{model}-lr{lr:g}-s{seed}"
+
+
+def run_config(study: dict, model: str, lr: float, seed: int, workdir: Path, corpus_root: str) -> dict:
+    """The full `qkvflow train` config of one run."""
+    config = merge(yaml.safe_load(Path(study["base"]).read_text()), study["models"][model])
+    if "corpus" not in config:
+        raise UserError(
+            f"bench compare: base {study['base']}: expected a `corpus:` section (its selection/test halves)"
+        )
+    config["corpus"] = {**config["corpus"], "root": corpus_root, "eval_split": "selection"}
+    config["data_seed"] = seed
+    config["loss_curve"] = None
+    t = config.setdefault("trainer", {})
+    t.update(id=run_id(model, lr, seed), seed=seed, num_train_steps=study["iters"], steps_per_eval=study["iters"])
+    t["checkpointer"] = {**t.get("checkpointer", {}), "base_path": str(workdir / "checkpoints")}
+    t["tracker"] = {"type": "jsonl", "path": str(workdir / "runs")}
+    t["log_dir"] = str(workdir / "logs")
+    config.setdefault("optimizer", {})["learning_rate"] = lr
+    return config
+
+
+def identity(study: dict) -> dict:
+    """What must not change between invocations on one work folder (seeds and learning rates may grow)."""
+    return {"base": Path(study["base"]).read_text(), "models": study["models"], "iters": study["iters"]}
+
+
+def claim_workdir(workdir: Path, study: dict) -> None:
+    marker = workdir / "study.json"
+    if marker.is_file():
+        if json.loads(marker.read_text()) != identity(study):
+            raise UserError(
+                f"--workdir {workdir} holds another study (its study.json differs in base, models or iters); use a new --workdir"
+            )
+        return
+    if workdir.exists() and any(workdir.iterdir()):
+        raise UserError(f"--workdir {workdir} is not empty and holds no study.json: choose a new or empty folder")
+    check_writable(str(workdir), "--workdir")
+    workdir.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps(identity(study), indent=1) + "\n")
+
+
+def _write_json(path: Path, value: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value, indent=1) + "\n")
+    os.replace(tmp, path)  # a result file is whole or absent
+
+
+def _subprocess(cmd: list[str], log_file: Path, timeout: float) -> None:
+    with open(log_file, "a") as log:
+        proc = subprocess.run(
+            cmd,
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
+        )
+    if proc.returncode != 0:
+        tail = log_file.read_text().strip().splitlines()[-1:]
+        raise UserError(
+            f"bench compare: {' '.join(cmd[3:5])} failed (exit {proc.returncode}; log {log_file}): {' '.join(tail)}"
+        )
+
+
+def train(study: dict, model: str, lr: float, seed: int, workdir: Path, args) -> dict:
+    """Train one run (or resume it) and return its result; a finished run is read back, not retrained."""
+    rid = run_id(model, lr, seed)
+    done = workdir / "results" / f"{rid}.json"
+    if done.is_file():
+        return json.loads(done.read_text())
+    config_path = workdir / "configs" / f"{rid}.yaml"
+    config_path.write_text(
+        yaml.safe_dump(run_config(study, model, lr, seed, workdir, args.corpus_root), sort_keys=False)
+    )
+    print(f"bench compare: training {rid} ({study['iters']} steps)", flush=True)
+    start = time.perf_counter()
+    _subprocess(
+        [sys.executable, "-m", "qkvflow", "train", "--config_path", str(config_path)],
+        workdir / "logs" / f"{rid}.out",
+        args.timeout,
+    )
+    file = metrics_file(str(workdir / "runs"), rid)
+    steps = read_metrics(file)
+    evals = [s for s in sorted(steps) if "eval/loss" in steps[s]]
+    if not evals or evals[-1] != study["iters"] - 1:
+        raise UserError(f"bench compare: {rid} has no eval loss after its last step in {file}")
+    summary = {}
+    with open(file) as f:
+        for line in f:
+            record = json.loads(line)
+            if record.get("event") == "summary":
+                summary.update(record.get("metrics", {}))
+    result = {
+        "model": model, "learning_rate": lr, "seed": seed, "selection_loss": steps[evals[-1]]["eval/loss"],
+        "train_loss": steps[evals[-1]].get("train/loss"), "parameter_count": summary.get("parameter_count"),
+        "wall_s": round(time.perf_counter() - start, 1),
+    }  # fmt: skip
+    _write_json(done, result)
+    return result
+
+
+def test_loss(study: dict, model: str, lr: float, seed: int, workdir: Path, args) -> float:
+    """The run's final model on the test half (`qkvflow eval`); read back if already measured."""
+    rid = run_id(model, lr, seed)
+    done = workdir / "results" / f"{rid}.test.json"
+    if done.is_file():
+        return json.loads(done.read_text())["test_loss"]
+    if not (workdir / "checkpoints" / rid).is_dir():
+        raise UserError(
+            f"bench compare: {rid} is now a chosen run but its checkpoint was removed after an earlier selection; "
+            "use a new --workdir (and --keep_checkpoints when you plan to add seeds or learning rates)"
+        )
+    out = workdir / "test" / rid
+    shutil.rmtree(out, ignore_errors=True)  # a partial output of this study's own earlier attempt
+    cmd = [sys.executable, "-m", "qkvflow", "eval", "--config_path", str(workdir / "configs" / f"{rid}.yaml"),
+           "--checkpoint", str(workdir / "checkpoints" / rid), "--corpus.eval_split", "test", "--output", str(out)]  # fmt: skip
+    print(f"bench compare: evaluating {rid} on the test split", flush=True)
+    _subprocess(cmd, workdir / "logs" / f"{rid}.out", args.timeout)
+    (row,) = json.loads((out / "depth.json").read_text())["rows"]
+    _write_json(done, {"test_loss": row["loss"]})
+    return row["loss"]
+
+
+def training_flops(config_path: Path, iters: int) -> Optional[float]:
+    """3 x forward FLOPs of one run: per-token FLOPs x tokens, plus an ODE's hypernetwork per forward pass."""
+    import draccus
+
+    from qkvflow.data.corpora import corpus_vocab_size
+    from qkvflow.models import accounting, registry
+    from qkvflow.training.config import TrainConfig
+
+    config = draccus.parse(TrainConfig, config_path=str(config_path), args=[])
+    vocab = corpus_vocab_size(config.corpus.name, vocab_size=config.corpus.vocab_size)
+    seq = config.model.max_seq_len
+    per_token = config.model.flops_per_token(vocab, seq)
+    if per_token is None:
+        return None
+    per_step = per_token * seq * config.trainer.train_batch_size
+    if registry.is_ode(config.model):
+        per_step += accounting.hypernetwork_flops_per_forward(config.model, vocab)
+    return 3.0 * per_step * iters
+
+
+def report(study: dict, runs: list[dict], tests: dict, flops: dict) -> dict:
+    models = {}
+    for model in study["models"]:
+        mine = [r for r in runs if r["model"] == model]
+        by_lr = {}
+        for r in mine:
+            by_lr.setdefault(r["learning_rate"], {})[r["seed"]] = r["selection_loss"]
+        best = min(by_lr, key=lambda lr: stats.summarise(by_lr[lr].values()).mean)
+        test = tests[model]
+        s = stats.summarise(test.values())
+        models[model] = {
+            "best_learning_rate": best,
+            "selection": {f"{lr:g}": stats.summarise(v.values()).__dict__ for lr, v in sorted(by_lr.items())},
+            "test": {"per_seed": {str(k): v for k, v in sorted(test.items())}, **s.__dict__},
+            "parameter_count": next((r["parameter_count"] for r in mine if r["parameter_count"]), None),
+            "training_flops": flops[model],
+            "wall_s": round(sum(r["wall_s"] for r in mine), 1),
+        }
+    base = tests[study["baseline"]]
+    for model, entry in models.items():
+        if model != study["baseline"]:
+            d = stats.paired_difference(tests[model], base)
+            entry["difference_to_baseline"] = {
+                "seeds": list(d.seeds),
+                "mean": d.mean,
+                "ci95": [d.low, d.high],
+                "verdict": d.verdict,
+            }
+    return {"study": study["name"], "title": study.get("title"), "iters": study["iters"], "baseline": study["baseline"],
+            "learning_rates": study["learning_rates"], "seeds": study["seeds"], "models": models}  # fmt: skip
+
+
+def markdown(result: dict) -> str:
+    def f(x, digits=4):
+        return "-" if x is None else f"{x:.{digits}f}"
+
+    lines = [
+        f"{result.get('title') or result['study']}: {result['iters']} steps, seeds {result['seeds']}, peak lr chosen from "
+        f"{result['learning_rates']} on the selection split; test split below. Baseline: {result['baseline']}.",
+        "",
+        "| model | params | train FLOPs | best lr | test loss (mean ± sd) | Δ to baseline [95% CI] | verdict |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, m in result["models"].items():
+        t, d = m["test"], m.get("difference_to_baseline")
+        diff = "-" if d is None else f"{d['mean']:+.4f} [{f(d['ci95'][0])}, {f(d['ci95'][1])}]"
+        flops = "-" if m["training_flops"] is None else f"{m['training_flops']:.3g}"
+        params = "-" if m["parameter_count"] is None else f"{m['parameter_count'] / 1e6:.2f}M"
+        lines.append(
+            f"| {name} | {params} | {flops} | {m['best_learning_rate']:g} | {f(t['mean'])} ± {f(t['std'])} | {diff} | "
+            f"{'baseline' if d is None else d['verdict']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    study = load_study(args.study, args)
+    workdir = Path(args.workdir).resolve()
+    claim_workdir(workdir, study)
+    check_writable(args.out_dir, "--out_dir")
+    for sub in ("configs", "results", "logs", "test"):
+        (workdir / sub).mkdir(exist_ok=True)
+    runs, tests, flops = [], {}, {}
+    for model in study["models"]:
+        mine = [
+            train(study, model, lr, seed, workdir, args) for lr in study["learning_rates"] for seed in study["seeds"]
+        ]
+        runs += mine
+        by_lr = {lr: [r["selection_loss"] for r in mine if r["learning_rate"] == lr] for lr in study["learning_rates"]}
+        best = min(by_lr, key=lambda lr: math.fsum(by_lr[lr]) / len(by_lr[lr]))
+        tests[model] = {seed: test_loss(study, model, best, seed, workdir, args) for seed in study["seeds"]}
+        flops[model] = training_flops(
+            workdir / "configs" / f"{run_id(model, best, study['seeds'][0])}.yaml", study["iters"]
+        )
+        if not args.keep_checkpoints:
+            for r in mine:  # this study's own runs (study.json claimed the folder), all evaluated
+                shutil.rmtree(
+                    workdir / "checkpoints" / run_id(model, r["learning_rate"], r["seed"]), ignore_errors=True
+                )
+    result = report(study, runs, tests, flops)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    name = args.name or study["name"]
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    table = markdown(result)
+    (out / f"{name}.md").write_text(table)
+    print(table)
+    return 0

@@ -1,0 +1,213 @@
+"""`qkvflow bench compare`: the statistics, selection on one split and report on another, resume of an
+interrupted grid, and one real run through `qkvflow train` and `qkvflow eval`."""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from qkvflow.bench import compare, stats
+from qkvflow.errors import UserError
+from qkvflow.training.tracking import metrics_file
+
+T_975_4 = 2.7764451051977987  # Student t, 97.5% quantile, 4 degrees of freedom (statistical tables)
+
+
+def test_paired_interval_is_the_t_interval_of_the_per_seed_differences():
+    baseline = {0: 2.00, 1: 2.10, 2: 1.95, 3: 2.05, 4: 1.90}
+    shift = {0: -0.31, 1: -0.28, 2: -0.33, 3: -0.27, 4: -0.30}
+    model = {s: baseline[s] + shift[s] for s in baseline}
+    d = list(shift.values())
+    mean = sum(d) / 5
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / 4)
+    got = stats.paired_difference(model, baseline)
+    eps = 8 * np.finfo(np.float64).eps * 2.1  # a few roundings of numbers about 2
+    assert got.seeds == (0, 1, 2, 3, 4)
+    assert got.mean == pytest.approx(mean, abs=eps)
+    assert got.low == pytest.approx(mean - T_975_4 * sd / math.sqrt(5), abs=1e-9)
+    assert got.high == pytest.approx(mean + T_975_4 * sd / math.sqrt(5), abs=1e-9)
+    assert got.verdict == "lower"
+    assert stats.paired_difference(baseline, model).verdict == "higher"
+    # only the seeds both sides have are paired; one seed gives no interval
+    assert stats.paired_difference({0: 1.0, 7: 3.0}, {0: 1.5, 1: 9.0}).verdict == "one seed: no interval"
+    s = stats.summarise([1.0, 2.0, 4.0])
+    assert (s.n, s.mean) == (3, pytest.approx(7 / 3)) and s.std == pytest.approx(
+        math.sqrt(((1 - 7 / 3) ** 2 + (2 - 7 / 3) ** 2 + (4 - 7 / 3) ** 2) / 2)
+    )
+
+
+def test_intervals_cover_a_known_difference_95_percent_of_the_time():
+    """Synthetic studies with a known true difference of 0.1 and 3 seeds: the 95% interval must hold
+    it in 95% of them (4,000 studies: the binomial standard error is 0.0034). A normal quantile (1.96)
+    instead of Student's would cover only about 80%; no pairing would widen it and over-cover."""
+    rng = np.random.default_rng(0)
+    studies, covered, verdicts = 4000, 0, {"lower": 0, "higher": 0, "no clear difference": 0}
+    for _ in range(studies):
+        seed_effect = rng.normal(0, 0.2, size=3)  # shared by both models of a seed (init, data order)
+        base = 2.0 + seed_effect + rng.normal(0, 0.01, size=3)
+        model = 2.1 + seed_effect + rng.normal(0, 0.01, size=3)
+        d = stats.paired_difference(dict(enumerate(model)), dict(enumerate(base)))
+        covered += d.low <= 0.1 <= d.high
+        verdicts[d.verdict] += 1
+    assert abs(covered / studies - 0.95) < 4.5 * math.sqrt(0.95 * 0.05 / studies)
+    assert verdicts["higher"] > 0.9 * studies  # 0.1 against per-seed noise of 0.014: resolved by 3 paired seeds
+
+
+# --- the grid, with training and evaluation replaced by a deterministic stand-in -----------------
+
+
+def _loss(model: str, lr: float, seed: int, split: str) -> float:
+    """A made-up loss surface: `ode` is best at lr 2e-3, `gpt2` at 1e-3; the test split is 0.05 higher."""
+    best = {"gpt2": 1e-3, "ode": 2e-3}[model]
+    return (
+        1.8
+        + (0.0 if model == "ode" else 0.1)
+        + 0.2 * abs(math.log2(lr / best))
+        + 0.01 * seed
+        + (0.05 if split == "test" else 0.0)
+    )
+
+
+class FakeRuns:
+    """Stands in for `compare._subprocess`: writes what `qkvflow train` / `qkvflow eval` would, and can
+    be told to stop (as an interruption) before its n-th call."""
+
+    def __init__(self, stop_before: int | None = None):
+        self.calls: list[str] = []
+        self.stop_before = stop_before
+
+    def __call__(self, cmd, log_file, timeout):
+        if self.stop_before is not None and len(self.calls) + 1 >= self.stop_before:
+            raise KeyboardInterrupt
+        config = yaml.safe_load(Path(cmd[cmd.index("--config_path") + 1]).read_text())
+        rid = config["trainer"]["id"]
+        model, lr, seed = rid.split("-lr")[0], float(rid.split("-lr")[1].split("-s")[0]), int(rid.rsplit("-s", 1)[1])
+        if cmd[3] == "train":
+            assert config["corpus"]["eval_split"] == "selection" and config["optimizer"]["learning_rate"] == lr
+            assert config["trainer"]["seed"] == config["data_seed"] == seed
+            file = Path(metrics_file(config["trainer"]["tracker"]["path"], rid))
+            file.parent.mkdir(parents=True, exist_ok=True)
+            step = config["trainer"]["num_train_steps"] - 1
+            records = [{"event": "summary", "metrics": {"parameter_count": {"gpt2": 10, "ode": 40}[model]}},
+                       {"event": "log", "step": step, "metrics": {"eval/loss": _loss(model, lr, seed, "selection"), "train/loss": 1.0}}]  # fmt: skip
+            file.write_text("".join(json.dumps(r) + "\n" for r in records))
+            (Path(config["trainer"]["checkpointer"]["base_path"]) / rid / "step-1").mkdir(parents=True)
+        else:
+            assert cmd[cmd.index("--corpus.eval_split") + 1] == "test"
+            out = Path(cmd[cmd.index("--output") + 1])
+            out.mkdir(parents=True)
+            (out / "depth.json").write_text(json.dumps({"rows": [{"loss": _loss(model, lr, seed, "test")}]}))
+        self.calls.append(f"{cmd[3]} {rid}")
+
+
+@pytest.fixture
+def study(tmp_path):
+    base = {"corpus": {"name": "pydoc"}, "model": {"type": "gpt2"}, "trainer": {"train_batch_size": 2}}
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    spec = {"base": "base.yaml", "baseline": "gpt2", "iters": 5, "learning_rates": [1e-3, 2e-3], "seeds": [0, 1, 2],
+            "models": {"gpt2": {"model": {"type": "gpt2", "hidden_dim": 8}}, "ode": {"model": {"type": "diffeqformer_gpt2"}}}}  # fmt: skip
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump(spec))
+    return tmp_path
+
+
+def _main(study_dir, monkeypatch, fake, *extra):
+    monkeypatch.setattr(compare, "_subprocess", fake)
+    monkeypatch.setattr(compare, "training_flops", lambda path, iters: 1.0e9 * iters)
+    argv = [
+        str(study_dir / "study.yaml"),
+        "--workdir",
+        str(study_dir / "work"),
+        "--out_dir",
+        str(study_dir / "out"),
+        *extra,
+    ]
+    return compare.main(argv)
+
+
+def test_chooses_on_selection_reports_test_and_resumes_an_interrupted_grid(study, monkeypatch):
+    fake = FakeRuns(stop_before=8)  # 6 gpt2 runs, the test of its first chosen seed, then stop
+    with pytest.raises(KeyboardInterrupt):
+        _main(study, monkeypatch, fake)
+    assert fake.calls == [f"train gpt2-lr{lr:g}-s{s}" for lr in (1e-3, 2e-3) for s in (0, 1, 2)] + [
+        "eval gpt2-lr0.001-s0"
+    ]
+    again = FakeRuns()
+    assert _main(study, monkeypatch, again) == 0
+    # nothing finished is redone: the other two gpt2 tests, then ode's grid and its chosen tests
+    assert again.calls == ["eval gpt2-lr0.001-s1", "eval gpt2-lr0.001-s2"] + [
+        f"train ode-lr{lr:g}-s{s}" for lr in (1e-3, 2e-3) for s in (0, 1, 2)
+    ] + [f"eval ode-lr0.002-s{s}" for s in (0, 1, 2)]
+    result = json.loads((study / "out" / "study.json").read_text())
+    gpt2, ode = result["models"]["gpt2"], result["models"]["ode"]
+    assert (gpt2["best_learning_rate"], ode["best_learning_rate"]) == (1e-3, 2e-3)
+    assert ode["test"]["per_seed"] == {str(s): pytest.approx(1.85 + 0.01 * s) for s in (0, 1, 2)}
+    diff = ode["difference_to_baseline"]
+    assert (
+        diff["mean"] == pytest.approx(-0.1) and diff["verdict"] == "lower"
+    )  # identical per-seed shifts: a zero-width interval
+    assert (gpt2["parameter_count"], ode["parameter_count"]) == (10, 40)
+    assert not any((study / "work" / "checkpoints").iterdir())  # this study's checkpoints, removed once evaluated
+    assert "| ode | 0.00M | 5e+09 | 0.002 | 1.8600 ± 0.0100 | -0.1000" in (study / "out" / "study.md").read_text()
+    # a third invocation trains nothing
+    third = FakeRuns()
+    assert _main(study, monkeypatch, third) == 0 and third.calls == []
+
+
+def test_a_work_folder_of_another_study_or_of_other_files_is_refused(study, monkeypatch, tmp_path):
+    assert _main(study, monkeypatch, FakeRuns(), "--models", "gpt2") == 0
+    with pytest.raises(UserError, match="holds another study"):
+        _main(study, monkeypatch, FakeRuns(), "--iters", "7", "--models", "gpt2")
+    other = tmp_path / "other"
+    (other / "work").mkdir(parents=True)
+    (other / "work" / "notes.txt").write_text("mine")
+    for name in ("study.yaml", "base.yaml"):
+        (other / name).write_text((study / name).read_text())
+    with pytest.raises(UserError, match="not empty and holds no study.json"):
+        _main(other, monkeypatch, FakeRuns())
+    assert (other / "work" / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"baseline": "llama"}, "baseline='llama' is not one of the models"),
+        ({"seeds": [0, 0]}, "seeds=[0, 0] is invalid"),
+        ({"learning_rates": [3]}, "learning_rates=[3] is invalid"),
+        ({"iters": 0}, "iters=0 is invalid"),
+        ({"base": "nope.yaml"}, "base='nope.yaml': no such file"),
+        ({"modles": {}}, "unknown key(s) ['modles']"),
+    ],
+)
+def test_bad_studies_are_refused_in_one_line(study, monkeypatch, change, message):
+    spec = yaml.safe_load((study / "study.yaml").read_text()) | change
+    (study / "study.yaml").write_text(yaml.safe_dump(spec))
+    with pytest.raises(UserError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")) as e:
+        _main(study, monkeypatch, FakeRuns())
+    assert "\n" not in str(e.value)
+
+
+# --- one real run ----------------------------------------------------------------------------------
+
+
+def test_a_real_run_trains_on_selection_and_is_evaluated_on_test(tmp_path, corpus_root):
+    """The smallest study through the real verbs: one tiny GPT-2, one seed, three steps on pydoc."""
+    base = Path(__file__).resolve().parents[2] / "benchmarks" / "compare" / "base_pydoc.yaml"
+    spec = {"base": str(base), "baseline": "tiny", "iters": 3, "learning_rates": [1e-3], "seeds": [0],
+            "models": {"tiny": {"model": {"type": "gpt2", "max_seq_len": 32, "hidden_dim": 32, "num_heads": 2, "num_layers": 1},
+                                "trainer": {"train_batch_size": 4, "per_device_eval_parallelism": 4, "max_eval_batches": 2}}}}  # fmt: skip
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump(spec))
+    argv = [str(tmp_path / "study.yaml"), "--workdir", str(tmp_path / "work"), "--out_dir", str(tmp_path / "out"),
+            "--corpus_root", str(corpus_root)]  # fmt: skip
+    assert compare.main(argv) == 0
+    run = json.loads((tmp_path / "work" / "results" / "tiny-lr0.001-s0.json").read_text())
+    test = json.loads((tmp_path / "work" / "results" / "tiny-lr0.001-s0.test.json").read_text())["test_loss"]
+    assert 0 < run["selection_loss"] < 9 and 0 < test < 9 and run["selection_loss"] != test  # two different halves
+    assert run["parameter_count"] == 32 * 2048 + 32 * 32 + 1 * (12 * 32 * 32 + 13 * 32) + 2 * 32
+    result = json.loads((tmp_path / "out" / "study.json").read_text())
+    (seq, batch, steps) = (32, 4, 3)
+    flops = result["models"]["tiny"]["training_flops"]
+    assert flops > 3 * 2 * 12 * 32 * 32 * seq * batch * steps  # at least the layers' matmuls, forward and backward
+    assert not (tmp_path / "work" / "checkpoints" / "tiny-lr0.001-s0").exists()
