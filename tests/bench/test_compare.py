@@ -211,3 +211,64 @@ def test_a_real_run_trains_on_selection_and_is_evaluated_on_test(tmp_path, corpu
     flops = result["models"]["tiny"]["training_flops"]
     assert flops > 3 * 2 * 12 * 32 * 32 * seq * batch * steps  # at least the layers' matmuls, forward and backward
     assert not (tmp_path / "work" / "checkpoints" / "tiny-lr0.001-s0").exists()
+
+
+# --- the shipped studies ----------------------------------------------------------------------------
+
+
+def _study_configs(name):
+    import argparse
+
+    import draccus
+
+    from qkvflow.training.config import TrainConfig
+
+    args = argparse.Namespace(iters=None, seeds=None, learning_rates=None, models=None)
+    study = compare.load_study(str(STUDIES / f"{name}.yaml"), args)
+    out = {}
+    for model in study["models"]:
+        path = Path(__file__).parent / f".{name}-{model}.yaml"  # removed below
+        path.write_text(yaml.safe_dump(compare.run_config(study, model, 1e-3, 0, Path("/nonexistent"), "/nonexistent")))
+        try:
+            out[model] = (
+                draccus.parse(TrainConfig, config_path=str(path), args=[]),
+                compare.training_flops(path, 2000),
+            )
+        finally:
+            path.unlink()
+    return study, out
+
+
+STUDIES = Path(__file__).resolve().parents[2] / "benchmarks" / "compare"
+
+
+@pytest.mark.skipif(
+    not (Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare" / "input.txt").is_file(),
+    reason="../shared/data/tinyshakespeare absent",
+)
+def test_the_shipped_studies_match_what_their_comments_claim():
+    """Same data, budget and optimizer for every model of a study; the parameter-matched GPT-2 within 5%
+    of the DiffEqFormer's parameters, the FLOP-matched one within 3% of its training FLOPs."""
+    from qkvflow.data.corpora import corpus_vocab_size
+    from qkvflow.models import accounting
+
+    for name in ("tinyshakespeare", "pydoc", "beta2"):
+        study, configs = _study_configs(name)
+        reference = next(iter(configs.values()))[0]
+        for model, (config, flops) in configs.items():
+            assert (
+                config.corpus == reference.corpus
+                and config.trainer.train_batch_size == reference.trainer.train_batch_size
+            )
+            assert config.model.max_seq_len == 64 and flops > 0, (name, model)
+        if name == "tinyshakespeare":
+            vocab = corpus_vocab_size("tinyshakespeare")
+            params = {m: accounting.count(accounting.model_shapes(c.model, vocab)) for m, (c, _) in configs.items()}
+            assert abs(params["gpt2_params"] / params["ode"] - 1) < 0.05, params
+            assert abs(configs["gpt2_flops"][1] / configs["ode"][1] - 1) < 0.03
+            assert params["gpt2"] < params["ode"] / 10  # why the matched baselines are needed
+            assert [configs[m][0].model.time_embed_dim for m in ("ode_d16", "ode_d32", "ode")] == [16, 32, 64]
+        if name == "beta2":
+            assert {m: c.optimizer.beta2 for m, (c, _) in configs.items()} == {
+                "gpt2_b999": 0.999, "gpt2_b95": 0.95, "ode_b999": 0.999, "ode_b95": 0.95,
+            }  # fmt: skip
