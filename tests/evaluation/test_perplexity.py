@@ -140,14 +140,56 @@ def test_each_row_is_the_models_loss_at_its_grid_from_its_own_logits(shared, dep
     assert fixed[0]["loss"] != fixed[1]["loss"]  # the grid was really changed
 
 
-def test_adaptive_rows_count_evaluations_from_the_solver_statistics(depth_run):
-    """tsit5 is first-same-as-last with 7 stages: 1 + 6 k evaluations for k steps (diffrax's num_steps)."""
+def test_adaptive_rows_count_the_evaluations_the_field_received(shared, depth_run, monkeypatch):
+    """The tsit5 row's evaluations against a counter the model's own field bumps at run time (a host
+    callback in the flavour's `vector_field`), batch by batch over the evaluator's batches: the count includes the
+    re-evaluations of f(t0, y0) after a rejected first step, which 1 + 6 x steps misses (the CI run of
+    2026-11-24 saw 110 = 2 + 6 x 18)."""
+    import dataclasses
+
+    import haliax as hax
+    import jax
+    from levanter.utils.tree_utils import inference_mode
+
+    from qkvflow.cli import parse
+    from qkvflow.cli.eval import EvalConfig
+    from qkvflow.evaluation.depth import with_ode
+    from qkvflow.evaluation.perplexity import make_evaluator
+    from qkvflow.training.checkpoints import load_model
+    from qkvflow.training.session import with_corpus
+
     adaptive = [r for r in depth_run[1]["rows"] if r["tolerance"] is not None]
     assert [(r["solver"], r["tolerance"]) for r in adaptive] == [("tsit5", 1e-2)]
     row = adaptive[0]
-    for count in (row["nfe_min"], row["nfe_max"]):
-        assert count >= 7 and (count - 1) % 6 == 0
-    assert row["nfe_min"] <= row["nfe"] <= row["nfe_max"]
+
+    corpora, pretrained = shared
+    config = with_corpus(parse(EvalConfig, ["--config_path", TINY_TRAIN, "--corpus.root", str(corpora)], "eval"))
+    model, _ = load_model(config, str(pretrained))
+    base = config.model.ode
+    # the documented rule: rtol = tolerance, atol = tolerance x (atol / rtol of the config)
+    tsit5 = dataclasses.replace(base, solver="tsit5", adaptive=True, rtol=1e-2, atol=1e-2 * base.atol / base.rtol)
+    model = inference_mode(with_ode(model, tsit5), True)
+    field = model.field.vector_field
+
+    def counted(*args, **kwargs):
+        jax.debug.callback(lambda: calls.append(1))
+        return field(*args, **kwargs)
+
+    monkeypatch.setattr(model.field, "vector_field", counted)
+    t = config.trainer
+    evaluator = make_evaluator(config, config.model.max_Pos, config.data.the_tokenizer)  # outside the mesh, as eval
+    counts = []
+    with hax.partitioning.set_mesh(t.device_mesh), hax.axis_mapping(t.parameter_axis_mapping):
+        model = hax.shard(model, t.parameter_axis_mapping)
+        flow = hax.named_jit(lambda m, b: m.flow(b.tokens, b.attn_mask)[0], axis_resources=evaluator.axis_mapping)
+        for batch, _tags in evaluator.loader:
+            calls = []
+            jax.block_until_ready(flow(model, batch).array)
+            jax.effects_barrier()
+            counts.append(len(calls))
+    assert (row["nfe_min"], row["nfe_max"]) == (min(counts), max(counts))
+    assert row["nfe"] == pytest.approx(np.mean(counts), rel=1e-12)
+    assert min(counts) >= 7
     assert math.isfinite(row["loss"])
 
 
