@@ -251,3 +251,31 @@ def test_ode_export_keeps_the_opt_in_knobs(tmp_path):
     meta["model"]["time_embed_norm"] = False
     (tmp_path / "config.json").write_text(json.dumps(meta))
     assert not np.allclose(logits(load_ode_export(str(tmp_path))), logits(model), rtol=1e-3, atol=0)
+
+
+def test_a_fixed_grid_compiles_without_host_callbacks_so_jax_can_cache_it():
+    """JAX never writes a program with a host callback to its persistent compilation cache, so every
+    run and every restart compiled the training step again. diffrax's failure check (`throw=True`)
+    is such a callback; a fixed grid cannot fail (it takes exactly N steps to t = 1), so qkvflow turns
+    the check off there and keeps it for adaptive solves, whose `max_steps` can run out."""
+
+    def has_callback(ode):
+        model = tiny_model(tiny_config("gpt2", ode=ode))
+        ids = random_tokens(model.config)
+        loss = lambda m: m(ids).array.sum()  # noqa: E731
+        return "callback" in eqx.filter_jit(eqx.filter_grad(loss)).lower(model).as_text()
+
+    assert not has_callback(OdeConfig(num_steps=3, solver="heun"))
+    assert has_callback(OdeConfig(num_steps=3, solver="tsit5", adaptive=True))  # the check can be seen
+
+
+@pytest.mark.parametrize("n", [1, 3, 7, 10, 33, 64, 100])
+def test_a_fixed_grid_reaches_t_equals_1_in_n_steps(n):
+    """What the dropped failure check would have caught: float32 step sizes 1/N that stop short of
+    t = 1. dx/dt = 1 from x(0) = 0 by Euler must give x(1) = 1 up to N additions' round-off (a grid
+    one step short would give 1 - 1/N)."""
+    from qkvflow.integrate.solve import integrate
+
+    y1, _, stats = integrate(lambda t, y, args: jnp.ones_like(y), jnp.zeros(()), None, OdeConfig(num_steps=n))
+    assert int(stats.num_steps) == n
+    assert abs(float(y1) - 1.0) <= n * float(np.finfo(np.float32).eps)
