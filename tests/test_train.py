@@ -126,25 +126,69 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize(
-    "args,message", BAD, ids=["missing-data", "unknown-key", "bad-heads", "batch", "checkpoint", "model-axis"]
-)
-def test_bad_input_fails_cleanly_without_touching_checkpoints(tmp_path, corpus_root, args, message):
-    existing = tmp_path / "checkpoints" / "tiny" / "step-5"
-    existing.mkdir(parents=True)
-    (existing / "manifest.ocdbt").write_bytes(
-        b"\0" * 32
-    )  # a checkpoint as Levanter writes it: its store, then metadata
-    (existing / "metadata.json").write_text('{"step": 5, "timestamp": "2025-01-01T00:00:05", "is_temporary": false}')
-    (tmp_path / "checkpoints" / "garbage").mkdir()
-    (tmp_path / "checkpoints" / "garbage" / "junk.bin").write_bytes(b"\0" * 10)
-    before = sorted(p.name for p in (tmp_path / "checkpoints").rglob("*"))
-    args = [a.replace("{ckpt}", str(tmp_path / "checkpoints")) for a in args]
-    proc = train(tmp_path, corpus_root, *args, devices=4)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert message in proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert sorted(p.name for p in (tmp_path / "checkpoints").rglob("*")) == before
+BAD_IDS = ["missing-data", "unknown-key", "bad-heads", "batch", "checkpoint", "model-axis"]
+
+# Runs each case through `qkvflow.cli.main` (what `python -m qkvflow` calls) in one 4-device process and
+# writes {case: [exit code, stderr]}: six processes of their own cost a minute of the suite.
+_BAD_DRIVER = """
+import contextlib, io, json, sys, traceback
+from qkvflow.cli import main
+results = {}
+for case, argv in json.loads(sys.argv[1]).items():
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+        except Exception:  # the case's test fails on it, the others still run
+            code = None
+            err.write(traceback.format_exc())
+    results[case] = [code, err.getvalue()]
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def bad_runs(tmp_path_factory, corpus_root):
+    """Each BAD case in a work folder of its own that already holds a finished checkpoint and a foreign
+    folder: (work folder, exit code, stderr, the checkpoint tree before) per case id."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.train_utils import train_args, train_env
+
+    cases, before = {}, {}
+    for case, (args, _message) in zip(BAD_IDS, BAD):
+        workdir = tmp_path_factory.mktemp(f"bad-{case}")
+        existing = workdir / "checkpoints" / "tiny" / "step-5"
+        existing.mkdir(parents=True)
+        (existing / "manifest.ocdbt").write_bytes(
+            b"\0" * 32
+        )  # a checkpoint as Levanter writes it: store, then metadata
+        (existing / "metadata.json").write_text(
+            '{"step": 5, "timestamp": "2025-01-01T00:00:05", "is_temporary": false}'
+        )
+        (workdir / "checkpoints" / "garbage").mkdir()
+        (workdir / "checkpoints" / "garbage" / "junk.bin").write_bytes(b"\0" * 10)
+        before[case] = (workdir, sorted(p.name for p in (workdir / "checkpoints").rglob("*")))
+        args = [a.replace("{ckpt}", str(workdir / "checkpoints")) for a in args]
+        cases[case] = train_args(workdir, corpus_root, *args)[3:]  # after `python -m qkvflow`
+    proc = subprocess.run([sys.executable, "-c", _BAD_DRIVER, json.dumps(cases)], env=train_env(4),
+                          cwd=tmp_path_factory.getbasetemp(), capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {case: (before[case][0], *results[case], before[case][1]) for case in BAD_IDS}
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=BAD_IDS)
+def test_bad_input_fails_cleanly_without_touching_checkpoints(bad_runs, request, args, message):
+    workdir, code, stderr, before = bad_runs[request.node.callspec.id]
+    assert code == 2, stderr[-2000:]
+    assert message in stderr
+    assert "Traceback" not in stderr
+    assert sorted(p.name for p in (workdir / "checkpoints").rglob("*")) == before
 
 
 def test_load_model_reads_the_trained_weights(reference, corpus_root):
