@@ -64,6 +64,34 @@ def test_cached_logits_equal_full_forward(flavour, solver, n, n_decode):
         assert np.abs(other - reference).max() > 100 * round_off(nfe, 32, float(np.abs(reference).max()))
 
 
+@pytest.mark.parametrize("flavour,solver,n,n_decode", [("gpt2", "euler", 3, 5), ("llama", "heun", 2, 2)])
+def test_shared_ode_cached_logits_equal_full_forward(flavour, solver, n, n_decode):
+    """The weight-shared model (constant W plus c t, a generator of its own) decodes through the same
+    per-evaluation caches; its slopes c start at 0, so
+    every generator array gets noise here, to make W(t) move."""
+    import equinox as eqx
+    import jax
+
+    from qkvflow.integrate.config import OdeConfig
+    from qkvflow.models import registry
+    from tests.helpers import Vocab
+    from tests.inference.util import CONTEXT
+
+    config = registry.family(f"shared_ode_{flavour}").config_class(
+        max_seq_len=CONTEXT, hidden_dim=32, num_heads=4, ode=OdeConfig(num_steps=n, solver=solver)
+    )
+    model = config.build(Vocab, key=jax.random.PRNGKey(0))
+    leaves, treedef = jax.tree_util.tree_flatten(eqx.filter(model.generator, eqx.is_array))
+    keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
+    noisy = [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    generator = eqx.combine(jax.tree_util.tree_unflatten(treedef, noisy), model.generator)
+    model = eqx.tree_at(lambda m: m.generator, model, generator)
+    reference = full_logits(on_grid(model, n_decode), SEQ)
+    cached = stepwise_logits(decoder_for(model, n_decode if n_decode != n else None))
+    nfe = int(evaluations(build_solver(on_grid(model, n_decode).config.ode), n_decode))
+    assert_close(cached, reference, nfe)
+
+
 @pytest.mark.parametrize("flavour", ["gpt2", "llama"])
 def test_parallel_cached_logits_equal_full_forward(flavour):
     model = parallel_model(flavour)
