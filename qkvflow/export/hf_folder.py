@@ -90,6 +90,11 @@ def hf_config(model, *, ode_steps=None, tokenizer=None):
 
     config = model.config
     flavour = config.flavour_spec
+    if config.block_scheme != "euler":
+        raise UserError(
+            f"model.block_scheme={config.block_scheme} is not supported by the export: expected euler "
+            "(the Hugging Face model runs x + F(x) per layer)"
+        )
     if flavour.rotary and type(config.rope) is not DefaultRotaryEmbeddingsConfig:
         raise UserError(
             f"model.rope={type(config.rope).__name__} is not supported by the export: expected rope type default"

@@ -29,6 +29,7 @@ from qkvflow.errors import UserError
 from qkvflow.integrate.weight_source import evaluation_times, generate_batched
 from qkvflow.models.diffeqformer import DiffEqFormerLMHeadModel
 from qkvflow.models.discrete.model import ParallelLMHeadModel
+from qkvflow.models.discrete.schemes import STAGES
 
 from .paged import PagedAttend, empty_cache
 from .schedule import Schedule, schedule
@@ -109,23 +110,25 @@ class OdeDecoder(_Decoder):
 
 class ParallelDecoder(_Decoder):
     """A discrete parallel-block model (`ParallelLMHeadModel`) as a model of `levanter.inference`: one
-    key/value cache per block."""
+    key/value cache per block, and per stage of a Runge-Kutta block (`block_scheme`)."""
 
     model: ParallelLMHeadModel
 
     def initial_cache(self, spec, *, dtype) -> ListCache:
-        return ListCache([empty_cache(spec, self.config, dtype) for _ in range(self.config.num_layers)])
+        count = self.config.num_layers * STAGES[self.config.block_scheme]
+        return ListCache([empty_cache(spec, self.config, dtype) for _ in range(count)])
 
     def decode(self, input_ids, kv_cache: ListCache, batch_info, pos_ids, *, key=None):
         inner = self.model.model
         x = inner.embed_tokens(input_ids)
         if inner.embed_positions is not None:
             x = x + inner.embed_positions.embed(pos_ids)
-        caches = list(kv_cache)
+        caches, stages = list(kv_cache), STAGES[self.config.block_scheme]
         for i, block in enumerate(inner.layers.unstacked()):
-            attend = PagedAttend(caches[i], batch_info)
-            x = block(x, None, pos_ids, attend)
-            caches[i] = attend.cache
+            # a Runge-Kutta block attends once per stage, each from another state: a cache per stage
+            attends = [PagedAttend(caches[i * stages + s], batch_info) for s in range(stages)]
+            x = block(x, None, pos_ids, attends)
+            caches[i * stages : (i + 1) * stages] = [a.cache for a in attends]
         return self._logits(inner.norm(x)), ListCache(caches)
 
 

@@ -92,6 +92,23 @@ def test_shared_ode_cached_logits_equal_full_forward(flavour, solver, n, n_decod
     assert_close(cached, reference, nfe)
 
 
+@pytest.mark.parametrize("flavour,scheme", [("gpt2", "rk2_gated"), ("llama", "rk4")])
+def test_runge_kutta_blocks_decode_with_a_cache_per_stage(flavour, scheme):
+    """A Runge-Kutta block attends once per stage from another state: one cache per layer and stage."""
+    import jax
+
+    from qkvflow.models import registry
+    from qkvflow.models.discrete.schemes import STAGES
+    from tests.helpers import Vocab
+    from tests.inference.util import CONTEXT
+
+    config = registry.family(f"parallel_{flavour}").config_class(
+        max_seq_len=CONTEXT, hidden_dim=32, num_heads=4, num_layers=2, block_scheme=scheme
+    )
+    model = config.build(Vocab, key=jax.random.PRNGKey(0))
+    assert_close(stepwise_logits(decoder_for(model), PROMPT), full_logits(model, SEQ), nfe=2 * STAGES[scheme])
+
+
 @pytest.mark.parametrize("flavour", ["gpt2", "llama"])
 def test_parallel_cached_logits_equal_full_forward(flavour):
     model = parallel_model(flavour)

@@ -20,6 +20,8 @@ from levanter.layers.attention import AttentionMask
 
 from qkvflow.models.fields.common import attend
 
+from .schemes import STAGES, RkGate, init_scheme_parameters, rk_step, stage_list
+
 if TYPE_CHECKING:  # annotations only: the config lives beside the model, which imports these layers
     from .model import ParallelConfig
 
@@ -109,18 +111,35 @@ def make_mlp(config: "ParallelConfig", projections: dict) -> "Gpt2Mlp | SwiGluMl
 
 
 class ParallelBlock(eqx.Module):
+    """One layer: x + F(x) with F(x) = o_proj(Attn(attn_norm(x))) + mlp(mlp_norm(x)), or one Runge-Kutta
+    step of F under the config's `block_scheme` (`qkvflow.models.discrete.schemes`; `gamma` and `gate`
+    are the learned coefficients of rk2_scalar and rk2_gated, None for the other schemes)."""
+
     attn_norm: hnn.LayerNorm | hnn.RmsNorm
     self_attn: ParallelAttention
     mlp_norm: hnn.LayerNorm | hnn.RmsNorm
     mlp: Gpt2Mlp | SwiGluMlp
+    gamma: Optional[NamedArray] = None
+    gate: Optional[RkGate] = None
 
     @staticmethod
     def init(config: "ParallelConfig", *, key) -> "ParallelBlock":
-        k_attn, k_mlp = jrandom.split(key)
+        k_attn, k_mlp, k_scheme = jrandom.split(key, 3)
         attn = ParallelAttention.init(config, key=k_attn)
-        return ParallelBlock(make_norm(config), attn, make_norm(config), mlp_class(config).init(config, key=k_mlp))
+        mlp = mlp_class(config).init(config, key=k_mlp)
+        gamma, gate = init_scheme_parameters(config.block_scheme, config.Embed, config.initializer_range, key=k_scheme)
+        return ParallelBlock(make_norm(config), attn, make_norm(config), mlp, gamma, gate)
+
+    def increment(self, x: NamedArray, mask, pos_ids: NamedArray, attend_fn=None) -> NamedArray:
+        """F(x): the attention and feed-forward branches, each through its own pre-norm."""
+        return self.self_attn(self.attn_norm(x), mask, pos_ids, attend_fn) + self.mlp(self.mlp_norm(x))
 
     def __call__(
         self, x: NamedArray, mask: Optional[AttentionMask | NamedArray], pos_ids: NamedArray, attend_fn=None
     ) -> NamedArray:
-        return x + self.self_attn(self.attn_norm(x), mask, pos_ids, attend_fn) + self.mlp(self.mlp_norm(x))
+        """`attend_fn`: one function for every stage, or a sequence of one per stage (a decoder's caches)."""
+        scheme = self.self_attn.config.block_scheme
+        attends = stage_list(attend_fn, STAGES[scheme])
+        return rk_step(
+            scheme, lambda y, stage: self.increment(y, mask, pos_ids, attends[stage]), x, self.gamma, self.gate
+        )

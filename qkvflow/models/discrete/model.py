@@ -4,6 +4,9 @@
     x_{k+1} = x_k + o_proj_k(Attn_k(attn_norm_k(x_k))) + mlp_k(mlp_norm_k(x_k)),   k = 0..L-1
     logits = norm(x_L) @ unembedding
 
+(with `block_scheme` other than euler, each layer is one Runge-Kutta step of that increment instead:
+`qkvflow.models.discrete.schemes`)
+
 | type            | norm      | feed-forward          | positions           |
 |-----------------|-----------|-----------------------|---------------------|
 | parallel_gpt2   | LayerNorm | act(x W_up) W_down    | learned, absolute   |
@@ -45,6 +48,7 @@ from qkvflow.models.flavour import GPT2, LLAMA, Flavour
 from qkvflow.models.registry import register
 
 from .layers import ParallelBlock, make_norm
+from .schemes import BLOCK_SCHEMES, STAGES
 
 
 @dataclass(frozen=True)
@@ -76,8 +80,13 @@ class ParallelConfig(LmConfig):
     attn_backend: Optional[AttentionBackend] = None
     flash_attention_block_size: Optional[int] = None
     gradient_checkpointing: bool = True
+    block_scheme: str = "euler"
+    """How a layer applies its increment F: `euler` (x + F(x), the discretised DiffEqFormer) or one
+    Runge-Kutta step with shared weights, `rk2 | rk2_unit | rk2_scalar | rk2_gated | rk4` (the ODE
+    Transformer; `qkvflow.models.discrete.schemes`). Only `euler` exports, fine-tunes and discretises."""
 
     def __post_init__(self):
+        _check(self.block_scheme in BLOCK_SCHEMES, "block_scheme", self.block_scheme, f"one of {list(BLOCK_SCHEMES)}")
         for name in ("max_seq_len", "hidden_dim", "num_heads", "num_layers"):
             _check(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
         divides = self.hidden_dim % self.num_heads == 0
@@ -109,10 +118,12 @@ class ParallelConfig(LmConfig):
     def flops_per_token(self, vocab_size: int, context_length: int) -> Optional[float]:
         from levanter.utils.flop_utils import lm_flops_per_token
 
-        return lm_flops_per_token(
+        # every stage of a Runge-Kutta block runs the whole layer; the gate adds 2 x 2 x hidden per layer
+        gate = 4.0 * self.hidden_dim * self.num_layers if self.block_scheme == "rk2_gated" else 0.0
+        return gate + lm_flops_per_token(
             hidden_dim=self.hidden_dim,
             intermediate_dim=self.mlp_dim,
-            num_layers=self.num_layers,
+            num_layers=self.num_layers * STAGES[self.block_scheme],
             num_kv_heads=self.num_heads,
             num_heads=self.num_heads,
             seq_len=context_length,
