@@ -248,7 +248,7 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
     from qkvflow.data.corpora import corpus_vocab_size
     from qkvflow.models import accounting
 
-    for name in ("tinyshakespeare", "pydoc", "beta2"):
+    for name in ("tinyshakespeare", "pydoc", "beta2", "rk_blocks"):
         configs = _study_configs(name, tmp_path)
         reference = next(iter(configs.values()))[0]
         for model, (config, _) in configs.items():
@@ -269,4 +269,9 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
         if name == "beta2":
             assert {m: c.optimizer.beta2 for m, (c, _) in configs.items()} == {
                 "gpt2_b999": 0.999, "gpt2_b95": 0.95, "ode_b999": 0.999, "ode_b95": 0.95,
+            }  # fmt: skip
+        if name == "rk_blocks":
+            assert {m: (c.model.num_layers, c.model.block_scheme) for m, (c, _) in configs.items()} == {
+                "euler_1": (1, "euler"), "rk2_1": (1, "rk2"), "rk2_unit_1": (1, "rk2_unit"),
+                "rk2_gated_1": (1, "rk2_gated"), "rk4_1": (1, "rk4"), "euler_2": (2, "euler"),
             }  # fmt: skip
