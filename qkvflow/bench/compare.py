@@ -139,23 +139,31 @@ def run_config(study: dict, model: str, lr: float, seed: int, workdir: Path, cor
 
 
 def identity(study: dict) -> dict:
-    """What must not change between invocations on one work folder (seeds and learning rates may grow)."""
+    """What must not change between invocations on one work folder: the base config, the budget, and
+    each model's definition (seeds, learning rates and further models may be added)."""
     return {"base": Path(study["base"]).read_text(), "models": study["models"], "iters": study["iters"]}
 
 
 def claim_workdir(workdir: Path, study: dict) -> None:
     marker = workdir / "study.json"
+    mine = identity(study)
     if marker.is_file():
-        if json.loads(marker.read_text()) != identity(study):
+        held = json.loads(marker.read_text())
+        changed = [m for m in mine["models"] if m in held["models"] and held["models"][m] != mine["models"][m]]
+        if (held["base"], held["iters"]) != (mine["base"], mine["iters"]) or changed:
+            what = f"model {changed[0]!r}" if changed else "base or iters"
             raise UserError(
-                f"--workdir {workdir} holds another study (its study.json differs in base, models or iters); use a new --workdir"
+                f"--workdir {workdir} holds another study (its study.json differs in {what}); use a new --workdir"
             )
+        if set(mine["models"]) - set(held["models"]):  # a model added to the study: record it
+            held["models"] = {**held["models"], **mine["models"]}
+            _write_json(marker, held)
         return
     if workdir.exists() and any(workdir.iterdir()):
         raise UserError(f"--workdir {workdir} is not empty and holds no study.json: choose a new or empty folder")
     check_writable(str(workdir), "--workdir")
     workdir.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps(identity(study), indent=1) + "\n")
+    marker.write_text(json.dumps(mine, indent=1) + "\n")
 
 
 def _write_json(path: Path, value: dict) -> None:

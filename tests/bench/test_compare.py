@@ -159,8 +159,19 @@ def test_chooses_on_selection_reports_test_and_resumes_an_interrupted_grid(study
 
 def test_a_work_folder_of_another_study_or_of_other_files_is_refused(study, monkeypatch, tmp_path):
     assert _main(study, monkeypatch, FakeRuns(), "--models", "gpt2") == 0
-    with pytest.raises(UserError, match="holds another study"):
+    with pytest.raises(UserError, match="holds another study .*differs in base or iters"):
         _main(study, monkeypatch, FakeRuns(), "--iters", "7", "--models", "gpt2")
+    # a model added later joins the study; gpt2's finished runs are not redone
+    added = FakeRuns()
+    assert _main(study, monkeypatch, added) == 0
+    assert added.calls and all(" ode-" in call for call in added.calls)
+    assert set(json.loads((study / "work" / "study.json").read_text())["models"]) == {"gpt2", "ode"}
+    # but a model whose definition changed is another study
+    spec = yaml.safe_load((study / "study.yaml").read_text())
+    spec["models"]["gpt2"]["model"]["hidden_dim"] = 16
+    (study / "study.yaml").write_text(yaml.safe_dump(spec))
+    with pytest.raises(UserError, match="differs in model 'gpt2'"):
+        _main(study, monkeypatch, FakeRuns())
     other = tmp_path / "other"
     (other / "work").mkdir(parents=True)
     (other / "work" / "notes.txt").write_text("mine")
