@@ -21,11 +21,10 @@ from typing import Callable, Optional, Sequence
 import equinox as eqx
 import haliax as hax
 import jax.numpy as jnp
-import jax.random as jrandom
 from haliax import Axis, NamedArray
 
-BLOCK_SCHEMES = ("euler", "rk2", "rk2_unit", "rk2_scalar", "rk2_gated", "rk4")
 STAGES = {"euler": 1, "rk2": 2, "rk2_unit": 2, "rk2_scalar": 2, "rk2_gated": 2, "rk4": 4}
+BLOCK_SCHEMES = tuple(STAGES)
 Branch = Axis("branch", 2)  # [F1, F2] for the gate and the two learned scalars
 
 
@@ -48,7 +47,7 @@ class RkGate(eqx.Module):
 def init_scheme_parameters(scheme: str, Embed: Axis, std: float, *, key):
     """(gamma, gate) of a block: the learned scalars of rk2_scalar (ones), the gate of rk2_gated; None otherwise."""
     gamma = hax.ones(Branch) if scheme == "rk2_scalar" else None
-    gate = RkGate.init(Embed, std, key=jrandom.fold_in(key, 7)) if scheme == "rk2_gated" else None
+    gate = RkGate.init(Embed, std, key=key) if scheme == "rk2_gated" else None
     return gamma, gate
 
 
