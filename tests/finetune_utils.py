@@ -72,23 +72,16 @@ def run_cli(verb: str, workdir: Path, *args: str, timeout=900):
 
 
 def shared_setup(tmp_path_factory) -> tuple[Path, Path]:
-    """(corpus root, pretrained checkpoint run folder), built once per test session and shared by the
-    fine-tuning test modules: the tiny ODE model of tiny_train.yaml (N = 2 Euler steps) pretrained
-    for 8 steps with `qkvflow train` (which also builds Levanter's token caches in the corpus folder).
-    A freshly initialised model would not do: its logits are too small for a few LoRA steps to move."""
-    from qkvflow.data.corpora import prepare_corpus
-    from tests.helpers import shared_path
-    from tests.train_utils import train
+    """(corpus root, pretrained checkpoint run folder), shared by the fine-tuning and evaluation test
+    modules: the tiny ODE model of tiny_train.yaml (N = 2 Euler steps) pretrained for 8 steps with
+    `qkvflow train`, the session's reference run (tests/train_utils.reference_run, trained once), whose
+    corpus folder already holds Levanter's token caches. A freshly initialised model would not do: its
+    logits are too small for a few LoRA steps to move."""
+    from tests.train_utils import reference_run
 
-    root, lock = shared_path(tmp_path_factory, "finetune_shared")
-    corpora, pretrained = root / "corpora", root / "checkpoints" / "tiny"
-    with lock:  # one training run for every test process
-        if not any(pretrained.glob("step-*/metadata.json")):
-            root.mkdir(parents=True, exist_ok=True)
-            prepare_corpus("pydoc", str(corpora))
-            proc = train(root, corpora)
-            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return corpora, pretrained
+    corpora, workdir, proc = reference_run(tmp_path_factory)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return corpora, workdir / "checkpoints" / "tiny"
 
 
 _FINETUNED: dict = {}

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from qkvflow.training.tracking import metrics_file, read_metrics
-from tests.train_utils import losses, train
+from tests.train_utils import losses, reference_run, train
 
 
 def _ok(proc):
@@ -16,10 +16,10 @@ def _ok(proc):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, corpus_root):
-    """One uninterrupted 8-step run on one device, shared by the tests that compare against it."""
-    workdir = tmp_path_factory.mktemp("reference")
-    proc = _ok(train(workdir, corpus_root, "--trainer.steps_per_eval", "4"))
-    return workdir, proc
+    """One uninterrupted 8-step run on one device, shared by the tests that compare against it (and by
+    test_faults: trained once per session)."""
+    _, workdir, proc = reference_run(tmp_path_factory)
+    return workdir, _ok(proc)
 
 
 def test_the_terminal_shows_progress_evaluations_and_the_summary_only(reference):
@@ -98,10 +98,10 @@ MESHES = {
 
 
 @pytest.mark.parametrize("mode", list(MESHES))
-def test_four_devices_match_one(tmp_path, corpus_root, reference, mode):
-    one, four = reference[0], tmp_path
-    extra = MESHES[mode]
-    _ok(train(four, corpus_root, *extra, devices=4))
+def test_four_devices_match_one(four_device_runs, reference, mode):
+    one = reference[0]
+    four, code, stderr, _ = four_device_runs[mode]
+    assert code == 0, stderr[-3000:]
     # Same data, same initial state, same arithmetic; only the order of f32 reductions differs (the
     # gradient and loss sums are split over 4 shards and combined by all-reduce), which moves a
     # result by an ulp or so (f32 eps 1.2e-7). Measured over the 8 steps on marin-levanter (FSDP):
@@ -129,30 +129,34 @@ BAD = [
 BAD_IDS = ["missing-data", "unknown-key", "bad-heads", "batch", "checkpoint", "model-axis"]
 
 # Runs each case through `qkvflow.cli.main` (what `python -m qkvflow` calls) in one 4-device process and
-# writes {case: [exit code, stderr]}: six processes of their own cost a minute of the suite.
-_BAD_DRIVER = """
-import contextlib, io, json, sys, traceback
+# writes {case: [exit code, stderr]}: a process of its own per case costs each case ~15 s of imports and
+# start-up (nine processes: two minutes of the suite).
+_DRIVER = """
+import contextlib, io, json, sys, tempfile, traceback
 from qkvflow.cli import main
-results = {}
+results, files = {}, []
 for case, argv in json.loads(sys.argv[1]).items():
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
+    err = tempfile.TemporaryFile("w+")  # a real file: Levanter's logging set-up enables faulthandler on stderr
+    files.append(err)  # kept open: a handler set up in one case may still hold it
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         try:
             code = main(argv)
         except SystemExit as e:
             code = e.code
         except Exception:  # the case's test fails on it, the others still run
             code = None
-            err.write(traceback.format_exc())
-    results[case] = [code, err.getvalue()]
+            traceback.print_exc(file=err)
+    err.seek(0)
+    results[case] = [code, err.read()]
 print(json.dumps(results))
 """
 
 
 @pytest.fixture(scope="module")
-def bad_runs(tmp_path_factory, corpus_root):
-    """Each BAD case in a work folder of its own that already holds a finished checkpoint and a foreign
-    folder: (work folder, exit code, stderr, the checkpoint tree before) per case id."""
+def four_device_runs(tmp_path_factory, corpus_root):
+    """One 4-device process that trains the tiny run under each of MESHES and runs each BAD case, every
+    case in a work folder of its own: (work folder, exit code, stderr, the checkpoint tree before) per
+    case id. A BAD case's folder already holds a finished checkpoint and a foreign folder."""
     import json
     import subprocess
     import sys
@@ -160,6 +164,10 @@ def bad_runs(tmp_path_factory, corpus_root):
     from tests.train_utils import train_args, train_env
 
     cases, before = {}, {}
+    for mode, args in MESHES.items():
+        workdir = tmp_path_factory.mktemp(f"four-{mode}")
+        before[mode] = (workdir, None)
+        cases[mode] = train_args(workdir, corpus_root, *args)[3:]  # after `python -m qkvflow`
     for case, (args, _message) in zip(BAD_IDS, BAD):
         workdir = tmp_path_factory.mktemp(f"bad-{case}")
         existing = workdir / "checkpoints" / "tiny" / "step-5"
@@ -174,17 +182,17 @@ def bad_runs(tmp_path_factory, corpus_root):
         (workdir / "checkpoints" / "garbage" / "junk.bin").write_bytes(b"\0" * 10)
         before[case] = (workdir, sorted(p.name for p in (workdir / "checkpoints").rglob("*")))
         args = [a.replace("{ckpt}", str(workdir / "checkpoints")) for a in args]
-        cases[case] = train_args(workdir, corpus_root, *args)[3:]  # after `python -m qkvflow`
-    proc = subprocess.run([sys.executable, "-c", _BAD_DRIVER, json.dumps(cases)], env=train_env(4),
-                          cwd=tmp_path_factory.getbasetemp(), capture_output=True, text=True, timeout=600)  # fmt: skip
+        cases[case] = train_args(workdir, corpus_root, *args)[3:]
+    proc = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(cases)], env=train_env(4),
+                          cwd=tmp_path_factory.getbasetemp(), capture_output=True, text=True, timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {case: (before[case][0], *results[case], before[case][1]) for case in BAD_IDS}
+    return {case: (before[case][0], *results[case], before[case][1]) for case in cases}
 
 
 @pytest.mark.parametrize("args,message", BAD, ids=BAD_IDS)
-def test_bad_input_fails_cleanly_without_touching_checkpoints(bad_runs, request, args, message):
-    workdir, code, stderr, before = bad_runs[request.node.callspec.id]
+def test_bad_input_fails_cleanly_without_touching_checkpoints(four_device_runs, request, args, message):
+    workdir, code, stderr, before = four_device_runs[request.node.callspec.id]
     assert code == 2, stderr[-2000:]
     assert message in stderr
     assert "Traceback" not in stderr

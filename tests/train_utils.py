@@ -1,5 +1,6 @@
 """Run `qkvflow train` in a subprocess (a fresh JAX, so tests can simulate several devices)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -49,3 +50,31 @@ def train(workdir: Path, corpus_root: Path, *overrides: str, run_id: str = "tiny
 def losses(workdir: Path, run_id: str = "tiny") -> list[float]:
     steps = read_metrics(metrics_file(str(workdir / "runs"), run_id))
     return [steps[s]["train/loss"] for s in sorted(steps) if "train/loss" in steps[s]]
+
+
+class Finished:
+    """A finished `qkvflow train` subprocess as `subprocess.run` returns it: exit code and output."""
+
+    def __init__(self, returncode: int, stdout: str, stderr: str):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def reference_run(tmp_path_factory) -> tuple[Path, Path, Finished]:
+    """The uninterrupted 8-step run of tiny_train.yaml on one device (evaluating every 4 steps), trained once
+    per test session and shared by every test process: test_train compares its resumed and sharded runs
+    with it, test_faults its killed and resumed ones, and the evaluation and fine-tuning tests use its
+    checkpoint (tests/finetune_utils.shared_setup). It trains on a corpus folder of its own, whose
+    Levanter token cache it builds under the lock, so that readers never build it concurrently.
+    (corpus root, work folder, the finished process)."""
+    from qkvflow.data.corpora import prepare_corpus
+    from tests.helpers import shared_path
+
+    root, lock = shared_path(tmp_path_factory, "reference_run")
+    corpora, done = root / "corpora", root / "process.json"
+    with lock:
+        if not done.exists():
+            root.mkdir(parents=True, exist_ok=True)
+            prepare_corpus("pydoc", str(corpora))
+            proc = train(root, corpora, "--trainer.steps_per_eval", "4")
+            done.write_text(json.dumps([proc.returncode, proc.stdout, proc.stderr]))
+    return corpora, root, Finished(*json.loads(done.read_text()))
