@@ -49,8 +49,9 @@ def perturbed(model, seed=0):
 
 
 def build(seed=0, **overrides):
+    """A perturbed model, built and perturbed in one compiled call (op-by-op it costs many small compiles)."""
     config = config_of(**overrides)
-    return perturbed(config.build(Vocab, key=jax.random.PRNGKey(seed)), seed)
+    return eqx.filter_jit(lambda key: perturbed(config.build(Vocab, key=key), seed))(jax.random.PRNGKey(seed))
 
 
 def tokens(config, seed=1):
@@ -221,7 +222,7 @@ def loss_of(model, ids):
 
 def test_random_ffn_trains_sigma_and_biases_only_and_its_factors_are_no_parameters():
     config = config_of(ffn="random")
-    model = config.build(Vocab, key=jax.random.PRNGKey(0))
+    model = eqx.filter_jit(lambda key: config.build(Vocab, key=key))(jax.random.PRNGKey(0))
     mlp = model.blocks[0].layers.stacked.mlp
     leaves = {name: getattr(mlp, name) for name in ("up_sigma", "up_bias", "down_sigma", "down_bias")}
     assert {k: v.array.shape for k, v in leaves.items()} == {
@@ -239,10 +240,14 @@ def test_random_ffn_trains_sigma_and_biases_only_and_its_factors_are_no_paramete
     assert np.abs(np.asarray(g.q_depth.weight.array)).max() > 0
     np.testing.assert_array_equal(np.asarray(g.k_depth.weight.array), 0.0)  # W_KT cancels: no gradient at all
 
-    opt = optax.adamw(1e-2)
-    params = eqx.filter(model, eqx.is_inexact_array)
-    updates, _ = opt.update(grads, opt.init(params), params)
-    stepped = eqx.apply_updates(model, updates)
+    @eqx.filter_jit
+    def adamw_step(model, grads):
+        opt = optax.adamw(1e-2)
+        params = eqx.filter(model, eqx.is_inexact_array)
+        updates, _ = opt.update(grads, opt.init(params), params)
+        return eqx.apply_updates(model, updates)
+
+    stepped = adamw_step(model, grads)
     new = stepped.blocks[0].layers.stacked.mlp
     for name in leaves:
         assert np.abs(np.asarray(getattr(new, name).array - leaves[name].array)).min() > 0, name
