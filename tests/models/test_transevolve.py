@@ -29,7 +29,9 @@ Batch = Axis("batch", 2)
 
 
 def config_of(**overrides):
+    # gradient checkpointing changes no value, only what the backward pass recomputes (and its compile time)
     kwargs = dict(max_seq_len=8, hidden_dim=16, num_heads=2, num_layers=4, num_blocks=2, ffn="full")
+    kwargs["gradient_checkpointing"] = False
     kwargs.update(overrides)
     return TransEvolveConfig(**kwargs)
 
@@ -49,9 +51,18 @@ def perturbed(model, seed=0):
 
 
 def build(seed=0, **overrides):
-    """A perturbed model, built and perturbed in one compiled call (op-by-op it costs many small compiles)."""
     config = config_of(**overrides)
-    return eqx.filter_jit(lambda key: perturbed(config.build(Vocab, key=key), seed))(jax.random.PRNGKey(seed))
+    return perturbed(config.build(Vocab, key=jax.random.PRNGKey(seed)), seed)
+
+
+@pytest.fixture(scope="module")
+def full_model():
+    return build(ffn="full")
+
+
+@pytest.fixture(scope="module")
+def random_model():
+    return build(ffn="random")
 
 
 def tokens(config, seed=1):
@@ -169,18 +180,18 @@ def tolerance(want, config):
 
 
 # --- tests ---------------------------------------------------------------------------------------
-def test_attention_with_the_key_bias_equals_the_four_term_logits():
-    """One block of 3 layers with its FFNs switched off (down projection zero): every layer is exactly
-    H^l = softmax(A0 + A1 T + T A2 + A3 (T, T)) LN(X^l) W_o + b_o + X^l. The two terms that cancel are
-    far from zero here, so the equality is the cancellation, not two small terms."""
-    model = build(num_layers=3, num_blocks=1)
-    stacked = model.blocks[0].layers.stacked
-    model = eqx.tree_at(
-        lambda m: (m.blocks[0].layers.stacked.mlp.down_proj.weight, m.blocks[0].layers.stacked.mlp.down_proj.bias),
-        model,
-        (stacked.mlp.down_proj.weight * 0, stacked.mlp.down_proj.bias * 0),
+def test_attention_with_the_key_bias_equals_the_four_term_logits(full_model):
+    """One block of 2 layers (depths 0 and 1) with its FFNs switched off (down projection zero): every
+    layer is exactly H^l = softmax(A0 + A1 T + T A2 + A3 (T, T)) LN(X^l) W_o + b_o + X^l. The two terms
+    that cancel are far from zero here, so the equality is the cancellation, not two small terms."""
+    block = full_model.blocks[1]
+    mlp = block.layers.stacked.mlp
+    block = eqx.tree_at(
+        lambda b: (b.layers.stacked.mlp.down_proj.weight, b.layers.stacked.mlp.down_proj.bias),
+        block,
+        (mlp.down_proj.weight * 0, mlp.down_proj.bias * 0),
     )
-    config, block = model.config, model.blocks[0]
+    config = full_model.config
     x = np.random.default_rng(0).normal(size=(Batch.size, config.max_seq_len, config.hidden_dim))
     h0 = layer_norm(x, block.qk_norm, config.layer_norm_epsilon)
     want = x
@@ -196,16 +207,16 @@ def test_attention_with_the_key_bias_equals_the_four_term_logits():
 
 
 @pytest.mark.parametrize("ffn_kind", ["full", "random"])
-def test_forward_pass_equals_the_equations(ffn_kind):
+def test_forward_pass_equals_the_equations(ffn_kind, request):
     """2 blocks x 2 layers, embeddings to tied logits, against the loop above."""
-    model = build(ffn=ffn_kind)
+    model = request.getfixturevalue(f"{ffn_kind}_model")
     ids = tokens(model.config)
     want = reference_logits(model, ids)
     np.testing.assert_allclose(got_logits(model, ids), want, rtol=0, atol=tolerance(want, model.config))
 
 
-def test_changing_a_later_token_leaves_earlier_logits_bit_identical():
-    model = build(ffn="random")
+def test_changing_a_later_token_leaves_earlier_logits_bit_identical(random_model):
+    model = random_model
     ids = tokens(model.config)
     changed = ids.at[Batch, 0, model.config.max_Pos, 5].set((ids[Batch, 0, model.config.max_Pos, 5] + 7) % Vocab.size)
     a, b = got_logits(model, ids), got_logits(model, changed)
@@ -220,9 +231,8 @@ def loss_of(model, ids):
     return -jnp.take_along_axis(logp, target[..., None], -1).mean()
 
 
-def test_random_ffn_trains_sigma_and_biases_only_and_its_factors_are_no_parameters():
-    config = config_of(ffn="random")
-    model = eqx.filter_jit(lambda key: config.build(Vocab, key=key))(jax.random.PRNGKey(0))
+def test_random_ffn_trains_sigma_and_biases_only_and_its_factors_are_no_parameters(random_model):
+    model, config = random_model, random_model.config
     mlp = model.blocks[0].layers.stacked.mlp
     leaves = {name: getattr(mlp, name) for name in ("up_sigma", "up_bias", "down_sigma", "down_bias")}
     assert {k: v.array.shape for k, v in leaves.items()} == {
@@ -306,6 +316,7 @@ def test_defaults_are_pinned():
     assert (c.max_seq_len, c.hidden_dim, c.num_heads, c.num_layers, c.num_blocks) == (1024, 768, 12, 12, 1)
     assert (c.ffn, c.intermediate_dim, c.mlp_dim, c.random_ffn_seed, c.depth_period) == ("full", None, 3072, 0, 64.0)
     assert (c.initializer_range, c.layer_norm_epsilon, c.activation_function.value) == (0.02, 1e-5, "gelu_new")
+    assert c.gradient_checkpointing and c.attn_backend is None
     family = registry.family("transevolve_gpt2")
     assert family.config_class is TransEvolveConfig and not family.ode and family.discretises_to is None
     model = config_of().build(Vocab, key=jax.random.PRNGKey(0))
@@ -329,9 +340,9 @@ def test_bad_configs_name_the_key(overrides, message):
     assert str(e.value) == message and isinstance(e.value, UserError)
 
 
-def test_generate_refuses_in_one_line():
+def test_generate_refuses_in_one_line(full_model):
     from qkvflow.inference.decoders import decoder_for
 
     with pytest.raises(UserError) as e:
-        decoder_for(config_of().build(Vocab, key=jax.random.PRNGKey(0)))
+        decoder_for(full_model)
     assert "TransEvolveLMHeadModel has no KV-cached decoding" in str(e.value) and "\n" not in str(e.value)
