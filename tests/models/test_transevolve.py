@@ -175,7 +175,8 @@ def got_logits(model, ids):
 
 def tolerance(want, config):
     """float32 against float64: a few ulps per sum of ~hidden terms (random walk), accumulated over the
-    layers and the head, relative to the largest value; 8 as a margin (measured: see the report)."""
+    layers and the head, relative to the largest value; 8 as a margin. At 4 layers x hidden 16 that is
+    64 ulps of the largest logit; measured: 4.5 (full FFN) and 6.0 (random FFN) ulps."""
     return 8 * EPS32 * math.sqrt(config.num_layers * config.hidden_dim) * max(1.0, np.abs(want).max())
 
 
