@@ -49,7 +49,8 @@ V (r x fan_out) fixed pseudo-random matrices that are NOT parameters: they are g
 forward pass from the static `random_ffn_seed` and the layer's index in the model
 (`random_factors`), i.i.d. Gaussian with each factor scaled by 1/sqrt(its own fan_in), so that at
 sigma = 1 (the initialisation) W's entries have variance 1/fan_in, as Levanter's default Linear. Only
-sigma and the biases train. The paper's U, V may be drawn differently; this is our choice.
+sigma and the biases train. The paper calls its U, V random rotation matrices (orthogonal); Gaussian
+factors are our choice (no QR in the forward pass).
 
 Weight decay: Levanter's default mask (norms, embeddings and `*bias` are spared) decays the q/k/o
 maps, the full FFN's matrices, the random FFN's sigma (its weights) and the depth amplitudes a.
