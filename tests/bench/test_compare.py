@@ -259,7 +259,7 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
     from qkvflow.data.corpora import corpus_vocab_size
     from qkvflow.models import accounting
 
-    for name in ("tinyshakespeare", "pydoc", "beta2", "rk_blocks"):
+    for name in ("tinyshakespeare", "pydoc", "beta2", "rk_blocks", "transevolve"):
         configs = _study_configs(name, tmp_path)
         reference = next(iter(configs.values()))[0]
         for model, (config, _) in configs.items():
@@ -286,3 +286,13 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
                 "euler_1": (1, "euler"), "rk2_1": (1, "rk2"), "rk2_unit_1": (1, "rk2_unit"),
                 "rk2_gated_1": (1, "rk2_gated"), "rk4_1": (1, "rk4"), "euler_2": (2, "euler"),
             }  # fmt: skip
+        if name == "transevolve":
+            shapes = {
+                m: (c.model.num_layers, getattr(c.model, "num_blocks", 1), getattr(c.model, "ffn", "-"))
+                for m, (c, _) in configs.items()
+            }
+            assert shapes == {
+                "gpt2": (6, 1, "-"), "fullff_2": (6, 2, "full"), "fullff_1": (6, 1, "full"),
+                "randomff_2": (6, 2, "random"), "randomff_1": (6, 1, "random"),
+            }  # fmt: skip
+            assert all(compare.training_flops(path, 300) > 0 for _, path in configs.values())
