@@ -18,8 +18,10 @@ is `integrate(..., tokens=1)`'s augmented energy int ||X'||_F^2 dt, times lambda
 Each example is solved separately (`jax.vmap` over the solve), so step counts and NFE are per string.
 
 Padding: strings are padded to one width; PAD keys are masked out of attention and the field is zero
-at PAD rows, so padded rows neither move nor feed real ones. diffrax's RMS error norm still counts the
-(zero-error) PAD rows, which loosens the tolerance of short strings by sqrt(width / L) at most.
+at PAD rows, so padded rows neither move nor feed real ones. The step controller's error norm is the
+RMS over the real rows only (`real_rows_rms`), the norm an unpadded solve of the same string uses, so
+padding changes neither a string's steps nor its NFE (diffrax's default RMS over every element would
+count the zero-error PAD rows and loosen short strings' tolerance by up to sqrt(width / L)).
 
 `causal=True` is the causal-LM adaptation: input `SOS b1..bL =`, causal mask, and the label is read
 from the `=` state (the last real token) instead of SOS, with the loss on the label only.
@@ -142,6 +144,25 @@ def field(t, x, block, mask, row_mask, config: NodeTransformerConfig):
     return dx * row_mask[:, None]
 
 
+def _masked_rms(row_mask, error):
+    """sqrt(mean of error^2 over the real rows' elements and any scalar leaves), 0 at 0 (as optimistix's
+    `rms_norm`, whose gradient at 0 is kept finite the same way)."""
+    total, count = jnp.zeros(()), jnp.zeros(())
+    for leaf in jax.tree_util.tree_leaves(error):
+        if leaf.ndim == 2:  # the token states [n, d]: real rows only
+            total = total + jnp.sum(jnp.square(leaf) * row_mask[:, None])
+            count = count + jnp.sum(row_mask) * leaf.shape[1]
+        else:
+            total, count = total + jnp.sum(jnp.square(leaf)), count + leaf.size
+    zero = total == 0
+    return jnp.where(zero, 0.0, jnp.sqrt(jnp.where(zero, 1.0, total) / count))
+
+
+def real_rows_rms(row_mask):
+    """The controller's error norm for a padded string: RMS over its real rows (a pytree-safe partial)."""
+    return jax.tree_util.Partial(_masked_rms, row_mask)
+
+
 def _layer_norm(p, x):
     mu = x.mean(-1, keepdims=True)
     var = ((x - mu) ** 2).mean(-1, keepdims=True)
@@ -164,7 +185,7 @@ def forward_one(params, tokens, length, config: NodeTransformerConfig):
     for block in params["blocks"]:
         if config.ode:
             fn = lambda t, y, args: field(t, y, args, mask, row_mask, config)  # noqa: E731
-            x, e, stats = integrate(fn, x, block, config.ode_config, tokens=1)
+            x, e, stats = integrate(fn, x, block, config.ode_config, tokens=1, norm=real_rows_rms(row_mask))
             energy = energy + e
             nfe = nfe + stats.nfe.astype(jnp.int32)
         else:  # pre-LN residual encoder layer with the same d/2 heads and d -> d -> d FFN
