@@ -173,6 +173,9 @@ def test_parity_benchmark_writes_outputs(tmp_path):
     (result,) = json.loads((tmp_path / "results_L2.json").read_text())
     assert result["model"] == "vanilla" and 0.0 <= result["best_train_acc"] <= 1.0
     assert (tmp_path / "table_L2.md").exists() and (tmp_path / "nfe_L2.png").exists()
+    row = bench.summarise(bench.load([tmp_path / "results_L2.json"])).splitlines()[-1]
+    acc = f"{100 * result['best_train_acc']:.1f}"
+    assert row.startswith(f"| <= 2 | vanilla | 0.01 | 2 | 1 | {acc} (-) [{acc}, {acc}]")
 
 
 def test_masked_error_norm_is_the_unpadded_rms():
