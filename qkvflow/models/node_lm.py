@@ -21,8 +21,10 @@ padding; the attention mask is the one Levanter gives (materialised). The family
 in the registry: that flag means a DiffEqFormer-style `ode:` solver block (grids in `qkvflow eval`,
 discretisation, export), which this model does not have; its solver keys are its own.
 
-Parameters are the PARITY model's dict of raw arrays (diffrax works on raw arrays); Haliax named arrays
-are used at the `LmHeadModel` boundary (token ids in, activations and the LM head out).
+Parameters are the PARITY model's dict, each array named (vocab, embed_in, embed axes) so that Levanter
+shards and restores them like any other model's; the math runs on their raw arrays (`raw_params`), as
+diffrax does, and Haliax named arrays are the `LmHeadModel` boundary (token ids in, activations and the
+LM head out).
 """
 
 import dataclasses
@@ -99,7 +101,8 @@ class NodeTransformerLMHeadModel(LmHeadModel[NodeTransformerLmConfig]):
     _config: NodeTransformerLmConfig = eqx.field(static=True)
     _Vocab: Axis = eqx.field(static=True)
     params: dict
-    """`node_transformer.init`'s arrays: embed [vocab, d], blocks, head1 {A, b}, head2 {A} [d, vocab]."""
+    """`node_transformer.init`'s arrays, named: embed (vocab, embed), every A (embed_in, embed) but head2's
+    (embed_in, vocab), every b and c (embed,)."""
 
     @property
     def config(self) -> NodeTransformerLmConfig:
@@ -113,7 +116,22 @@ class NodeTransformerLMHeadModel(LmHeadModel[NodeTransformerLmConfig]):
     def init(cls, Vocab: Axis, config: NodeTransformerLmConfig, *, key) -> "NodeTransformerLMHeadModel":
         params = init(dataclasses.replace(config.node, num_classes=Vocab.size), key, vocab=Vocab.size)
         params["head2"] = {"A": params["head2"]["A"]}  # no output bias: an LM head is a matrix
-        return cls(config, Vocab, params)
+        Embed, EmbedIn = config.Embed, config.Embed.alias("embed_in")
+
+        def name(path, array):
+            keys = [getattr(k, "key", None) for k in path]
+            if keys[0] == "embed":
+                return hax.named(array, (Vocab, Embed))
+            if array.ndim == 2:
+                return hax.named(array, (EmbedIn, Vocab if keys[0] == "head2" else Embed))
+            return hax.named(array, (Embed,))
+
+        return cls(config, Vocab, jax.tree_util.tree_map_with_path(name, params))
+
+    @property
+    def raw_params(self) -> dict:
+        """The parameters as `node_transformer`'s functions take them: a dict of raw arrays."""
+        return jax.tree_util.tree_map(lambda a: a.array, self.params, is_leaf=hax.is_named_array)
 
     def flow(
         self, input_ids: NamedArray, attn_mask: Optional[AttentionMask | NamedArray] = None
@@ -132,9 +150,11 @@ class NodeTransformerLMHeadModel(LmHeadModel[NodeTransformerLmConfig]):
         tokens = input_ids.rearrange((*batch, Pos)).array.reshape(-1, n)
         masks = hax.broadcast_to(mask, (*batch, Pos, KeyPos)).array.reshape(-1, n, n).astype(bool)
 
+        params = self.raw_params
+
         def one(tok, m):
-            x, energy, nfe, steps = encode(self.params["blocks"], embed(self.params, tok, node), m, jnp.ones(n), node)
-            return head_hidden(self.params, x), energy / n, nfe, steps
+            x, energy, nfe, steps = encode(params["blocks"], embed(params, tok, node), m, jnp.ones(n), node)
+            return head_hidden(params, x), energy / n, nfe, steps
 
         hidden, energy, nfe, steps = jax.vmap(one)(tokens, masks)
         out = hax.named(hidden.reshape(*(ax.size for ax in batch), n, config.hidden_dim), (*batch, Pos, config.Embed))
@@ -153,14 +173,11 @@ class NodeTransformerLMHeadModel(LmHeadModel[NodeTransformerLmConfig]):
         return self.flow(input_ids, attn_mask)[0]
 
     def get_lm_head(self) -> NamedArray:
-        return hax.named(self.params["head2"]["A"], (self.config.Embed, self.Vocab))
+        return self.params["head2"]["A"].rename({"embed_in": "embed"})
 
     def resize_vocab(self, new_size: int, key=None) -> "NodeTransformerLMHeadModel":
         k_emb, k_head = jrandom.split(key if key is not None else jrandom.PRNGKey(0))
-        NewVocab = self.Vocab.resize(new_size)
-        embed_w = hax.tree_util.resize_axis(
-            hax.named(self.params["embed"], (self.Vocab, self.config.Embed)), "vocab", new_size, key=k_emb
-        )
-        head = hax.tree_util.resize_axis(self.get_lm_head(), "vocab", new_size, key=k_head)
-        params = {**self.params, "embed": embed_w.array, "head2": {"A": head.array}}
-        return dataclasses.replace(self, _Vocab=NewVocab, params=params)
+        embed_w = hax.tree_util.resize_axis(self.params["embed"], "vocab", new_size, key=k_emb)
+        head = hax.tree_util.resize_axis(self.params["head2"]["A"], "vocab", new_size, key=k_head)
+        params = {**self.params, "embed": embed_w, "head2": {"A": head}}
+        return dataclasses.replace(self, _Vocab=self.Vocab.resize(new_size), params=params)
