@@ -90,6 +90,11 @@ def hf_config(model, *, ode_steps=None, tokenizer=None):
 
     config = model.config
     flavour = config.flavour_spec
+    if config.sequential:
+        raise UserError(
+            "model.type=sequential_gpt2 is not supported by the export: expected a parallel family "
+            "(the Hugging Face model runs the parallel block)"
+        )
     if config.block_scheme != "euler":
         raise UserError(
             f"model.block_scheme={config.block_scheme} is not supported by the export: expected euler "

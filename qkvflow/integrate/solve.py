@@ -58,11 +58,14 @@ def integrate(
     config: OdeConfig,
     *,
     tokens: Optional[int] = None,
+    norm: Optional[Callable] = None,
 ) -> tuple[jax.Array, Optional[jax.Array], OdeStats]:
     """Solve from t=0 to t=1; return (x(1), kinetic energy or None, stats).
 
     `field(t, y, args) -> dy/dt` with y shaped like y0. Pass `tokens` (the number of token states
-    in y0) to integrate the kinetic energy alongside.
+    in y0) to integrate the kinetic energy alongside. `norm` is the adaptive controller's error norm
+    (diffrax's `PIDController(norm=)`, given the scaled error shaped like the state: y0's array, or
+    (array, energy) with `tokens`); None: diffrax's RMS over every element.
     """
     solver = build_solver(config)
     dt0 = 1.0 / config.num_steps
@@ -79,7 +82,8 @@ def integrate(
         state0 = (y0, jnp.zeros((), jnp.float32))
 
     if config.is_adaptive:
-        controller = CountingController(dfx.PIDController(rtol=config.rtol, atol=config.atol))
+        norm_kw = {} if norm is None else {"norm": norm}
+        controller = CountingController(dfx.PIDController(rtol=config.rtol, atol=config.atol, **norm_kw))
         max_steps = config.max_steps
     else:
         controller = dfx.ConstantStepSize()

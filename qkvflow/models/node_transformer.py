@@ -18,8 +18,10 @@ is `integrate(..., tokens=1)`'s augmented energy int ||X'||_F^2 dt, times lambda
 Each example is solved separately (`jax.vmap` over the solve), so step counts and NFE are per string.
 
 Padding: strings are padded to one width; PAD keys are masked out of attention and the field is zero
-at PAD rows, so padded rows neither move nor feed real ones. diffrax's RMS error norm still counts the
-(zero-error) PAD rows, which loosens the tolerance of short strings by sqrt(width / L) at most.
+at PAD rows, so padded rows neither move nor feed real ones. The step controller's error norm is the
+RMS over the real rows only (`real_rows_rms`), the norm an unpadded solve of the same string uses, so
+padding changes neither a string's steps nor its NFE (diffrax's default RMS over every element would
+count the zero-error PAD rows and loosen short strings' tolerance by up to sqrt(width / L)).
 
 `causal=True` is the causal-LM adaptation: input `SOS b1..bL =`, causal mask, and the label is read
 from the `=` state (the last real token) instead of SOS, with the loss on the label only.
@@ -105,7 +107,8 @@ def sinusoid(max_len, d):
     return jnp.asarray(pe)
 
 
-def init(config: NodeTransformerConfig, key) -> dict:
+def init(config: NodeTransformerConfig, key, vocab: int = VOCAB) -> dict:
+    """Parameters as a dict of arrays; `vocab` is the embedding's row count (PARITY's 5 tokens by default)."""
     d, ta = config.hidden_dim, config.time_attention and config.ode
     keys = iter(jax.random.split(key, 8 * config.num_blocks + 4))
     blocks = []
@@ -118,7 +121,7 @@ def init(config: NodeTransformerConfig, key) -> dict:
             block["ln2"] = {"g": jnp.ones(d), "b": jnp.zeros(d)}
         blocks.append(block)
     return {
-        "embed": jax.random.normal(next(keys), (VOCAB, d)) / math.sqrt(d),
+        "embed": jax.random.normal(next(keys), (vocab, d)) / math.sqrt(d),
         "blocks": blocks,
         "head1": _affine(next(keys), d, d, False),
         "head2": _affine(next(keys), d, config.num_classes, False),
@@ -142,6 +145,25 @@ def field(t, x, block, mask, row_mask, config: NodeTransformerConfig):
     return dx * row_mask[:, None]
 
 
+def _masked_rms(row_mask, error):
+    """sqrt(mean of error^2 over the real rows' elements and any scalar leaves), 0 at 0 (as optimistix's
+    `rms_norm`, whose gradient at 0 is kept finite the same way)."""
+    total, count = jnp.zeros(()), jnp.zeros(())
+    for leaf in jax.tree_util.tree_leaves(error):
+        if leaf.ndim == 2:  # the token states [n, d]: real rows only
+            total = total + jnp.sum(jnp.square(leaf) * row_mask[:, None])
+            count = count + jnp.sum(row_mask) * leaf.shape[1]
+        else:
+            total, count = total + jnp.sum(jnp.square(leaf)), count + leaf.size
+    zero = total == 0
+    return jnp.where(zero, 0.0, jnp.sqrt(jnp.where(zero, 1.0, total) / count))
+
+
+def real_rows_rms(row_mask):
+    """The controller's error norm for a padded string: RMS over its real rows (a pytree-safe partial)."""
+    return jax.tree_util.Partial(_masked_rms, row_mask)
+
+
 def _layer_norm(p, x):
     mu = x.mean(-1, keepdims=True)
     var = ((x - mu) ** 2).mean(-1, keepdims=True)
@@ -156,23 +178,40 @@ def masks(tokens, config: NodeTransformerConfig):
     return mask, real.astype(jnp.float32)
 
 
-def forward_one(params, tokens, length, config: NodeTransformerConfig):
-    """One string: (logits [classes], kinetic regulariser R, NFE summed over blocks)."""
-    mask, row_mask = masks(tokens, config)
-    x = params["embed"][tokens] + sinusoid(config.max_len, config.hidden_dim)[: tokens.shape[0]]
-    energy, nfe = jnp.zeros(()), jnp.zeros((), jnp.int32)
-    for block in params["blocks"]:
+def embed(params, tokens, config: NodeTransformerConfig):
+    """X_1(0): token embeddings plus fixed sinusoidal positions, [n, d]."""
+    return params["embed"][tokens] + sinusoid(config.max_len, config.hidden_dim)[: tokens.shape[0]]
+
+
+def encode(blocks, x, mask, row_mask, config: NodeTransformerConfig):
+    """The N blocks, X_i(0) = X_{i-1}(1): (X_N(1), sum_blocks int ||X'||_F^2 dt (0 for the vanilla model),
+    NFE summed over blocks, steps summed over blocks)."""
+    energy, nfe, steps = jnp.zeros(()), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
+    for block in blocks:
         if config.ode:
             fn = lambda t, y, args: field(t, y, args, mask, row_mask, config)  # noqa: E731
-            x, e, stats = integrate(fn, x, block, config.ode_config, tokens=1)
+            x, e, stats = integrate(fn, x, block, config.ode_config, tokens=1, norm=real_rows_rms(row_mask))
             energy = energy + e
             nfe = nfe + stats.nfe.astype(jnp.int32)
+            steps = steps + stats.num_steps.astype(jnp.int32)
         else:  # pre-LN residual encoder layer with the same d/2 heads and d -> d -> d FFN
             x = x + mhsa(block, _layer_norm(block["ln1"], x), mask, 0.0, config.num_heads)
             h = _layer_norm(block["ln2"], x)
             x = x + apply_affine(block["ff2"], jax.nn.relu(apply_affine(block["ff1"], h)))
+    return x, energy, nfe, steps
+
+
+def head_hidden(params, x):
+    """The readout MLP's hidden layer relu(x H1 + h1); the logits are this times H2 (+ h2)."""
+    return jax.nn.relu(apply_affine(params["head1"], x))
+
+
+def forward_one(params, tokens, length, config: NodeTransformerConfig):
+    """One string: (logits [classes], kinetic regulariser R, NFE summed over blocks)."""
+    mask, row_mask = masks(tokens, config)
+    x, energy, nfe, _ = encode(params["blocks"], embed(params, tokens, config), mask, row_mask, config)
     read = x[length - 1] if config.causal else x[0]
-    logits = apply_affine(params["head2"], jax.nn.relu(apply_affine(params["head1"], read)))
+    logits = apply_affine(params["head2"], head_hidden(params, read))
     reg = config.kinetic_lambda / (2.0 * length) * energy
     return logits, reg, nfe
 

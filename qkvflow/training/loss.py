@@ -1,7 +1,9 @@
 """The training loss: Levanter's next-token cross-entropy, plus what an ODE model adds.
 
-For a DiffEqFormer the loss also carries the kinetic penalty lambda/2 * E (when lambda > 0) and
-returns the solver's statistics as metrics, which Levanter's trainer logs as `train/ode_*`.
+For a DiffEqFormer and an N-ODE Transformer (`node_transformer`) the loss also carries the kinetic
+penalty lambda/2 * E (when lambda > 0) and returns the solver's statistics as metrics, which Levanter's
+trainer logs as `train/ode_*`. Both give `flow(tokens, mask) -> (x, E, OdeStats)`; the DiffEqFormer's x
+still goes through its final norm, the N-ODE's is already the readout's hidden layer.
 Other models (Levanter's GPT-2/Llama baselines) go through their own `compute_next_token_loss`.
 """
 
@@ -11,6 +13,7 @@ from levanter.models.lm_model import LmExample, LmHeadModel
 from levanter.models.loss import maybe_fused_next_token_loss
 
 from qkvflow.models.diffeqformer import DiffEqFormerLMHeadModel
+from qkvflow.models.node_lm import NodeTransformerLMHeadModel
 
 
 def lm_loss(model: LmHeadModel, example: LmExample, *, key=None, z_loss_weight: float = 0.0):
@@ -22,29 +25,33 @@ def lm_loss(model: LmHeadModel, example: LmExample, *, key=None, z_loss_weight: 
     weight = example.loss_weight
     if weight is not None and not jnp.issubdtype(weight.dtype, jnp.floating):
         weight = weight.astype(jnp.float32)
-    if not isinstance(model, DiffEqFormerLMHeadModel):
+    if isinstance(model, DiffEqFormerLMHeadModel):
+        x, energy, stats = model.flow(example.tokens, example.attn_mask)
+        x = model.final_norm(x)
+    elif isinstance(model, NodeTransformerLMHeadModel):
+        x, energy, stats = model.flow(example.tokens, example.attn_mask)
+    else:
         if weight is not example.loss_weight:
             example = LmExample(tokens=example.tokens, loss_weight=weight, attn_mask=example.attn_mask)
         return model.compute_next_token_loss(example, key=key, logsumexp_weight=z_loss_weight)
 
-    x, energy, stats = model.flow(example.tokens, example.attn_mask)
     loss = maybe_fused_next_token_loss(
         model.Pos,
         model.Embed,
         model.Vocab,
-        model.final_norm(x),
+        x,
         model.get_lm_head(),
         example.tokens,
         loss_weight=weight,
         logsumexp_weight=z_loss_weight,
         dtype=jnp.float32,
-        block_size=model.config.cross_entropy_block_size,
+        block_size=getattr(model.config, "cross_entropy_block_size", None),
     )
     metrics = {
         "ode_nfe": Metric.from_value(stats.nfe.astype(jnp.float32), ReductionType.MEAN),
         "ode_steps": Metric.from_value(stats.num_steps.astype(jnp.float32), ReductionType.MEAN),
     }
-    if energy is not None:
+    if energy is not None and model.config.kinetic_weight > 0:
         metrics["ode_kinetic_energy"] = Metric.from_value(energy, ReductionType.MEAN)
         loss = loss + 0.5 * model.config.kinetic_weight * energy
     return loss, metrics

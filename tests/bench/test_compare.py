@@ -285,7 +285,10 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
             assert {m: (c.model.num_layers, c.model.block_scheme) for m, (c, _) in configs.items()} == {
                 "euler_1": (1, "euler"), "rk2_1": (1, "rk2"), "rk2_unit_1": (1, "rk2_unit"),
                 "rk2_gated_1": (1, "rk2_gated"), "rk4_1": (1, "rk4"), "euler_2": (2, "euler"),
+                "seq_euler_1": (1, "euler"), "seq_rk2_1": (1, "rk2"), "seq_euler_2": (2, "euler"),
             }  # fmt: skip
+            sequential = {m for m, (c, _) in configs.items() if c.model.sequential}
+            assert sequential == {"seq_euler_1", "seq_rk2_1", "seq_euler_2"}
         if name == "transevolve":
             shapes = {
                 m: (c.model.num_layers, getattr(c.model, "num_blocks", 1), getattr(c.model, "ffn", "-"))

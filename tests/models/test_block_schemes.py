@@ -20,8 +20,8 @@ from tests.helpers import Vocab
 EPS32 = float(np.finfo(np.float32).eps)
 
 
-def model_of(scheme, flavour="gpt2", layers=2, seed=0):
-    config = registry.family(f"parallel_{flavour}").config_class(
+def model_of(scheme, flavour="gpt2", layers=2, seed=0, family="parallel"):
+    config = registry.family(f"{family}_{flavour}").config_class(
         max_seq_len=12, hidden_dim=32, num_heads=4, num_layers=layers, block_scheme=scheme, initializer_range=0.2
     )
     model = config.build(Vocab, key=jax.random.PRNGKey(seed))
@@ -34,8 +34,9 @@ def model_of(scheme, flavour="gpt2", layers=2, seed=0):
     return model
 
 
-def reference(model, ids):
-    """The final hidden state by the equations, layer by layer."""
+def reference(model, ids, sequential=False):
+    """The final hidden state by the equations, layer by layer; F is the parallel block's increment or,
+    with `sequential`, GPT-2's sequential layer's: a = Attn(LN1(x)), F(x) = a + MLP(LN2(x + a))."""
     inner, config = model.model, model.config
     pos = hax.arange(config.max_Pos)
     y = inner.embed_tokens(ids)
@@ -44,7 +45,11 @@ def reference(model, ids):
     for block in inner.layers.unstacked():
 
         def F(x, block=block):
-            return block.self_attn(block.attn_norm(x), AttentionMask.causal(), pos) + block.mlp(block.mlp_norm(x))
+            a = block.self_attn(block.attn_norm(x), AttentionMask.causal(), pos)
+            if sequential:
+                x_mid = x + a  # the attention sublayer's residual output
+                return (x_mid + block.mlp(block.mlp_norm(x_mid))) - x
+            return a + block.mlp(block.mlp_norm(x))
 
         s = config.block_scheme
         if s == "euler":
@@ -146,3 +151,67 @@ def test_the_export_refuses_a_runge_kutta_block():
 
     with pytest.raises(UserError, match="model.block_scheme=rk2 is not supported by the export: expected euler"):
         hf_config(model_of("rk2"))
+
+
+@pytest.mark.parametrize("scheme", ["euler", "rk2", "rk2_unit", "rk2_scalar", "rk2_gated", "rk4"])
+def test_each_scheme_on_the_sequential_layer_equals_its_equations(scheme):
+    """`sequential_gpt2`: every stage runs the whole sequential layer (F(y) = layer(y) - y) on that
+    layer's weights; and the sequential layer is not the parallel block (the feed-forward sees x + a)."""
+    model = model_of(scheme, family="sequential")
+    ids = hax.random.randint(jax.random.PRNGKey(1), (model.config.max_Pos,), 0, Vocab.size)
+    got = np.asarray(model.activations(ids).rearrange((..., "embed")).array)
+    want = reference(model, ids, sequential=True)
+    np.testing.assert_allclose(got, want, rtol=0, atol=256 * EPS32 * max(1.0, np.abs(want).max()))
+    parallel = reference(model, ids, sequential=False)
+    assert np.abs(parallel - got).max() > 1e-3
+
+
+def test_sequential_euler_layer_is_levanters_gpt2_block():
+    """The euler sequential layer, run by Levanter's own `Gpt2Block` on the same weights (q, k, v stacked
+    into its c_attn), gives the same output to float32 round-off."""
+    from levanter.models.gpt2 import Gpt2Block, Gpt2Config
+
+    model = model_of("euler", family="sequential", layers=1)
+    ours = next(iter(model.model.layers.unstacked()))
+    config = Gpt2Config(max_seq_len=12, hidden_dim=32, num_heads=4, num_layers=1, resid_pdrop=0.0, attn_pdrop=0.0)
+    lev = Gpt2Block.init(config, key=jax.random.PRNGKey(9))
+    att = ours.self_attn
+    qkv_w = hax.stack("qkv", [att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])
+    qkv_b = hax.stack("qkv", [att.q_proj.bias, att.k_proj.bias, att.v_proj.bias])
+    pairs = [
+        (lambda b: b.attn.c_attn.weight, qkv_w), (lambda b: b.attn.c_attn.bias, qkv_b),
+        (lambda b: b.attn.c_proj.weight, att.o_proj.weight), (lambda b: b.attn.c_proj.bias, att.o_proj.bias),
+        (lambda b: b.mlp.c_fc.weight, ours.mlp.up_proj.weight), (lambda b: b.mlp.c_fc.bias, ours.mlp.up_proj.bias),
+        (lambda b: b.mlp.c_proj.weight, ours.mlp.down_proj.weight), (lambda b: b.mlp.c_proj.bias, ours.mlp.down_proj.bias),
+        (lambda b: b.ln_1.weight, ours.attn_norm.weight), (lambda b: b.ln_1.bias, ours.attn_norm.bias),
+        (lambda b: b.ln_2.weight, ours.mlp_norm.weight), (lambda b: b.ln_2.bias, ours.mlp_norm.bias),
+    ]  # fmt: skip
+    for where, value in pairs:
+        lev = eqx.tree_at(where, lev, value.rearrange(where(lev).axes))
+    x = hax.random.normal(jax.random.PRNGKey(3), (model.config.max_Pos, model.config.Embed))
+    pos = hax.arange(model.config.max_Pos)
+    got = ours(x, AttentionMask.causal(), pos).rearrange((..., "embed")).array
+    want = lev(x, AttentionMask.causal(), 0, key=None).rearrange((..., "embed")).array
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=64 * EPS32 * float(jnp.abs(want).max()))
+
+
+def test_sequential_blocks_are_causal_and_count_their_stages():
+    model = model_of("rk2", family="sequential")
+    ids = hax.random.randint(jax.random.PRNGKey(2), (model.config.max_Pos,), 0, Vocab.size)
+    changed = ids.at[model.config.max_Pos, 7].set((ids[model.config.max_Pos, 7] + 5) % Vocab.size)
+    a, b = np.asarray(model(ids).array), np.asarray(model(changed).array)
+    np.testing.assert_array_equal(a[:7], b[:7])
+    assert np.abs(a[7:] - b[7:]).max() > 1e-4
+    seq = registry.family("sequential_gpt2").config_class
+    par = registry.family("parallel_gpt2").config_class
+    for scheme in ("euler", "rk2", "rk4"):  # the parallel count, pinned stage by stage above
+        kw = dict(max_seq_len=12, hidden_dim=32, num_heads=4, num_layers=3, block_scheme=scheme)
+        assert seq(**kw).flops_per_token(61, 12) == par(**kw).flops_per_token(61, 12)
+
+
+def test_the_export_refuses_a_sequential_layer():
+    from qkvflow.errors import UserError
+    from qkvflow.export.hf_folder import hf_config
+
+    with pytest.raises(UserError, match="model.type=sequential_gpt2 is not supported by the export"):
+        hf_config(model_of("euler", family="sequential"))

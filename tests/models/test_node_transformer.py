@@ -9,7 +9,8 @@ import pytest
 
 from qkvflow.data.parity import PAD, SOS, parity_dataset
 from qkvflow.errors import UserError
-from qkvflow.models.node_transformer import NodeTransformerConfig, field, forward, init, masks
+from qkvflow.integrate.solve import integrate
+from qkvflow.models.node_transformer import NodeTransformerConfig, field, forward, init, masks, real_rows_rms
 
 D = 8
 
@@ -172,3 +173,40 @@ def test_parity_benchmark_writes_outputs(tmp_path):
     (result,) = json.loads((tmp_path / "results_L2.json").read_text())
     assert result["model"] == "vanilla" and 0.0 <= result["best_train_acc"] <= 1.0
     assert (tmp_path / "table_L2.md").exists() and (tmp_path / "nfe_L2.png").exists()
+    row = bench.summarise(bench.load([tmp_path / "results_L2.json"])).splitlines()[-1]
+    acc = f"{100 * result['best_train_acc']:.1f}"
+    assert row.startswith(f"| <= 2 | vanilla | 0.01 | 2 | 1 | {acc} (-) [{acc}, {acc}]")
+
+
+def test_masked_error_norm_is_the_unpadded_rms():
+    """real_rows_rms of a padded error = the plain RMS of the unpadded error (rows and the energy leaf)."""
+    rng = np.random.default_rng(0)
+    err, energy = rng.normal(size=(3, D)).astype(np.float32), np.float32(0.7)
+    padded = np.concatenate([err, rng.normal(size=(4, D)).astype(np.float32)])  # PAD rows' values must not count
+    row_mask = jnp.asarray([1.0, 1, 1, 0, 0, 0, 0])
+    want = math.sqrt((np.sum(err.astype(np.float64) ** 2) + energy**2) / (3 * D + 1))
+    got = real_rows_rms(row_mask)((jnp.asarray(padded), jnp.asarray(energy)))
+    np.testing.assert_allclose(float(got), want, rtol=1e-6)
+    assert float(real_rows_rms(row_mask)((jnp.zeros((7, D)), jnp.zeros(())))) == 0.0
+
+
+def test_padding_changes_no_step():
+    """A solve padded with zero-field rows takes exactly the steps of the unpadded solve once the controller
+    uses real_rows_rms; diffrax's default RMS (over the PAD rows too) takes a different number here.
+    A row-wise field keeps the real rows' arithmetic identical, so any difference is the error norm's."""
+    cfg = NodeTransformerConfig().ode_config
+    w = jax.random.normal(jax.random.PRNGKey(0), (D,)) * 3.0
+
+    def f(t, y, row_mask):
+        return jnp.sin(y * w + 4.0 * t) * row_mask[:, None]
+
+    pad = 9
+    y0 = jax.random.normal(jax.random.PRNGKey(1), (3, D))
+    y1, e1, s1 = integrate(f, y0, jnp.ones(3), cfg, tokens=1)
+    row_mask = jnp.concatenate([jnp.ones(3), jnp.zeros(pad)])
+    y_pad = jnp.concatenate([y0, jnp.zeros((pad, D))])
+    y2, e2, s2 = integrate(f, y_pad, row_mask, cfg, tokens=1, norm=real_rows_rms(row_mask))
+    assert int(s2.nfe) == int(s1.nfe) and int(s2.num_steps) == int(s1.num_steps)
+    np.testing.assert_array_equal(np.asarray(y2[:3]), np.asarray(y1))
+    _, _, s3 = integrate(f, y_pad, row_mask, cfg, tokens=1)  # the bias the masked norm removes
+    assert int(s3.nfe) != int(s1.nfe)

@@ -110,6 +110,8 @@ def test_the_shipped_families_are_declared():
         "parallel_gpt2": ("gpt2", False, None),
         "parallel_llama": ("llama", False, None),
         "transevolve_gpt2": ("gpt2", False, None),
+        "sequential_gpt2": ("gpt2", False, None),
+        "node_transformer": ("gpt2", False, None),
     }
 
 

@@ -113,7 +113,11 @@ def make_mlp(config: "ParallelConfig", projections: dict) -> "Gpt2Mlp | SwiGluMl
 class ParallelBlock(eqx.Module):
     """One layer: x + F(x) with F(x) = o_proj(Attn(attn_norm(x))) + mlp(mlp_norm(x)), or one Runge-Kutta
     step of F under the config's `block_scheme` (`qkvflow.models.discrete.schemes`; `gamma` and `gate`
-    are the learned coefficients of rk2_scalar and rk2_gated, None for the other schemes)."""
+    are the learned coefficients of rk2_scalar and rk2_gated, None for the other schemes).
+
+    With a sequential config (`sequential_gpt2`) F is the whole sequential pre-norm layer's increment,
+    F(x) = a + mlp(mlp_norm(x + a)) with a = o_proj(Attn(attn_norm(x))), so that x + F(x) is GPT-2's
+    x' = x + Attn(LN1(x)), x'' = x' + MLP(LN2(x'))."""
 
     attn_norm: hnn.LayerNorm | hnn.RmsNorm
     self_attn: ParallelAttention
@@ -131,8 +135,12 @@ class ParallelBlock(eqx.Module):
         return ParallelBlock(make_norm(config), attn, make_norm(config), mlp, gamma, gate)
 
     def increment(self, x: NamedArray, mask, pos_ids: NamedArray, attend_fn=None) -> NamedArray:
-        """F(x): the attention and feed-forward branches, each through its own pre-norm."""
-        return self.self_attn(self.attn_norm(x), mask, pos_ids, attend_fn) + self.mlp(self.mlp_norm(x))
+        """F(x): the attention and feed-forward branches, each through its own pre-norm; a sequential
+        layer's feed-forward reads x + the attention branch instead of x."""
+        a = self.self_attn(self.attn_norm(x), mask, pos_ids, attend_fn)
+        if self.self_attn.config.sequential:
+            return a + self.mlp(self.mlp_norm(x + a))
+        return a + self.mlp(self.mlp_norm(x))
 
     def __call__(
         self, x: NamedArray, mask: Optional[AttentionMask | NamedArray], pos_ids: NamedArray, attend_fn=None

@@ -11,6 +11,11 @@
 |-----------------|-----------|-----------------------|---------------------|
 | parallel_gpt2   | LayerNorm | act(x W_up) W_down    | learned, absolute   |
 | parallel_llama  | RMSNorm   | SwiGLU (gate, up)     | rotary (half-split) |
+| sequential_gpt2 | LayerNorm | act(x W_up) W_down    | learned, absolute   |
+
+`sequential_gpt2` is Levanter's GPT-2 layer order instead of the parallel block: a = o_proj(Attn(attn_norm(x))),
+x_{k+1} = x + a + mlp(mlp_norm(x + a)); it exists so that the Runge-Kutta `block_scheme`s apply to a
+sequential baseline too, every stage running the whole sequential layer (the ODE Transformer's setting).
 
 Each of the `num_layers` blocks is one Euler step of a DiffEqFormer's field; `qkvflow.export.discretise`
 builds one from an ODE checkpoint, and Levanter's trainer can also train one from scratch
@@ -58,6 +63,8 @@ class ParallelConfig(LmConfig):
 
     flavour: ClassVar[str] = "gpt2"
     flavour_spec: ClassVar[Flavour] = GPT2
+    sequential: ClassVar[bool] = False
+    """The layer's increment: parallel branches (False) or attention then feed-forward (`sequential_gpt2`)."""
 
     max_seq_len: int = 1024
     hidden_dim: int = 768
@@ -149,6 +156,16 @@ class ParallelLlamaConfig(ParallelConfig):
 
     activation_function: ActivationFunctionEnum = ActivationFunctionEnum.silu
     layer_norm_epsilon: float = 1e-6
+
+
+@register("sequential_gpt2", flavour=GPT2, ode=False)
+@dataclass(frozen=True)
+class SequentialGpt2Config(ParallelConfig):
+    """GPT-2's sequential pre-norm layer (attention sublayer, then feed-forward sublayer, each residual) with
+    `block_scheme`: each Runge-Kutta stage runs the whole sequential layer on that layer's weights. Levanter's
+    own `gpt2` computes the same euler layer; this family is for the schemes (it does not export)."""
+
+    sequential: ClassVar[bool] = True
 
 
 class ParallelTransformer(ModuleWithStateDictSerialization):
