@@ -1,7 +1,9 @@
 """The training loss: Levanter's next-token cross-entropy, plus what an ODE model adds.
 
 For a DiffEqFormer the loss also carries the kinetic penalty lambda/2 * E (when lambda > 0) and
-returns the solver's statistics as metrics, which Levanter's trainer logs as `train/ode_*`.
+returns the solver's statistics as metrics, which Levanter's trainer logs as `train/ode_*`. With
+`exits: aligned` the loss is the mean over the N grid-time exits (`qkvflow.models.exits`), each
+exit's loss logged as `train/ode_exit_loss_k`.
 Other models (Levanter's GPT-2/Llama baselines) go through their own `compute_next_token_loss`.
 """
 
@@ -11,6 +13,7 @@ from levanter.models.lm_model import LmExample, LmHeadModel
 from levanter.models.loss import maybe_fused_next_token_loss
 
 from qkvflow.models.diffeqformer import DiffEqFormerLMHeadModel
+from qkvflow.models.exits import aligned_loss
 
 
 def lm_loss(model: LmHeadModel, example: LmExample, *, key=None, z_loss_weight: float = 0.0):
@@ -27,6 +30,14 @@ def lm_loss(model: LmHeadModel, example: LmExample, *, key=None, z_loss_weight: 
             example = LmExample(tokens=example.tokens, loss_weight=weight, attn_mask=example.attn_mask)
         return model.compute_next_token_loss(example, key=key, logsumexp_weight=z_loss_weight)
 
+    metrics = {}
+    if model.config.exits == "aligned":
+        loss, per_exit, energy, stats = aligned_loss(
+            model, example.tokens, example.attn_mask, weight, z_loss_weight=z_loss_weight
+        )
+        for k, exit_loss in enumerate(per_exit, start=1):
+            metrics[f"ode_exit_loss_{k}"] = Metric.from_value(exit_loss, ReductionType.MEAN)
+        return _with_ode_terms(model, loss, energy, stats, metrics)
     x, energy, stats = model.flow(example.tokens, example.attn_mask)
     loss = maybe_fused_next_token_loss(
         model.Pos,
@@ -40,10 +51,13 @@ def lm_loss(model: LmHeadModel, example: LmExample, *, key=None, z_loss_weight: 
         dtype=jnp.float32,
         block_size=model.config.cross_entropy_block_size,
     )
-    metrics = {
-        "ode_nfe": Metric.from_value(stats.nfe.astype(jnp.float32), ReductionType.MEAN),
-        "ode_steps": Metric.from_value(stats.num_steps.astype(jnp.float32), ReductionType.MEAN),
-    }
+    return _with_ode_terms(model, loss, energy, stats, metrics)
+
+
+def _with_ode_terms(model, loss, energy, stats, metrics: dict):
+    """The solver's metrics, and the kinetic penalty when lambda > 0."""
+    metrics["ode_nfe"] = Metric.from_value(stats.nfe.astype(jnp.float32), ReductionType.MEAN)
+    metrics["ode_steps"] = Metric.from_value(stats.num_steps.astype(jnp.float32), ReductionType.MEAN)
     if energy is not None:
         metrics["ode_kinetic_energy"] = Metric.from_value(energy, ReductionType.MEAN)
         loss = loss + 0.5 * model.config.kinetic_weight * energy
