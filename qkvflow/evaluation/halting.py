@@ -15,6 +15,9 @@ token still needs at every later evaluation so that the others can attend to it,
 each threshold test. The hypernetwork's W(t), generated once per evaluation time for the whole batch,
 is the same at every tau and left out.
 
+tau = inf (never halt) is read from the last exit rather than solved again (`halting_flow` at tau = inf
+gives the same states: tests/models/test_ode_exits.py).
+
 `choose_tau`: the threshold with the fewest mean NFE whose loss on the selection split is within
 `slack` nats of the unhalted loss there; it is then reported on the test split.
 """
@@ -98,7 +101,12 @@ def evaluate(model, batches, taus, *, context_length: int) -> dict:
         exit_nll += np.asarray(nll, np.float64)
         weight += float(w)
         for tau in taus:
-            out = _halting_sums(model, batch.tokens, batch.loss_weight, jnp.float32(tau))
+            if math.isinf(tau):  # nothing halts: the last exit, N evaluations per step, N - 1 tests
+                per_step = nominal_evaluations(config) / n
+                out = {"nll": nll[-1], "nfe": per_step * n * w, "exit_step": n * w, "tests": (n - 1) * w, "halted": 0.0}
+                out["weight"] = w
+            else:
+                out = _halting_sums(model, batch.tokens, batch.loss_weight, jnp.float32(tau))
             for key, value in out.items():
                 sums[tau][key] = sums[tau].get(key, 0.0) + float(value)
     flops = flop_terms(config, model.Vocab.size, context_length)
