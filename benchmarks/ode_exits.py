@@ -11,7 +11,7 @@ t_k = k / N) and `plain` (the loss at t = 1 only). Then, for each trained model 
 (selection, test; `corpus.eval_split`; its first `--max_sequences` sequences of 64), the per-exit losses and the halting sweep over `--taus`
 (`qkvflow.evaluation.halting`); tau is chosen on selection (fewest mean NFE within `--slack` nats of the
 unhalted loss) and reported on test. Writes W/ode_exits.{md,json,png}. Rerunnable: finished runs are
-resumed (nothing left to train) and only evaluated again.
+resumed (nothing left to train) and only evaluated again; `--eval_only` skips even the resume.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ROOT / "benchmarks" / "compare" / "base_tinyshakespeare.yaml"
-TAUS = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, math.inf)
+TAUS = (0.1, 0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, math.inf)
 
 
 def model_configs(steps: int) -> dict:
@@ -169,6 +169,7 @@ def main(argv=None) -> int:
     p.add_argument("--corpus_root", default=str(ROOT / "cache" / "corpora"))
     p.add_argument("--max_sequences", type=int, default=384, help="held-out sequences per split evaluated")
     p.add_argument("--train_only", action="store_true")
+    p.add_argument("--eval_only", action="store_true", help="evaluate the runs an earlier invocation trained")
     args = p.parse_args(argv)
     workdir = Path(args.workdir).resolve()
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -180,8 +181,12 @@ def main(argv=None) -> int:
 
     for seed in seeds:
         for name in ("aligned", "plain"):
-            path, seconds = train(study, name, args.lr, seed, workdir, args.corpus_root)
             rid = run_id(name, args.lr, seed)
+            if args.eval_only:  # the runs' configs as written by an earlier invocation
+                path, seconds = workdir / "configs" / f"{rid}.yaml", 0.0
+                result["runs"][rid] = {"config": str(path), "train_seconds_this_call": seconds}
+                continue
+            path, seconds = train(study, name, args.lr, seed, workdir, args.corpus_root)
             print(f"{rid}: trained ({seconds:.0f} s wall, this invocation)", flush=True)
             result["runs"][rid] = {"config": str(path), "train_seconds_this_call": seconds}
     if args.train_only:
