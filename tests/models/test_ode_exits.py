@@ -231,3 +231,14 @@ def test_bad_exit_configs_are_refused_naming_the_key():
         halting_flow(adaptive, ids, 0.5)
     with pytest.raises(UserError, match="ode.solver='tsit5' is adaptive"):
         exit_states(adaptive, ids)
+
+
+def test_evaluation_at_another_grid_reads_an_aligned_model_at_t_1(aligned):
+    """`qkvflow eval --tolerances` (qkvflow.evaluation.depth.with_ode) must not refuse an aligned checkpoint:
+    evaluation reads t = 1 alone, so the copy it evaluates has no exits, and any grid applies."""
+    from qkvflow.evaluation.depth import with_ode
+
+    _, model = aligned
+    adaptive = with_ode(model, OdeConfig(solver="tsit5"))
+    assert adaptive.config.exits == "none" and adaptive.config.ode.is_adaptive
+    assert with_ode(model, OdeConfig(num_steps=5)).config.ode.num_steps == 5
