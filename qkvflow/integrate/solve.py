@@ -59,13 +59,16 @@ def integrate(
     *,
     tokens: Optional[int] = None,
     norm: Optional[Callable] = None,
+    ts: Optional[jax.Array] = None,
 ) -> tuple[jax.Array, Optional[jax.Array], OdeStats]:
     """Solve from t=0 to t=1; return (x(1), kinetic energy or None, stats).
 
     `field(t, y, args) -> dy/dt` with y shaped like y0. Pass `tokens` (the number of token states
     in y0) to integrate the kinetic energy alongside. `norm` is the adaptive controller's error norm
     (diffrax's `PIDController(norm=)`, given the scaled error shaped like the state: y0's array, or
-    (array, energy) with `tokens`); None: diffrax's RMS over every element.
+    (array, energy) with `tokens`); None: diffrax's RMS over every element. With `ts` (increasing times
+    in (0, 1], the last one 1) the first result is x at every time of `ts`, stacked on a leading axis
+    (diffrax's `SaveAt(ts=...)`), and the energy is the one at the last time.
     """
     solver = build_solver(config)
     dt0 = 1.0 / config.num_steps
@@ -89,6 +92,10 @@ def integrate(
         controller = dfx.ConstantStepSize()
         max_steps = config.num_steps
 
+    if ts is None:
+        saveat = dfx.SaveAt(t1=True, controller_state=config.is_adaptive)
+    else:
+        saveat = dfx.SaveAt(ts=ts, controller_state=config.is_adaptive)
     solution = dfx.diffeqsolve(
         dfx.ODETerm(term_fn),
         solver,
@@ -97,7 +104,7 @@ def integrate(
         dt0=dt0,
         y0=state0,
         args=args,
-        saveat=dfx.SaveAt(t1=True, controller_state=config.is_adaptive),
+        saveat=saveat,
         stepsize_controller=controller,
         adjoint=build_adjoint(config),
         max_steps=max_steps,
@@ -105,10 +112,11 @@ def integrate(
         # it every run compiled its training step afresh. A fixed grid cannot fail (N steps reach t = 1).
         throw=config.is_adaptive,
     )
-    final = jax.tree_util.tree_map(lambda a: a[-1], solution.ys)
+    final = solution.ys if ts is not None else jax.tree_util.tree_map(lambda a: a[-1], solution.ys)
     num_steps = solution.stats["num_steps"]
     leading = solution.controller_state[2] if config.is_adaptive else 0
     stats = OdeStats(num_steps=num_steps, nfe=evaluations(solver, num_steps, leading))
     if tokens is None:
         return final, None, stats
-    return final[0], final[1], stats
+    energy = final[1] if ts is None else final[1][-1]
+    return final[0], energy, stats

@@ -45,6 +45,8 @@ from qkvflow.models.flavour import GPT2, LLAMA, Flavour
 from qkvflow.models.generator import HyperGenerator, SharedGenerator
 from qkvflow.models.registry import register
 
+EXITS = ("none", "aligned")
+
 
 @dataclass(frozen=True)
 class DiffEqFormerConfig(LmConfig):
@@ -81,6 +83,10 @@ class DiffEqFormerConfig(LmConfig):
     ode: OdeConfig = dataclasses.field(default_factory=OdeConfig)
     kinetic_weight: float = 0.0
     """lambda of the kinetic regulariser lambda/2 * int mean_tokens ||dx/dt||^2 dt; 0 turns it off."""
+    exits: str = "none"
+    """"aligned": train on the mean next-token loss of N exits, norm(x(k/N)) @ unembedding for
+    k = 1..N (depth-adaptive exits in continuous depth, `qkvflow.models.exits`); fixed grids only.
+    "none": the loss at t = 1 alone."""
 
     initializer_range: float = 0.02
     matrix_init: str = "normal"
@@ -113,6 +119,15 @@ class DiffEqFormerConfig(LmConfig):
             _check(self.intermediate_dim >= 1, "intermediate_dim", self.intermediate_dim, "null or an integer >= 1")
         _check(self.time_scale > 0, "time_scale", self.time_scale, "a positive float")
         _check(self.kinetic_weight >= 0, "kinetic_weight", self.kinetic_weight, "a float >= 0")
+        _check(self.exits in EXITS, "exits", self.exits, f"one of {list(EXITS)}")
+        if self.exits != "none":
+            _check(
+                not self.ode.is_adaptive,
+                "exits",
+                self.exits,
+                f"'none' with the adaptive solver ode.solver={self.ode.solver!r}: exits sit on a fixed grid of "
+                "ode.num_steps steps (a fixed-step solver, or ode.adaptive: false)",
+            )
         _check(self.matrix_init in ("normal", "fan_in"), "matrix_init", self.matrix_init, "'normal' or 'fan_in'")
         _check(self.initializer_range > 0, "initializer_range", self.initializer_range, "a positive float")
 
@@ -235,10 +250,13 @@ class DiffEqFormerLMHeadModel(LmHeadModel[DiffEqFormerConfig]):
         attn_mask: Optional[AttentionMask | NamedArray] = None,
         *,
         pos_ids: Optional[NamedArray] = None,
+        ts=None,
     ) -> tuple[NamedArray, Optional[jnp.ndarray], OdeStats]:
         """x(1) before the final norm, the kinetic energy (None when off) and solver statistics.
 
-        A missing mask means causal: the model is a language model.
+        A missing mask means causal: the model is a language model. With `ts` (increasing times in
+        (0, 1], the last 1) the states x(t) at those times instead, on a leading `exit` axis
+        (`qkvflow.models.exits`).
         """
         config = self._config
         if attn_mask is None:
@@ -246,7 +264,20 @@ class DiffEqFormerLMHeadModel(LmHeadModel[DiffEqFormerConfig]):
         if pos_ids is None:
             pos_ids = hax.arange(input_ids.resolve_axis(self.Pos.name), dtype=jnp.int32)
         x0 = self.embed(input_ids, pos_ids)
-        axes, field = x0.axes, self.field
+        axes = x0.axes
+        source = WeightSource.build(self.generator, config.ode)
+        tokens = x0.size // config.hidden_dim if config.kinetic_weight > 0 else None
+        args = (source, attn_mask, pos_ids)
+        if ts is None:
+            y1, energy, stats = integrate(self.raw_field(axes), x0.array, args, config.ode, tokens=tokens)
+            return hax.named(y1, axes), energy, stats
+        ys, energy, stats = integrate(self.raw_field(axes), x0.array, args, config.ode, tokens=tokens, ts=ts)
+        return hax.named(ys, (Axis("exit", ys.shape[0]), *axes)), energy, stats
+
+    def raw_field(self, axes):
+        """The vector field on raw arrays laid out as `axes`, as diffrax calls it:
+        `f(t, y, (weight_source, mask, pos_ids)) -> dy/dt`."""
+        config, field = self._config, self.field
 
         def vector_field(t, y, args):
             source, mask, pos = args
@@ -254,10 +285,7 @@ class DiffEqFormerLMHeadModel(LmHeadModel[DiffEqFormerConfig]):
             dx = field.vector_field(source(t), x, config=config, mask=mask, pos_ids=pos)
             return dx.rearrange(axes).array.astype(y.dtype)
 
-        source = WeightSource.build(self.generator, config.ode)
-        tokens = x0.size // config.hidden_dim if config.kinetic_weight > 0 else None
-        y1, energy, stats = integrate(vector_field, x0.array, (source, attn_mask, pos_ids), config.ode, tokens=tokens)
-        return hax.named(y1, axes), energy, stats
+        return vector_field
 
     def activations(
         self,

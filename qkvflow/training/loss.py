@@ -3,7 +3,9 @@
 For a DiffEqFormer and an N-ODE Transformer (`node_transformer`) the loss also carries the kinetic
 penalty lambda/2 * E (when lambda > 0) and returns the solver's statistics as metrics, which Levanter's
 trainer logs as `train/ode_*`. Both give `flow(tokens, mask) -> (x, E, OdeStats)`; the DiffEqFormer's x
-still goes through its final norm, the N-ODE's is already the readout's hidden layer.
+still goes through its final norm, the N-ODE's is already the readout's hidden layer. With a
+DiffEqFormer's `exits: aligned` the loss is the mean over the N grid-time exits
+(`qkvflow.models.exits`), each exit's loss logged as `train/ode_exit_loss_k`.
 Other models (Levanter's GPT-2/Llama baselines) go through their own `compute_next_token_loss`.
 """
 
@@ -13,6 +15,7 @@ from levanter.models.lm_model import LmExample, LmHeadModel
 from levanter.models.loss import maybe_fused_next_token_loss
 
 from qkvflow.models.diffeqformer import DiffEqFormerLMHeadModel
+from qkvflow.models.exits import aligned_loss
 from qkvflow.models.node_lm import NodeTransformerLMHeadModel
 
 
@@ -25,6 +28,14 @@ def lm_loss(model: LmHeadModel, example: LmExample, *, key=None, z_loss_weight: 
     weight = example.loss_weight
     if weight is not None and not jnp.issubdtype(weight.dtype, jnp.floating):
         weight = weight.astype(jnp.float32)
+    metrics = {}
+    if isinstance(model, DiffEqFormerLMHeadModel) and model.config.exits == "aligned":
+        loss, per_exit, energy, stats = aligned_loss(
+            model, example.tokens, example.attn_mask, weight, z_loss_weight=z_loss_weight
+        )
+        for k, exit_loss in enumerate(per_exit, start=1):
+            metrics[f"ode_exit_loss_{k}"] = Metric.from_value(exit_loss, ReductionType.MEAN)
+        return _with_ode_terms(model, loss, energy, stats, metrics)
     if isinstance(model, DiffEqFormerLMHeadModel):
         x, energy, stats = model.flow(example.tokens, example.attn_mask)
         x = model.final_norm(x)
@@ -47,10 +58,13 @@ def lm_loss(model: LmHeadModel, example: LmExample, *, key=None, z_loss_weight: 
         dtype=jnp.float32,
         block_size=getattr(model.config, "cross_entropy_block_size", None),
     )
-    metrics = {
-        "ode_nfe": Metric.from_value(stats.nfe.astype(jnp.float32), ReductionType.MEAN),
-        "ode_steps": Metric.from_value(stats.num_steps.astype(jnp.float32), ReductionType.MEAN),
-    }
+    return _with_ode_terms(model, loss, energy, stats, metrics)
+
+
+def _with_ode_terms(model, loss, energy, stats, metrics: dict):
+    """The solver's metrics, and the kinetic penalty when lambda > 0."""
+    metrics["ode_nfe"] = Metric.from_value(stats.nfe.astype(jnp.float32), ReductionType.MEAN)
+    metrics["ode_steps"] = Metric.from_value(stats.num_steps.astype(jnp.float32), ReductionType.MEAN)
     if energy is not None and model.config.kinetic_weight > 0:
         metrics["ode_kinetic_energy"] = Metric.from_value(energy, ReductionType.MEAN)
         loss = loss + 0.5 * model.config.kinetic_weight * energy

@@ -31,6 +31,7 @@ COMMON = {
     "time_embed_norm": False,
     "ode": OdeConfig(),
     "kinetic_weight": 0.0,
+    "exits": "none",
     "initializer_range": 0.02,
     "matrix_init": "normal",
     "use_bias": None,
