@@ -6,5 +6,5 @@ Importing any `qkvflow.models` module imports the modules below, which declare q
 
 from qkvflow.models import diffeqformer as diffeqformer
 from qkvflow.models import discrete as discrete
-from qkvflow.models import transevolve as transevolve
 from qkvflow.models import node_lm as node_lm
+from qkvflow.models import transevolve as transevolve
