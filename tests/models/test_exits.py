@@ -348,3 +348,15 @@ def test_generate_refuses_exits(tied):
 
     with pytest.raises(UserError, match="has exits"):
         decoder_for(tied)
+
+
+def test_threshold_chosen_on_selection():
+    from qkvflow.bench.exits import choose_tau
+
+    rows = [(0.5, 2.1, 1.5), (0.7, 2.019, 2.0), (0.8, 2.015, 2.2), (0.9, 2.0, 2.6)]
+    result = {
+        "exits": {"selection": {"loss": [3.0, 2.5, 2.0]}},
+        "threshold": [{"tau": t, "selection": {"loss": loss, "avg_exit": e}} for t, loss, e in rows],
+    }
+    assert choose_tau(result, 0.01)["tau"] == 0.7  # within 2.02, the lowest average exit
+    assert choose_tau(result, 0.0)["tau"] == 0.9
