@@ -4,5 +4,6 @@ Importing any `qkvflow.models` module imports the modules below, which declare q
 (and register their YAML type names with Levanter): a new family's module is added here.
 """
 
+from qkvflow.models import adaptive as adaptive
 from qkvflow.models import diffeqformer as diffeqformer
 from qkvflow.models import discrete as discrete

@@ -171,12 +171,17 @@ class ParallelTransformer(ModuleWithStateDictSerialization):
         )
         return ParallelTransformer(config, tokens, positions, layers, make_norm(config))
 
-    def __call__(self, input_ids: NamedArray, mask, pos_ids: Optional[NamedArray]) -> NamedArray:
+    def embed(self, input_ids: NamedArray, pos_ids: Optional[NamedArray]) -> tuple[NamedArray, NamedArray]:
+        """(x_0, pos_ids): the token embeddings [+ learned positions], and the positions (0.. when None)."""
         if pos_ids is None:
             pos_ids = hax.arange(input_ids.resolve_axis(self.config.max_Pos.name), dtype=jnp.int32)
         x = self.embed_tokens(input_ids)
         if self.embed_positions is not None:
             x = x + self.embed_positions.embed(pos_ids)
+        return x, pos_ids
+
+    def __call__(self, input_ids: NamedArray, mask, pos_ids: Optional[NamedArray]) -> NamedArray:
+        x, pos_ids = self.embed(input_ids, pos_ids)
         x = self.layers.fold(x, mask, pos_ids)
         return self.norm(x)
 
