@@ -7,3 +7,4 @@ Importing any `qkvflow.models` module imports the modules below, which declare q
 from qkvflow.models import adaptive as adaptive
 from qkvflow.models import diffeqformer as diffeqformer
 from qkvflow.models import discrete as discrete
+from qkvflow.models import halting as halting

@@ -41,17 +41,24 @@ The paper trains the halting heads after the exits ("aligned" training), with th
 classifiers frozen: the states h_n reach the head through stop_gradient.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 import equinox as eqx
 import haliax as hax
 import haliax.nn as hnn
+import jax
 import jax.numpy as jnp
 import jax.random as jrandom
 from haliax import Axis, NamedArray
+from levanter.models.lm_model import LmExample
+from levanter.models.loss import next_token_loss
 
 from qkvflow.errors import check
+from qkvflow.models.adaptive import AdaptiveGpt2Config, AdaptiveLMHeadModel, ExitOutput
+from qkvflow.models.flavour import GPT2
+from qkvflow.models.registry import register
 
 KINDS = ("none", "geometric", "multinomial")
 ORACLES = ("likelihood", "correctness")
@@ -209,10 +216,14 @@ class HaltingHead(eqx.Module):
         proj = eqx.tree_at(lambda p: p.bias.array, proj, jnp.zeros_like(proj.bias.array))
         return HaltingHead(kind, Exit, proj)
 
+    def test_logit(self, h: NamedArray) -> NamedArray:
+        """Geometric: z = w . h + b of one exit's state h (no `Exit` axis)."""
+        return self.proj(h)["halt", 0]
+
     def logits(self, states: NamedArray) -> NamedArray:
         """Geometric: z_n = w . h_n + b over Exit. Multinomial: W h_1 + b over Exit."""
         if self.kind == "geometric":
-            return self.proj(states)["halt", 0]
+            return self.test_logit(states)
         return self.proj(states[self.Exit.name, 0])
 
     def log_q(self, states: NamedArray) -> NamedArray:
@@ -223,3 +234,118 @@ class HaltingHead(eqx.Module):
         """The 0-based exit of every token (geometric: first chi_n > tau; multinomial: argmax)."""
         z = self.logits(states)
         return geometric_exit(z, self.Exit, tau) if self.kind == "geometric" else multinomial_exit(z, self.Exit)
+
+
+# --- the family: the exits model with a halting head --------------------------------------------
+
+
+@register("halting_gpt2", flavour=GPT2, ode=False)
+@dataclass(frozen=True)
+class HaltingGpt2Config(AdaptiveGpt2Config):
+    """The exits model of `qkvflow.models.adaptive` with a halting head (`halting:`, module docstring).
+
+    With `halting.kind: none` it is `adaptive_gpt2`. Otherwise `qkvflow train` runs the halting phase:
+    `trainer.initialize_from` names the aligned `adaptive_gpt2` checkpoint of the same shape, whose
+    trunk and exits are loaded and frozen (`qkvflow.training.halting_phase`); only the head trains."""
+
+    halting: HaltingConfig = dataclasses.field(default_factory=HaltingConfig)
+
+    @property
+    def model_type(self):
+        return HaltingLMHeadModel
+
+    def exits_config(self) -> AdaptiveGpt2Config:
+        """The `adaptive_gpt2` config of the trunk and exits (what the aligned checkpoint holds)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(AdaptiveGpt2Config)}
+        return AdaptiveGpt2Config(**fields)
+
+
+class HaltingLMHeadModel(AdaptiveLMHeadModel):
+    """`AdaptiveLMHeadModel` plus `halting_head` (None for `halting.kind: none`).
+
+    The head reads h_n = norm_n(x_n), the normalised state exit n's classifier reads. Training
+    (a key given) with a head is the halting loss against the oracle, the trunk and exits under
+    stop_gradient; evaluation (no key) is the next-token loss of each token at its halting exit, with
+    the exits model's copy-up (`exit_forward`)."""
+
+    halting_head: Optional[HaltingHead] = None
+
+    @classmethod
+    def init(cls, Vocab: Axis, config: HaltingGpt2Config, *, key) -> "HaltingLMHeadModel":
+        model = super().init(Vocab, config, key=key)  # the trunk and exits as adaptive_gpt2 builds them
+        if config.halting.kind == "none":
+            return model
+        head = HaltingHead.init(config.halting.kind, config.Layers, config.Embed, key=jrandom.fold_in(key, 7))
+        return dataclasses.replace(model, halting_head=head)
+
+    @classmethod
+    def from_exits_model(cls, exits_model: AdaptiveLMHeadModel, config: HaltingGpt2Config, *, key):
+        """This model with `exits_model`'s trunk and exits (e.g. a loaded aligned checkpoint) and a new head."""
+        model = cls.init(exits_model.Vocab, config, key=key)
+        return dataclasses.replace(
+            model, model=exits_model.model, lm_head=exits_model.lm_head, exit_heads=exits_model.exit_heads
+        )
+
+    def halting_states(self, states: NamedArray) -> NamedArray:
+        """h_n = norm_n(x_n) over the `layers` axis, from `exit_states`' x_1..x_N."""
+        Layers = self.config.Layers
+        return hax.stack(
+            Layers, [self.exit_classifier(n)[0](states[Layers, n - 1]) for n in range(1, self.num_exits + 1)]
+        )
+
+    def oracle(self, tokens: NamedArray, states: NamedArray, weight: NamedArray) -> NamedArray:
+        """n* (0-based) of every token from the exits' logits (all tokens through all blocks)."""
+        h, Layers = self.config.halting, self.config.Layers
+        logits = hax.stack(Layers, [self.logits_at(n, states[Layers, n - 1]) for n in range(1, self.num_exits + 1)])
+        targets = hax.roll(tokens, -1, self.Pos.name)
+        score = gold_log_likelihood if h.oracle == "likelihood" else gold_correct
+        return oracle_exit(
+            score(logits, self.Vocab, targets), Layers, self.Pos, lam=h.lam, sigma=h.sigma, weight=weight
+        )
+
+    def halting_exits(self, input_ids: NamedArray, attn_mask=None, *, pos_ids=None) -> ExitOutput:
+        """Evaluation with the head's decisions and copy-up: each token's exit (1..N) and its logits there."""
+        h = self.config.halting
+        if h.kind == "geometric":
+
+            def rule(n, x, logits):
+                return hnn.sigmoid(self.halting_head.test_logit(self.exit_classifier(n)[0](x))) > h.tau
+
+        else:  # multinomial: decided from h_1, which copy-up does not change (no token has left before block 1)
+            x0, mask, pos = self._embed(input_ids, attn_mask, pos_ids)
+            x1 = self.model.layers.unstacked()[0](x0, mask, pos)
+            choice = hax.argmax(self.halting_head.proj(self.exit_classifier(1)[0](x1)), self.config.Layers)
+
+            def rule(n, x, logits):
+                return choice == n - 1
+
+        return self.exit_forward(input_ids, rule, attn_mask, pos_ids=pos_ids)
+
+    def compute_next_token_loss(self, example: LmExample, *, key=None, reduction=hax.mean, reduction_axis=None, **kw):
+        """The halting loss (training, a key given) or the halted model's next-token loss (evaluation);
+        `adaptive_gpt2`'s losses when there is no head."""
+        if self.halting_head is None:
+            return super().compute_next_token_loss(
+                example, key=key, reduction=reduction, reduction_axis=reduction_axis, **kw
+            )
+        Pos = example.tokens.resolve_axis(self.Pos.name)
+        weight = hax.logical_not(hnn.one_hot(-1, Pos, dtype=jnp.bool_)).astype(jnp.float32)
+        if example.loss_weight is not None:
+            weight = weight * example.loss_weight.astype(jnp.float32)
+        if key is None:
+            logits = self.halting_exits(example.tokens, example.attn_mask).logits.astype(jnp.float32)
+            return next_token_loss(
+                Pos,
+                self.Vocab,
+                logits,
+                example.tokens,
+                example.loss_weight,
+                reduction=reduction,
+                reduction_axis=reduction_axis,
+            )
+        trunk = dataclasses.replace(self, halting_head=None)  # the trunk and exits, frozen
+        frozen = jax.tree_util.tree_map(lambda a: jax.lax.stop_gradient(a) if eqx.is_array(a) else a, trunk)
+        states = frozen.exit_states(example.tokens, example.attn_mask)
+        target = frozen.oracle(example.tokens, states, weight)
+        log_q = self.halting_head.log_q(frozen.halting_states(states))
+        return halting_loss(log_q, target, self.config.Layers, alpha=self.config.halting.alpha, weight=weight)
