@@ -27,6 +27,7 @@ from levanter.layers.kv_cache import ListCache
 
 from qkvflow.errors import UserError
 from qkvflow.integrate.weight_source import evaluation_times, generate_batched
+from qkvflow.models.adaptive import AdaptiveLMHeadModel
 from qkvflow.models.diffeqformer import DiffEqFormerLMHeadModel
 from qkvflow.models.discrete.model import ParallelLMHeadModel
 from qkvflow.models.discrete.schemes import STAGES
@@ -139,6 +140,11 @@ def decoder_for(model, steps: Optional[int] = None):
     if steps is not None:
         raise UserError(
             f"steps={steps}: only a DiffEqFormer has a grid to change; {type(model).__name__} has fixed layers"
+        )
+    if isinstance(model, AdaptiveLMHeadModel):
+        raise UserError(
+            f"{type(model).__name__} has exits (model.type adaptive_*): the KV-cached decoder has no exits or "
+            "copied-up states; generate supports DiffEqFormer, parallel (discretised) and Llama models"
         )
     if isinstance(model, ParallelLMHeadModel):
         return ParallelDecoder(model)
