@@ -151,6 +151,7 @@ def test_prepare_loads_the_aligned_trunk_and_freezes_it(tmp_path):
     config = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, initialize_from=str(tmp_path)))
     prepared, model, is_trainable = halting_phase.prepare(config, Vocab, jax.random.PRNGKey(9))
     assert prepared.trainer.initialize_from is None and isinstance(model, HaltingLMHeadModel)
+    assert model.config == config.model
     for a, b in zip(
         jax.tree_util.tree_leaves(aligned), jax.tree_util.tree_leaves(dataclasses.replace(model, halting_head=None))
     ):

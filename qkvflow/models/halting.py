@@ -282,9 +282,8 @@ class HaltingLMHeadModel(AdaptiveLMHeadModel):
     def from_exits_model(cls, exits_model: AdaptiveLMHeadModel, config: HaltingGpt2Config, *, key):
         """This model with `exits_model`'s trunk and exits (e.g. a loaded aligned checkpoint) and a new head."""
         model = cls.init(exits_model.Vocab, config, key=key)
-        return dataclasses.replace(
-            model, model=exits_model.model, lm_head=exits_model.lm_head, exit_heads=exits_model.exit_heads
-        )
+        trunk = dataclasses.replace(exits_model.model, config=config)  # `config` is read from the trunk
+        return dataclasses.replace(model, model=trunk, lm_head=exits_model.lm_head, exit_heads=exits_model.exit_heads)
 
     def halting_states(self, states: NamedArray) -> NamedArray:
         """h_n = norm_n(x_n) over the `layers` axis, from `exit_states`' x_1..x_N."""
@@ -303,22 +302,21 @@ class HaltingLMHeadModel(AdaptiveLMHeadModel):
             score(logits, self.Vocab, targets), Layers, self.Pos, lam=h.lam, sigma=h.sigma, weight=weight
         )
 
-    def halting_exits(self, input_ids: NamedArray, attn_mask=None, *, pos_ids=None) -> ExitOutput:
-        """Evaluation with the head's decisions and copy-up: each token's exit (1..N) and its logits there."""
+    def halting_rule(self, input_ids: NamedArray, attn_mask=None, *, pos_ids=None):
+        """The head's exit rule for `exit_forward` (`qkvflow.models.adaptive.ExitRule`): geometric, chi_n > tau
+        on the copy-up state; multinomial, n = argmax q from h_1 (which copy-up does not change: no
+        token has left before block 1), computed here from `input_ids`."""
         h = self.config.halting
         if h.kind == "geometric":
+            return lambda n, x, logits: hnn.sigmoid(self.halting_head.test_logit(self.exit_classifier(n)[0](x))) > h.tau
+        x0, mask, pos = self._embed(input_ids, attn_mask, pos_ids)
+        x1 = self.model.layers.unstacked()[0](x0, mask, pos)
+        choice = hax.argmax(self.halting_head.proj(self.exit_classifier(1)[0](x1)), self.config.Layers)
+        return lambda n, x, logits: choice == n - 1
 
-            def rule(n, x, logits):
-                return hnn.sigmoid(self.halting_head.test_logit(self.exit_classifier(n)[0](x))) > h.tau
-
-        else:  # multinomial: decided from h_1, which copy-up does not change (no token has left before block 1)
-            x0, mask, pos = self._embed(input_ids, attn_mask, pos_ids)
-            x1 = self.model.layers.unstacked()[0](x0, mask, pos)
-            choice = hax.argmax(self.halting_head.proj(self.exit_classifier(1)[0](x1)), self.config.Layers)
-
-            def rule(n, x, logits):
-                return choice == n - 1
-
+    def halting_exits(self, input_ids: NamedArray, attn_mask=None, *, pos_ids=None) -> ExitOutput:
+        """Evaluation with the head's decisions and copy-up: each token's exit (1..N) and its logits there."""
+        rule = self.halting_rule(input_ids, attn_mask, pos_ids=pos_ids)
         return self.exit_forward(input_ids, rule, attn_mask, pos_ids=pos_ids)
 
     def compute_next_token_loss(self, example: LmExample, *, key=None, reduction=hax.mean, reduction_axis=None, **kw):

@@ -109,6 +109,8 @@ def test_the_shipped_families_are_declared():
         "shared_ode_llama": ("llama", True, "parallel_llama"),
         "parallel_gpt2": ("gpt2", False, None),
         "parallel_llama": ("llama", False, None),
+        "adaptive_gpt2": ("gpt2", False, None),
+        "halting_gpt2": ("gpt2", False, None),
     }
 
 
