@@ -39,12 +39,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default="cache/halting_study")
     p.add_argument("--out_dir", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--name", default="halting")
+    p.add_argument(
+        "--corpus_root", default=str(ROOT / "cache" / "corpora"), help="where this study's corpus cache goes"
+    )
     p.add_argument("--kind", default="geometric", choices=["geometric", "multinomial"])
     p.add_argument("--oracles", nargs="+", default=["correctness", "likelihood"])
     p.add_argument("--lams", nargs="+", type=float, default=[0.05, 0.1, 0.3])
     p.add_argument("--sigma", type=float, default=1.0)
     p.add_argument("--tau", type=float, default=0.5)
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--steps", type=int, default=100)
     p.add_argument("--learning_rate", type=float, default=5e-3)
     return p
 
@@ -56,13 +59,15 @@ def run_config(args, oracle: str, lam: float, workdir: Path) -> tuple[str, Path]
     halting = {"kind": args.kind, "oracle": oracle, "lam": lam, "sigma": args.sigma, "tau": args.tau}
     config["model"] = {**config["model"], "type": "halting_gpt2", "halting": halting}
     t = config["trainer"]
-    t.update(id=run_id, num_train_steps=args.steps, steps_per_eval=args.steps)
+    t.update(id=run_id, num_train_steps=args.steps, max_eval_batches=0)  # evaluated here, on the test half
     t["initialize_from"] = str(Path(args.aligned_checkpoint).resolve())
     t["checkpointer"] = {**t.get("checkpointer", {}), "base_path": str(workdir / "checkpoints")}
     t["tracker"] = {"type": "jsonl", "path": str(workdir / "runs")}
     t["log_dir"] = str(workdir / "logs")
     config["optimizer"] = {**config["optimizer"], "learning_rate": args.learning_rate}
     config["loss_curve"] = None
+    if "corpus" in config:  # the token caches of this study, not the aligned run's folder
+        config["corpus"] = {**config["corpus"], "root": str(Path(args.corpus_root).resolve())}
     path = workdir / "configs" / f"{run_id}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config, sort_keys=False))
