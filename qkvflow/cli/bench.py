@@ -1,4 +1,4 @@
-"""`qkvflow bench MODE ...`: dispatch to a benchmark of qkvflow.bench (speed, scaling, quality, compare)."""
+"""`qkvflow bench MODE ...`: dispatch to a benchmark of qkvflow.bench (speed, scaling, quality, compare, exits)."""
 
 import importlib
 
@@ -9,6 +9,7 @@ MODES = {
     "scaling": "qkvflow.bench.scaling",
     "quality": "qkvflow.bench.quality",
     "compare": "qkvflow.bench.compare",
+    "exits": "qkvflow.bench.exits",
 }
 
 

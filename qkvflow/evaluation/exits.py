@@ -153,6 +153,19 @@ def per_exit_sums(model, tokens: NamedArray, loss_weight: Optional[NamedArray]) 
     }
 
 
+@eqx.filter_jit
+def plain_sums(model, tokens: NamedArray, loss_weight: Optional[NamedArray]) -> dict:
+    """Sums over one batch of a model without exits (its full-depth logits): nll, correct, weight."""
+    target, weight = _targets(tokens, loss_weight)
+    logits = hax.dot(model.activations(tokens), model.get_lm_head(), axis=model.Embed)
+    nll, correct = _token_scores(logits, target)
+    return {
+        "nll": hax.sum(weight * nll).array,
+        "correct": hax.sum(weight * correct).array,
+        "weight": hax.sum(weight).array,
+    }
+
+
 def accumulate(parts: Iterable[dict]) -> dict:
     """Sum the per-batch dicts, as float64 numpy."""
     total: dict = {}

@@ -257,9 +257,9 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
     """Same data, budget and optimizer for every model of a study; the parameter-matched GPT-2 within 5%
     of the DiffEqFormer's parameters, the FLOP-matched one within 3% of its training FLOPs."""
     from qkvflow.data.corpora import corpus_vocab_size
-    from qkvflow.models import accounting
+    from qkvflow.models import accounting, registry
 
-    for name in ("tinyshakespeare", "pydoc", "beta2", "rk_blocks"):
+    for name in ("tinyshakespeare", "pydoc", "beta2", "rk_blocks", "exits"):
         configs = _study_configs(name, tmp_path)
         reference = next(iter(configs.values()))[0]
         for model, (config, _) in configs.items():
@@ -281,6 +281,14 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
             assert {m: c.optimizer.beta2 for m, (c, _) in configs.items()} == {
                 "gpt2_b999": 0.999, "gpt2_b95": 0.95, "ode_b999": 0.999, "ode_b95": 0.95,
             }  # fmt: skip
+        if name == "exits":  # n-layer baselines and one aligned model with an exit after each of its 6 blocks
+            assert {m: (registry.type_name(c.model), c.model.num_layers) for m, (c, _) in configs.items()} == {
+                "layers_1": ("parallel_gpt2", 1), "layers_2": ("parallel_gpt2", 2), "layers_3": ("parallel_gpt2", 3),
+                "layers_6": ("parallel_gpt2", 6), "aligned_6": ("adaptive_gpt2", 6),
+            }  # fmt: skip
+            assert (configs["aligned_6"][0].model.exit_heads, configs["aligned_6"][0].model.exit_training) == (
+                "tied", "aligned",
+            )  # fmt: skip
         if name == "rk_blocks":
             assert {m: (c.model.num_layers, c.model.block_scheme) for m, (c, _) in configs.items()} == {
                 "euler_1": (1, "euler"), "rk2_1": (1, "rk2"), "rk2_unit_1": (1, "rk2_unit"),

@@ -28,15 +28,16 @@ TOL = dict(rtol=1e-5, atol=2e-5)
 
 
 def build(**kw) -> AdaptiveLMHeadModel:
+    import equinox as eqx
+
     model = AdaptiveGpt2Config(**SHAPE, **kw).build(Vocab, key=jrandom.PRNGKey(0))
-    # non-trivial norms and biases, so that a mix-up of exits' norms or a missing bias shows
-    leaves = lambda m: [m.model.norm.weight, m.model.norm.bias]  # noqa: E731
+    # non-trivial norms and biases, so that a mix-up of exits' norms or a missing bias shows, and
+    # embeddings of std 1 rather than 0.02, so that logits are O(1) and differences between states show
+    leaves = lambda m: [m.model.norm.weight, m.model.norm.bias, m.model.embed_tokens.weight]  # noqa: E731
     k1, k2 = jrandom.split(jrandom.PRNGKey(7))
     w = hax.random.normal(k1, model.config.Embed) * 0.3 + 1.0
     b = hax.random.normal(k2, model.config.Embed) * 0.3
-    import equinox as eqx
-
-    return eqx.tree_at(leaves, model, [w, b])
+    return eqx.tree_at(leaves, model, [w, b, model.model.embed_tokens.weight * 50.0])
 
 
 @pytest.fixture(scope="module")
@@ -305,8 +306,10 @@ def test_confidence_rule_on_hand_built_logits():
 
 def test_exits_are_causal(untied, tokens):
     changed = hax.named(tokens.array.at[:, -1].set((tokens.array[:, -1] + 1) % V), tokens.axes)
-    rule = ex.confidence_threshold(0.12)
+    first = np.asarray(hax.nn.softmax(untied.exit_logits(tokens)["layers", 0], "vocab").array).max(-1)
+    rule = ex.confidence_threshold(float(np.median(first)))  # tokens leave at several exits
     a, b = untied.exit_forward(tokens, rule), untied.exit_forward(changed, rule)
+    assert len(np.unique(np.asarray(a.exits.array))) >= 2
     np.testing.assert_array_equal(np.asarray(a.logits.array)[:, :-1], np.asarray(b.logits.array)[:, :-1])
     np.testing.assert_array_equal(np.asarray(a.exits.array)[:, :-1], np.asarray(b.exits.array)[:, :-1])
     assert not np.array_equal(np.asarray(a.logits.array)[:, -1], np.asarray(b.logits.array)[:, -1])
@@ -348,3 +351,15 @@ def test_generate_refuses_exits(tied):
 
     with pytest.raises(UserError, match="has exits"):
         decoder_for(tied)
+
+
+def test_threshold_chosen_on_selection():
+    from qkvflow.bench.exits import choose_tau
+
+    rows = [(0.5, 2.1, 1.5), (0.7, 2.019, 2.0), (0.8, 2.015, 2.2), (0.9, 2.0, 2.6)]
+    result = {
+        "exits": {"selection": {"loss": [3.0, 2.5, 2.0]}},
+        "threshold": [{"tau": t, "selection": {"loss": loss, "avg_exit": e}} for t, loss, e in rows],
+    }
+    assert choose_tau(result, 0.01)["tau"] == 0.7  # within 2.02, the lowest average exit
+    assert choose_tau(result, 0.0)["tau"] == 0.9
