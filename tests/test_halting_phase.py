@@ -6,6 +6,7 @@ the exits model's own copy-up scan (`exit_states(exits=...)`) for the evaluation
 
 import dataclasses
 import math
+from pathlib import Path
 
 import equinox as eqx
 import haliax as hax
@@ -27,6 +28,7 @@ from qkvflow.training.config import TrainConfig
 from tests.helpers import Batch, Vocab
 from tests.models.test_halting import geometric_q_reference, smoothed_reference
 
+ROOT = Path(__file__).resolve().parents[1]
 SHAPE = dict(max_seq_len=12, hidden_dim=32, num_heads=4, num_layers=3, initializer_range=0.2)
 
 
@@ -168,3 +170,33 @@ def test_prepare_without_the_aligned_checkpoint_names_the_key(tmp_path):
     config = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, initialize_from=str(tmp_path)))
     with pytest.raises(UserError, match="trainer.initialize_from="):
         halting_phase.prepare(config, Vocab, jax.random.PRNGKey(0))
+
+
+def test_the_benchmark_writes_a_halting_phase_config_of_the_aligned_run(tmp_path):
+    """benchmarks/halting.py: the aligned run's config with the halting family, its keys, the aligned
+    checkpoint as trainer.initialize_from and every output in the study's folder (no training here)."""
+    import importlib.util
+
+    import draccus
+    import yaml
+
+    spec = importlib.util.spec_from_file_location("halting_bench", ROOT / "benchmarks" / "halting.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    aligned = {
+        "corpus": {"name": "tinyshakespeare", "root": "/elsewhere"},
+        "trainer": {"id": "aligned", "num_train_steps": 300, "checkpointer": {"base_path": "/elsewhere/ckpt"}},
+        "optimizer": {"learning_rate": 2e-3},
+        "model": {"type": "adaptive_gpt2", **{k: v for k, v in SHAPE.items() if k != "initializer_range"}},
+    }
+    (tmp_path / "aligned.yaml").write_text(yaml.safe_dump(aligned))
+    argv = ["--aligned_config", str(tmp_path / "aligned.yaml"), "--aligned_checkpoint", str(tmp_path / "ckpt")]
+    args = bench.parser().parse_args([*argv, "--corpus_root", str(tmp_path / "corpora"), "--steps", "7"])
+    run_id, path = bench.run_config(args, "likelihood", 0.3, tmp_path / "study")
+    config = draccus.parse(TrainConfig, config_path=str(path), args=[])
+    assert run_id == "geometric-likelihood-lam0.3" and config.trainer.id == run_id
+    expected = config_of("geometric", oracle="likelihood", lam=0.3, sigma=1.0, tau=0.5)
+    assert config.model == dataclasses.replace(expected, initializer_range=0.02)
+    assert config.trainer.initialize_from == str(tmp_path / "ckpt") and config.trainer.num_train_steps == 7
+    assert config.trainer.checkpointer.base_path == str(tmp_path / "study" / "checkpoints")
+    assert config.corpus.root == str(tmp_path / "corpora") and config.optimizer.learning_rate == 5e-3
