@@ -27,7 +27,7 @@ import levanter
 import levanter.tracker
 
 from qkvflow.plotting import plot_loss_curve
-from qkvflow.training import faults, loop, preflight, session
+from qkvflow.training import faults, halting_phase, loop, preflight, session
 from qkvflow.training.config import TrainConfig
 from qkvflow.training.loss import lm_loss
 from qkvflow.training.tracking import metrics_file
@@ -46,14 +46,19 @@ def _train(config: TrainConfig, preemption: faults.Preemption, cleanup: contextl
     preflight.check_outputs(config)  # before the corpus, the tokenizer and Levanter start
     config, tokenizer, inject, Vocab = session.start(config, cleanup)
     t = config.trainer
-    resume_from = preflight.check_resume(config, Vocab)
     model_key = jrandom.split(jrandom.PRNGKey(t.seed), 4)[2]
+    # a halting phase (qkvflow.training.halting_phase): the model comes from the aligned checkpoint and
+    # only its halting head trains; its own checkpoints hold only the head, so check_resume does not apply
+    config, model, is_trainable = halting_phase.prepare(config, Vocab, model_key)
+    resume_from = None if model is not None else preflight.check_resume(config, Vocab)
     Pos = config.model.max_Pos
     run = loop.Run(
         config,
         "qkvflow train",
         Pos,
-        init=lambda: config.model.build(Vocab, key=model_key),
+        init=None if model is not None else lambda: config.model.build(Vocab, key=model_key),
+        model=model,
+        is_trainable=is_trainable,
         flops_per_token=config.model.flops_per_token(len(tokenizer), Pos.size),
     )
     loss_fn = functools.partial(lm_loss, z_loss_weight=config.z_loss_weight)

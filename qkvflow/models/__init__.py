@@ -7,5 +7,6 @@ Importing any `qkvflow.models` module imports the modules below, which declare q
 from qkvflow.models import adaptive as adaptive
 from qkvflow.models import diffeqformer as diffeqformer
 from qkvflow.models import discrete as discrete
+from qkvflow.models import halting as halting
 from qkvflow.models import node_lm as node_lm
 from qkvflow.models import transevolve as transevolve

@@ -112,6 +112,8 @@ def test_the_shipped_families_are_declared():
         "transevolve_gpt2": ("gpt2", False, None),
         "sequential_gpt2": ("gpt2", False, None),
         "node_transformer": ("gpt2", False, None),
+        "adaptive_gpt2": ("gpt2", False, None),
+        "halting_gpt2": ("gpt2", False, None),
     }
 
 
