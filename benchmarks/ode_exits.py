@@ -9,7 +9,7 @@ with the configs `qkvflow bench compare` would write (`qkvflow.bench.compare.run
 split for the run's own evaluation): `aligned` (`exits: aligned`, the mean loss of the exits at
 t_k = k / N) and `plain` (the loss at t = 1 only). Then, for each trained model and each split
 (selection, test; `corpus.eval_split`; its first `--max_sequences` sequences of 64), the per-exit losses and the halting sweep over `--taus`
-(`qkvflow.evaluation.halting`); tau is chosen on selection (fewest mean NFE within `--slack` nats of the
+(`qkvflow.evaluation.ode_halting`); tau is chosen on selection (fewest mean NFE within `--slack` nats of the
 unhalted loss) and reported on test. Writes W/ode_exits.{md,json,png}. Rerunnable: finished runs are
 resumed (nothing left to train) and only evaluated again; `--eval_only` skips even the resume.
 """
@@ -85,7 +85,7 @@ def eval_batches(config, Pos, max_sequences: int, batch_size: int = 64):
 
 def evaluate_run(config_path: Path, checkpoint: Path, taus, max_sequences: int) -> dict:
     from qkvflow.configfile import parse
-    from qkvflow.evaluation import halting
+    from qkvflow.evaluation import ode_halting
     from qkvflow.training.checkpoints import load_model
     from qkvflow.training.config import TrainConfig
     from qkvflow.training.session import with_corpus
@@ -97,7 +97,7 @@ def evaluate_run(config_path: Path, checkpoint: Path, taus, max_sequences: int) 
         model, _ = load_model(config, str(checkpoint))
         batches = list(eval_batches(config, model.Pos, max_sequences))
         start = time.time()
-        out[split] = halting.evaluate(model, [b for b, _ in batches], taus, context_length=model.config.max_seq_len)
+        out[split] = ode_halting.evaluate(model, [b for b, _ in batches], taus, context_length=model.config.max_seq_len)
         out[split]["eval_seconds"] = time.time() - start
         out[split]["sequences"] = int(sum(count for _, count in batches))
     return out
@@ -191,7 +191,7 @@ def main(argv=None) -> int:
             result["runs"][rid] = {"config": str(path), "train_seconds_this_call": seconds}
     if args.train_only:
         return 0
-    from qkvflow.evaluation.halting import choose_tau
+    from qkvflow.evaluation.ode_halting import choose_tau
 
     for rid, r in result["runs"].items():
         r["eval"] = evaluate_run(Path(r["config"]), workdir / "checkpoints" / rid, taus, args.max_sequences)

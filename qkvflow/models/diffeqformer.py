@@ -85,7 +85,7 @@ class DiffEqFormerConfig(LmConfig):
     """lambda of the kinetic regulariser lambda/2 * int mean_tokens ||dx/dt||^2 dt; 0 turns it off."""
     exits: str = "none"
     """"aligned": train on the mean next-token loss of N exits, norm(x(k/N)) @ unembedding for
-    k = 1..N (depth-adaptive exits in continuous depth, `qkvflow.models.exits`); fixed grids only.
+    k = 1..N (depth-adaptive exits in continuous depth, `qkvflow.models.ode_exits`); fixed grids only.
     "none": the loss at t = 1 alone."""
 
     initializer_range: float = 0.02
@@ -256,7 +256,7 @@ class DiffEqFormerLMHeadModel(LmHeadModel[DiffEqFormerConfig]):
 
         A missing mask means causal: the model is a language model. With `ts` (increasing times in
         (0, 1], the last 1) the states x(t) at those times instead, on a leading `exit` axis
-        (`qkvflow.models.exits`).
+        (`qkvflow.models.ode_exits`).
         """
         config = self._config
         if attn_mask is None:

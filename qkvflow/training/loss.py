@@ -5,7 +5,7 @@ penalty lambda/2 * E (when lambda > 0) and returns the solver's statistics as me
 trainer logs as `train/ode_*`. Both give `flow(tokens, mask) -> (x, E, OdeStats)`; the DiffEqFormer's x
 still goes through its final norm, the N-ODE's is already the readout's hidden layer. With a
 DiffEqFormer's `exits: aligned` the loss is the mean over the N grid-time exits
-(`qkvflow.models.exits`), each exit's loss logged as `train/ode_exit_loss_k`.
+(`qkvflow.models.ode_exits`), each exit's loss logged as `train/ode_exit_loss_k`.
 Other models (Levanter's GPT-2/Llama baselines) go through their own `compute_next_token_loss`.
 """
 
@@ -15,8 +15,8 @@ from levanter.models.lm_model import LmExample, LmHeadModel
 from levanter.models.loss import maybe_fused_next_token_loss
 
 from qkvflow.models.diffeqformer import DiffEqFormerLMHeadModel
-from qkvflow.models.exits import aligned_loss
 from qkvflow.models.node_lm import NodeTransformerLMHeadModel
+from qkvflow.models.ode_exits import aligned_loss
 
 
 def lm_loss(model: LmHeadModel, example: LmExample, *, key=None, z_loss_weight: float = 0.0):

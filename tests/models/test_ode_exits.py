@@ -1,4 +1,4 @@
-"""Depth-adaptive exits of the DiffEqFormer (qkvflow.models.exits) against references written here.
+"""Depth-adaptive exits of the DiffEqFormer (qkvflow.models.ode_exits) against references written here.
 
 The references are float64 numpy Euler loops over the GPT-2 field of tests/models/test_field_reference.py
 (written from the equations, not from the model's field code), with the model's parameters and W(t_k):
@@ -19,9 +19,9 @@ from levanter.models.lm_model import LmExample
 from levanter.models.loss import maybe_fused_next_token_loss
 
 from qkvflow.errors import UserError
-from qkvflow.evaluation import halting
+from qkvflow.evaluation import ode_halting
 from qkvflow.integrate.config import OdeConfig
-from qkvflow.models.exits import exit_states, halting_flow, readout
+from qkvflow.models.ode_exits import exit_states, halting_flow, readout
 from qkvflow.training.loss import lm_loss
 from tests.helpers import Vocab, random_tokens, tiny_config, tiny_model
 from tests.models.test_field_reference import _np, generated_weights, gpt2_field, layer_norm
@@ -209,7 +209,7 @@ def test_sweep_metrics_at_the_extremes(aligned):
     config, model = aligned
     ids = random_tokens(config)
     batch = LmExample(ids, hax.ones(ids.axes), None)
-    out = halting.evaluate(model, [batch], [0.0, float("inf")], context_length=config.max_seq_len)
+    out = ode_halting.evaluate(model, [batch], [0.0, float("inf")], context_length=config.max_seq_len)
     first, never = out["rows"]
     assert first["mean_nfe"] == 1 and first["mean_exit_time"] == 1 / N and first["tests_per_token"] == 1
     assert never["mean_nfe"] == N and never["mean_exit_time"] == 1 and never["tests_per_token"] == N - 1
