@@ -158,7 +158,7 @@ def _sums():
     @eqx.filter_jit
     def halting_sums(model, tokens, weight):
         """The exits module's per-batch sums at the head's exits, and the oracle's exits' weights."""
-        sums = ex._rule_sums(model, tokens, weight, model.halting_rule(tokens))
+        sums = ex.exit_sums(model, tokens, weight, model.halting_rule(tokens))
         Pos = tokens.axes[-1]
         w = weight * hax.logical_not(hax.nn.one_hot(-1, Pos, dtype=bool)).astype(weight.dtype)
         target = model.oracle(tokens, model.exit_states(tokens), w)

@@ -117,7 +117,7 @@ def _token_scores(logits: NamedArray, target: NamedArray):
     return nll, correct
 
 
-def _rule_sums(model, tokens: NamedArray, loss_weight: Optional[NamedArray], rule) -> dict:
+def exit_sums(model, tokens: NamedArray, loss_weight: Optional[NamedArray], rule) -> dict:
     """Sums over one batch for exits chosen by `rule` (copy-up): weighted nll, correct, weight, and
     the weight of tokens at each exit (`per_exit`, index e-1)."""
     target, weight = _targets(tokens, loss_weight)
@@ -132,13 +132,14 @@ def _rule_sums(model, tokens: NamedArray, loss_weight: Optional[NamedArray], rul
     }
 
 
-rule_sums = eqx.filter_jit(_rule_sums)
+rule_sums = eqx.filter_jit(exit_sums)
+"""`exit_sums` compiled; a caller with a new `rule` closure per call jits its own caller instead."""
 
 
 @eqx.filter_jit
 def threshold_sums(model, tokens: NamedArray, loss_weight: Optional[NamedArray], tau) -> dict:
     """`rule_sums` of `confidence_threshold(tau)`, tau traced (one compilation for every tau)."""
-    return _rule_sums(model, tokens, loss_weight, confidence_threshold(tau))
+    return exit_sums(model, tokens, loss_weight, confidence_threshold(tau))
 
 
 @eqx.filter_jit

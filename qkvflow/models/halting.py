@@ -182,16 +182,6 @@ def halting_loss(
     return alpha * hax.sum(m * nll) / hax.maximum(hax.sum(m), 1e-12)
 
 
-def halting_flops(kind: str, exit_index: NamedArray, hidden: int, num_exits: int) -> NamedArray:
-    """FLOPs per token the halting decision costs: geometric 2 d per test taken (exits 1..min(n, N - 1)),
-    multinomial 2 d N once (the softmax's exponentials are not counted), none 0."""
-    check(kind in KINDS, "halting.kind", kind, f"one of {list(KINDS)}")
-    if kind == "geometric":
-        return 2.0 * hidden * hax.minimum(exit_index + 1, num_exits - 1).astype(jnp.float32)
-    per_token = 2.0 * hidden * num_exits if kind == "multinomial" else 0.0
-    return hax.full_like(exit_index, per_token, dtype=jnp.float32)
-
-
 # --- the head ----------------------------------------------------------------------------------
 
 

@@ -63,8 +63,6 @@ def test_bad_values_in_the_functions_name_the_key():
     with pytest.raises(UserError, match="halting.sigma="):
         H.oracle_exit(s, Exit, Pos, lam=0.1, sigma=0.0)
     with pytest.raises(UserError, match="halting.kind="):
-        H.halting_flops("ponder", hax.zeros(Pos, dtype=int), 8, 4)
-    with pytest.raises(UserError, match="halting.kind="):
         H.HaltingHead.init("none", Exit, Embed, key=jax.random.PRNGKey(0))
 
 
@@ -226,11 +224,3 @@ def test_halting_loss_is_weighted_cross_entropy_to_the_oracle():
     )
     num = sum(-m[b, t] * float(log_q[b, t, target[b, t]]) for b in range(Batch.size) for t in range(Pos.size))
     np.testing.assert_allclose(float(got.array), 0.7 * num / m.sum(), rtol=8 * EPS32)
-
-
-def test_halting_flops():
-    exits = hax.named(np.array([0, 1, 2, 3, 3]), Pos)
-    d = Embed.size
-    np.testing.assert_array_equal(H.halting_flops("geometric", exits, d, 4).array, 2 * d * np.array([1, 2, 3, 3, 3]))
-    np.testing.assert_array_equal(H.halting_flops("multinomial", exits, d, 4).array, np.full(5, 2 * d * 4))
-    np.testing.assert_array_equal(H.halting_flops("none", exits, d, 4).array, np.zeros(5))
