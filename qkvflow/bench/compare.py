@@ -13,6 +13,9 @@ YAML overlay merged into the base (a `model:` section, and optionally `optimizer
    of its difference to the baseline (qkvflow.bench.stats), with the parameter count and the
    training FLOPs (3 x forward: qkvflow.models.accounting, Levanter's `flops_per_token`).
 
+The report goes to `--out_dir` as <name>.json, a markdown table <name>.md and a figure <name>.png
+(each model's test loss per seed, and mean +- sd).
+
 It is resumable: a finished run leaves `results/<run>.json` and is not trained again; an
 interrupted run resumes from its checkpoint (the same `trainer.id`, qkvflow's exact resume); more
 seeds or learning rates may be added to a study between invocations. The work folder holds
@@ -323,6 +326,35 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(result: dict, path: Path) -> None:
+    """Each model's test loss per seed (dots) and mean +- sd (bar), the baseline's mean as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["models"])
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(names) + 2), 4.2), dpi=110)
+    for i, name in enumerate(names):
+        test = result["models"][name]["test"]
+        seeds = list(test["per_seed"].values())
+        ax.plot([i] * len(seeds), seeds, "o", color="0.6", markersize=4)
+        ax.errorbar([i], [test["mean"]], yerr=[test["std"] or 0.0], fmt="s", color="C0", capsize=4)
+    ax.axhline(result["models"][result["baseline"]]["test"]["mean"], color="C3", ls="--", lw=1, label="baseline mean")
+    labels = []
+    for name in names:
+        params = result["models"][name]["parameter_count"]
+        labels.append(name if params is None else f"{name}\n{params / 1e6:.2f}M")
+    ax.set_xticks(range(len(names)), labels, fontsize=8)
+    ax.set_ylabel("test loss (nats/token)")
+    ax.set_title(f"{result.get('title') or result['study']}: {result['iters']} steps", fontsize=9)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     study = load_study(args.study, args)
@@ -355,5 +387,6 @@ def main(argv: list[str]) -> int:
     (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     table = markdown(result)
     (out / f"{name}.md").write_text(table)
+    plot(result, out / f"{name}.png")
     print(table)
     return 0
