@@ -106,3 +106,13 @@ def test_there_are_no_import_cycles():
         if node not in state:
             visit(node, [node])
     assert not cycles, cycles
+
+
+def test_the_suites_longest_first_list_names_existing_files():
+    """tests/conftest.py orders the long files first for pytest-xdist; a renamed file would silently
+    drop out of that order."""
+    from tests.conftest import LONGEST_FIRST
+
+    root = Path(__file__).resolve().parents[1]
+    assert [p for p in LONGEST_FIRST if not (root / p).is_file()] == []
+    assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST)
