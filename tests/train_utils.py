@@ -52,14 +52,7 @@ def losses(workdir: Path, run_id: str = "tiny") -> list[float]:
     return [steps[s]["train/loss"] for s in sorted(steps) if "train/loss" in steps[s]]
 
 
-class Finished:
-    """A finished `qkvflow train` subprocess as `subprocess.run` returns it: exit code and output."""
-
-    def __init__(self, returncode: int, stdout: str, stderr: str):
-        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
-
-
-def reference_run(tmp_path_factory) -> tuple[Path, Path, Finished]:
+def reference_run(tmp_path_factory) -> tuple[Path, Path, subprocess.CompletedProcess]:
     """The uninterrupted 8-step run of tiny_train.yaml on one device (evaluating every 4 steps), trained once
     per test session and shared by every test process: test_train compares its resumed and sharded runs
     with it, test_faults its killed and resumed ones, and the evaluation and fine-tuning tests use its
@@ -77,4 +70,4 @@ def reference_run(tmp_path_factory) -> tuple[Path, Path, Finished]:
             prepare_corpus("pydoc", str(corpora))
             proc = train(root, corpora, "--trainer.steps_per_eval", "4")
             done.write_text(json.dumps([proc.returncode, proc.stdout, proc.stderr]))
-    return corpora, root, Finished(*json.loads(done.read_text()))
+    return corpora, root, subprocess.CompletedProcess(["qkvflow", "train"], *json.loads(done.read_text()))
