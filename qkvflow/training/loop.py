@@ -67,9 +67,13 @@ def drop_replayed_metrics(trainer_config, run_id: str, start: int) -> None:
             logger.info(f"Dropped {dropped} metric records of the steps after step {start}: they are trained again")
 
 
-def build_caches(data, timeout: float = 1800.0) -> dict:
-    """Tokenize into Levanter's caches before reading them. With several processes, process 0 builds
-    first and the others then load what it wrote (or build their own on a non-shared disk).
+def build_caches(data) -> dict:
+    """Tokenize into Levanter's caches before reading them. Every process calls Levanter's
+    `build_or_load_cache` at the same time: with several processes, its own coordination has process 0
+    build while the others take part in its status broadcasts, then load what it wrote (the cache folder
+    must be shared, as Levanter requires). The barrier first lines the processes up, so that all of them
+    find the cache missing or all find it complete: a process that stood aside while process 0 built (as
+    qkvflow did on Levanter 1.2) would leave process 0 waiting on that broadcast forever.
 
     Returns the number of tokens of each split that has data."""
     say(f"preparing the token cache in {data.cache_dir} (the first run tokenizes the data) ...")
@@ -82,11 +86,8 @@ def build_caches(data, timeout: float = 1800.0) -> dict:
             if caches:
                 tokens[split] = sum(cache.flat_field_length("input_ids") for cache in caches.values())
 
-    if jax.process_index() == 0:
-        build()
     faults.barrier("qkvflow_build_caches")
-    if jax.process_index() != 0:
-        build()
+    build()
     say(f"token cache ready ({time.perf_counter() - start:.0f} s)")
     return tokens
 
