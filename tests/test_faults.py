@@ -3,8 +3,8 @@
 
 Speed: every process here shares one JAX compilation cache (possible because EQX_ON_ERROR=nan turns
 Equinox's runtime checks, host callbacks that would make the step uncacheable, into NaNs; the
-tiny model never trips them), and skips evaluation, Levanter's jaxpr/HLO logging and its parameter
-watching (which costs a second compilation). None of this changes the arithmetic of a step.
+tiny model never trips them), and skips evaluation (tiny_train.yaml already turns off Levanter's
+jaxpr/HLO logging and its parameter watching). None of this changes the arithmetic of a step.
 """
 
 import json
@@ -24,12 +24,6 @@ from tests.train_utils import losses, reference_run, train_args, train_env
 
 INTERVAL = 2  # trainer.checkpointer.keep: [{every: 2}]
 FAST = [
-    "--trainer.log_jaxprs",
-    "false",
-    "--trainer.log_xla_hlo",
-    "false",
-    "--trainer.watch.interval",
-    "0",
     "--loss_curve",
     "null",
     "--trainer.max_eval_batches",

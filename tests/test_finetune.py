@@ -160,7 +160,6 @@ def test_full_fine_tune_resumes_and_exports_the_fine_tuned_model(tmp_path, share
     args = (
         "--finetune", "full", "--steps", "1", "--trainer.num_train_steps", "2", "--loss_curve", "null",
         "--export", f"{{hf_dir: {tmp_path / 'hf'}, merged: false}}",
-        "--trainer.log_jaxprs", "false", "--trainer.log_xla_hlo", "false", "--trainer.watch.interval", "0",
     )  # fmt: skip
     first = finetune(_parse(tmp_path, corpora, pretrained, *args, "--stop_after", "1"))
     assert not first["finished"] and first["steps"] == 1 and "hf_dir" not in first
