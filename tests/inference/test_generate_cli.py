@@ -7,18 +7,19 @@ import pytest
 
 from qkvflow import cli
 from tests.inference.util import greedy_reference, round_off
-from tests.train_utils import TINY, train
+from tests.train_utils import TINY, reference_run
 
 CONTEXT = 32  # tests/configs/tiny_train.yaml: model.max_seq_len
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, corpus_root):
-    """A tiny DiffEqFormer trained 3 steps (Euler, N = 2) on the pydoc corpus."""
-    workdir = tmp_path_factory.mktemp("generate")
-    result = train(workdir, corpus_root, "--trainer.num_train_steps", "3")
-    assert result.returncode == 0, result.stderr[-2000:]
-    return workdir
+def trained(tmp_path_factory):
+    """The session's tiny DiffEqFormer trained 8 steps (Euler, N = 2) on the pydoc corpus
+    (tests/train_utils.reference_run, shared with test_train and test_faults; read only here):
+    (its corpus folder, its checkpoint folder)."""
+    corpora, workdir, proc = reference_run(tmp_path_factory)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return corpora, workdir / "checkpoints" / "tiny"
 
 
 def args(corpus_root, checkpoint, *extra):
@@ -58,12 +59,12 @@ def test_bad_input_is_one_line(capsys, corpus_root, tmp_path):
     )
 
 
-def test_greedy_cli_equals_uncached_argmax(capsys, corpus_root, run_dir):
+def test_greedy_cli_equals_uncached_argmax(capsys, trained, tmp_path):
     from qkvflow.cli.generate import read_config
     from qkvflow.training.checkpoints import load_model
 
-    checkpoint = run_dir / "checkpoints" / "tiny"
-    out = run_dir / "out.jsonl"
+    corpus_root, checkpoint = trained
+    out = tmp_path / "out.jsonl"
     prompt, new = "The function", 8
     argv = args(corpus_root, checkpoint, "--prompt", prompt, "--max_new_tokens", str(new), "--temperature", "0")
     assert cli.main([*argv, "--output_jsonl", str(out)]) == 0
@@ -80,10 +81,10 @@ def test_greedy_cli_equals_uncached_argmax(capsys, corpus_root, run_dir):
     assert record["prompt"] == prompt and record["finish_reason"] == "length"
 
 
-def test_stream_prints_the_same_text_as_the_completion(capfd, corpus_root, run_dir, tmp_path):
+def test_stream_prints_the_same_text_as_the_completion(capfd, trained, tmp_path):
     """--stream true prints the completion piece by piece as it is decoded; what reaches stdout is the
     text printed without it (and written to the JSONL), and the same ending newline."""
-    checkpoint = run_dir / "checkpoints" / "tiny"
+    corpus_root, checkpoint = trained
     argv = args(corpus_root, checkpoint, "--prompt", "The function", "--max_new_tokens", "8", "--temperature", "0")
     out = tmp_path / "out.jsonl"
     assert cli.main([*argv, "--output_jsonl", str(out)]) == 0
