@@ -10,19 +10,20 @@ OUT=""
 EXTRA=""
 DRY_RUN=0
 STEPS=""
+CORPORA=""
 PYTHON=${PYTHON:-python3}
 SHAPES=(small medium)
 
 usage() {
     cat <<USAGE
-usage: $(basename "$0") [--out DIR] [--extra gpu|tpu] [--steps LIST] [--cpu-dry-run]
+usage: $(basename "$0") [--out DIR] [--extra gpu|tpu] [--steps LIST] [--corpora DIR] [--cpu-dry-run]
 
 Runs, from the repository root, each step below; a failing step is recorded and the others still run
 (exit status 1 if any failed). Each step's output is in DIR/<step>.log, DIR/status.tsv lists them.
   install     \$PYTHON -m pip install -e '.[EXTRA,test]' (EXTRA: gpu when nvidia-smi lists a GPU,
               tpu on a TPU VM (/dev/accel0 or /dev/vfio), else --extra)
   quickstart  qkvflow train --config_path configs/quickstart.yaml, outputs under DIR
-  tests       pytest -m gpu (tests/test_gpu.py: 1 vs 2 devices, ODE == discretised, HF export == JAX)
+  tests       pytest -m gpu tests/test_gpu.py (1 vs 2 devices, ODE == discretised, HF export == JAX)
   speed       qkvflow bench speed --dtype bf16 at benchmarks/configs/accelerator_{small,medium}.yaml,
               the DiffEqFormer and its same-shape GPT-2 each in its own process (so that the
               process's peak memory is that model's): DIR/speed_<shape>_<ode|baseline>.json
@@ -33,8 +34,11 @@ options:
   --extra E       gpu or tpu: the pyproject extra to install (default: detected)
   --steps LIST    comma-separated subset of: install,quickstart,tests,speed,summary (default: all;
                   with --cpu-dry-run all but install)
+  --corpora DIR   where the quickstart finds, or builds, its corpus (default: the config's
+                  corpus.root; with --cpu-dry-run, DIR/corpora under --out)
   --cpu-dry-run   tiny sizes on the CPU (JAX_PLATFORMS=cpu), current environment, no install, nothing
-                  written outside DIR; for checking this script (tests/test_accelerator_script.py)
+                  written outside DIR (and --corpora); for checking this script
+                  (tests/test_accelerator_script.py)
   -h, --help      this text
 Interpreter: \$PYTHON (default python3). MFU is model FLOPs per second over the device's nominal peak:
 bench speed's own \`mfu\` where it reports one, else this script's bf16 table (H100/H200/A100, TPU
@@ -50,12 +54,13 @@ die() {
 
 while [ $# -gt 0 ]; do
     case "$1" in
-        --out|--extra|--steps)
+        --out|--extra|--steps|--corpora)
             [ $# -ge 2 ] || die "$1 needs a value"
             case "$1" in
                 --out) OUT=$2 ;;
                 --extra) EXTRA=$2 ;;
                 --steps) STEPS=$2 ;;
+                --corpora) CORPORA=$2 ;;
             esac
             shift 2 ;;
         --cpu-dry-run) DRY_RUN=1; shift ;;
@@ -140,13 +145,15 @@ if wants quickstart; then
         QUICK+=(--trainer.num_train_steps 2 --trainer.train_batch_size 2 --trainer.steps_per_eval 2
                 --trainer.max_eval_batches 1 --trainer.per_device_eval_parallelism 2
                 --model.max_seq_len 32 --model.hidden_dim 32 --model.num_heads 2 --model.time_embed_dim 8
-                --model.ode.num_steps 2 --loss_curve null --corpus.root "$OUT/corpora")
+                --model.ode.num_steps 2 --loss_curve null --trainer.log_jaxprs false --trainer.log_xla_hlo false)
+        CORPORA=${CORPORA:-$OUT/corpora}
     fi
+    if [ -n "$CORPORA" ]; then QUICK+=(--corpus.root "$CORPORA"); fi
     run quickstart "$PYTHON" -m qkvflow train --config_path configs/quickstart.yaml "${QUICK[@]}"
 fi
 
 if wants tests; then
-    run tests "$PYTHON" -m pytest -m gpu --continue-on-collection-errors -p no:cacheprovider -rs --junitxml "$OUT/pytest_gpu.xml"
+    run tests "$PYTHON" -m pytest -m gpu tests/test_gpu.py --continue-on-collection-errors -p no:cacheprovider -rs --junitxml "$OUT/pytest_gpu.xml"
 fi
 
 if wants speed; then

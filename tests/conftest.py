@@ -18,6 +18,9 @@ def _session_compilation_cache() -> None:
     inherit the variable): the tests train the same tiny models in many fresh processes, and a
     program compiled once is then loaded instead of compiled again. A directory of our own, removed at
     exit; a cache the caller set up (JAX_COMPILATION_CACHE_DIR already set) is used and kept."""
+    # JAX caches only programs that took over a second to compile by default; a training process also
+    # compiles dozens of small ones (initialisation, optimizer state, evaluation), ~1 s of its ~20 s
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     if "JAX_COMPILATION_CACHE_DIR" in os.environ:
         return
     path = tempfile.mkdtemp(prefix="qkvflow-tests-jax-cache-")

@@ -31,7 +31,7 @@ def test_help_names_every_step_and_option():
     proc = script("--help")
     assert proc.returncode == 0, proc.stderr
     for word in ("install", "quickstart", "pytest -m gpu", "bench speed", "summary", "--out", "--extra", "--steps",
-                 "--cpu-dry-run", "accelerator_{small,medium}.yaml", "MFU", "peak memory"):  # fmt: skip
+                 "--corpora", "--cpu-dry-run", "accelerator_{small,medium}.yaml", "MFU", "peak memory"):  # fmt: skip
         assert word in proc.stdout, word
     for shape in ("small", "medium", "dry_run"):
         assert (ROOT / "benchmarks" / "configs" / f"accelerator_{shape}.yaml").is_file()
@@ -42,20 +42,23 @@ def test_help_names_every_step_and_option():
     [
         (["--bogus"], "unknown option '--bogus'"),
         (["--out"], "--out needs a value"),
+        (["--corpora"], "--corpora needs a value"),
         (["--steps", "quickstart,lint", "--cpu-dry-run"], "unknown step 'lint'"),
         (["--cpu-dry-run", "--steps", "install"], "--cpu-dry-run does not install"),
         (["--extra", "rocm", "--steps", "summary"], "--extra must be gpu or tpu, got 'rocm'"),
     ],
 )
 def test_bad_arguments_are_refused_in_one_line(tmp_path, args, message):
-    proc = script(*args, "--out", str(tmp_path / "out")) if args != ["--out"] else script(*args)
+    proc = script(*args, "--out", str(tmp_path / "out")) if args not in (["--out"], ["--corpora"]) else script(*args)
     assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
-def test_the_cpu_dry_run_runs_every_step(tmp_path):
+def test_the_cpu_dry_run_runs_every_step(tmp_path, corpus_root):
+    """The whole dry run, its quickstart on the session's corpus (--corpora; a corpus of its own under
+    --out is the default, and costs a tokenizer build)."""
     out = tmp_path / "results"
-    proc = script("--cpu-dry-run", "--out", str(out), timeout=600)
+    proc = script("--cpu-dry-run", "--out", str(out), "--corpora", str(corpus_root), timeout=600)
     log = proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.returncode == 0, log
     with open(out / "status.tsv") as f:

@@ -116,3 +116,17 @@ def test_the_suites_longest_first_list_names_existing_files():
     root = Path(__file__).resolve().parents[1]
     assert [p for p in LONGEST_FIRST if not (root / p).is_file()] == []
     assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST)
+
+
+def test_gpu_marked_tests_live_in_the_file_the_accelerator_script_runs():
+    """benchmarks/accelerator.sh runs `pytest -m gpu tests/test_gpu.py` (collecting the whole suite for a
+    handful of tests cost seconds): a gpu-marked test anywhere else would never run on an accelerator."""
+    root = Path(__file__).resolve().parents[1]
+    elsewhere = [
+        str(p.relative_to(root))
+        for p in sorted((root / "tests").rglob("*.py"))
+        if p.name not in ("test_gpu.py", "test_layout.py")
+        and ("mark.gpu" in p.read_text() or "pytestmark" in p.read_text())
+    ]
+    assert elsewhere == []
+    assert "pytest -m gpu tests/test_gpu.py" in (root / "benchmarks" / "accelerator.sh").read_text()
