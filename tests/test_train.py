@@ -6,7 +6,7 @@ import os
 import pytest
 
 from qkvflow.training.tracking import metrics_file, read_metrics
-from tests.train_utils import losses, reference_run, train
+from tests.train_utils import cli_in_one_process, losses, reference_run, train
 
 
 def _ok(proc):
@@ -76,12 +76,17 @@ def test_weight_decay_reaches_the_matrix_generators_only(reference):
     assert summary["decayed_parameter_count"] == 8 * entries + 6 * (33 * 8 + 8 * 8)
 
 
+# What the runs compared with the reference skip: evaluation (the reference evaluates every 4 steps; it does
+# not change a training step's arithmetic) and the loss-curve plot.
+NO_EVAL = ["--trainer.max_eval_batches", "0", "--loss_curve", "null"]
+
+
 def test_stop_and_resume_reproduces_uninterrupted_losses(tmp_path, corpus_root, reference):
     whole, split = reference[0], tmp_path
-    first = _ok(train(split, corpus_root, "--stop_after", "4"))
+    first = _ok(train(split, corpus_root, "--stop_after", "4", *NO_EVAL))
     assert "step 4/8" in first.stdout and "step 5/8" not in first.stdout
     assert os.path.isdir(split / "checkpoints" / "tiny" / "step-3")
-    second = _ok(train(split, corpus_root))
+    second = _ok(train(split, corpus_root, *NO_EVAL))
     assert "step 5/8" in second.stdout and "step 4/8" not in second.stdout
     assert losses(split) == losses(whole)  # exact: same data order, same state, same arithmetic
     assert len(losses(whole)) == 8
@@ -128,36 +133,13 @@ BAD = [
 
 BAD_IDS = ["missing-data", "unknown-key", "bad-heads", "batch", "checkpoint", "model-axis"]
 
-# Runs each case through `qkvflow.cli.main` (what `python -m qkvflow` calls) in one 4-device process and
-# writes {case: [exit code, stderr]}: a process of its own per case costs each case ~15 s of imports and
-# start-up (nine processes: two minutes of the suite).
-_DRIVER = """
-import contextlib, io, json, sys, tempfile, traceback
-from qkvflow.cli import main
-results, files = {}, []
-for case, argv in json.loads(sys.argv[1]).items():
-    err = tempfile.TemporaryFile("w+")  # a real file: Levanter's logging set-up enables faulthandler on stderr
-    files.append(err)  # kept open: a handler set up in one case may still hold it
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            code = main(argv)
-        except SystemExit as e:
-            code = e.code
-        except Exception:  # the case's test fails on it, the others still run
-            code = None
-            traceback.print_exc(file=err)
-    err.seek(0)
-    results[case] = [code, err.read()]
-print(json.dumps(results))
-"""
-
 
 @pytest.fixture(scope="module")
 def four_device_runs(tmp_path_factory, corpus_root):
-    """One 4-device process that trains the tiny run under each of MESHES and runs each BAD case, every
-    case in a work folder of its own: (work folder, exit code, stderr, the checkpoint tree before) per
-    case id. A BAD case's folder already holds a finished checkpoint and a foreign folder."""
-    import json
+    """One 4-device process that trains the tiny run under each of MESHES, runs each BAD case and a run
+    whose folder another process holds, every case in a work folder of its own: (work folder, exit code,
+    stderr, the checkpoint tree before, or for "locked" the holder's pid) per case id. A BAD case's folder
+    already holds a finished checkpoint and a foreign folder."""
     import subprocess
     import sys
 
@@ -167,7 +149,7 @@ def four_device_runs(tmp_path_factory, corpus_root):
     for mode, args in MESHES.items():
         workdir = tmp_path_factory.mktemp(f"four-{mode}")
         before[mode] = (workdir, None)
-        cases[mode] = train_args(workdir, corpus_root, *args)[3:]  # after `python -m qkvflow`
+        cases[mode] = train_args(workdir, corpus_root, *args, *NO_EVAL)[3:]  # after `python -m qkvflow`
     for case, (args, _message) in zip(BAD_IDS, BAD):
         workdir = tmp_path_factory.mktemp(f"bad-{case}")
         existing = workdir / "checkpoints" / "tiny" / "step-5"
@@ -183,11 +165,21 @@ def four_device_runs(tmp_path_factory, corpus_root):
         before[case] = (workdir, sorted(p.name for p in (workdir / "checkpoints").rglob("*")))
         args = [a.replace("{ckpt}", str(workdir / "checkpoints")) for a in args]
         cases[case] = train_args(workdir, corpus_root, *args)[3:]
-    proc = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(cases)], env=train_env(4),
-                          cwd=tmp_path_factory.getbasetemp(), capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {case: (before[case][0], *results[case], before[case][1]) for case in cases}
+    # a run folder held by another process, with that process's checkpoint write in progress
+    locked = tmp_path_factory.mktemp("locked")
+    (locked / "checkpoints" / "tiny" / "step-3" / "model").mkdir(parents=True)
+    cases["locked"] = train_args(locked, corpus_root)[3:]
+    hold = "import sys\nfrom qkvflow.training.runlock import RunLock\nRunLock(sys.argv[1]).acquire()\nprint('held', flush=True)\nsys.stdin.read()\n"
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(locked / "checkpoints" / "tiny")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "held\n"
+        results = cli_in_one_process(cases, train_env(4), cwd=tmp_path_factory.getbasetemp())
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    before["locked"] = (locked, holder.pid)
+    return {case: (before[case][0], results[case][0], results[case][2], before[case][1]) for case in cases}
 
 
 @pytest.mark.parametrize("args,message", BAD, ids=BAD_IDS)
@@ -247,28 +239,15 @@ def test_run_lock_refuses_a_second_holder_and_recovers_a_stale_one(tmp_path):
         assert json.loads((run / LOCK_FILE).read_text())["pid"] == os.getpid()
 
 
-def test_second_train_of_the_same_run_is_refused_in_one_line(tmp_path, corpus_root):
-    """While another process holds the run (here a tiny holder instead of a whole training run),
-    `qkvflow train` with the same id exits 2 in one line, before writing or removing anything:
-    the holder's checkpoint write in progress (a step folder without metadata yet) survives."""
-    import subprocess
-    import sys
-
-    run = tmp_path / "checkpoints" / "tiny"
-    in_progress = run / "step-3" / "model"
-    in_progress.mkdir(parents=True)
-    hold = "import sys\nfrom qkvflow.training.runlock import RunLock\nRunLock(sys.argv[1]).acquire()\nprint('held', flush=True)\nsys.stdin.read()\n"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", hold, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert holder.stdout.readline() == "held\n"
-        proc = train(tmp_path, corpus_root)
-    finally:
-        holder.stdin.close()
-        holder.wait(timeout=60)
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
-    err = proc.stderr.strip().splitlines()
-    assert err[-1].startswith(f"qkvflow train: error: run folder {run} is in use by process {holder.pid} on host "), err
-    assert "Traceback" not in proc.stderr
-    assert in_progress.is_dir() and not (tmp_path / "runs" / "tiny" / "metrics.jsonl").exists()
+def test_second_train_of_the_same_run_is_refused_in_one_line(four_device_runs):
+    """While another process holds the run (here a tiny holder instead of a whole training run, started
+    by four_device_runs), `qkvflow train` with the same id exits 2 in one line, before writing or
+    removing anything: the holder's checkpoint write in progress (a step folder without metadata yet)
+    survives."""
+    workdir, code, stderr, holder_pid = four_device_runs["locked"]
+    run = workdir / "checkpoints" / "tiny"
+    assert code == 2, stderr[-3000:]
+    err = stderr.strip().splitlines()
+    assert err[-1].startswith(f"qkvflow train: error: run folder {run} is in use by process {holder_pid} on host "), err
+    assert "Traceback" not in stderr
+    assert (run / "step-3" / "model").is_dir() and not (workdir / "runs" / "tiny" / "metrics.jsonl").exists()

@@ -47,6 +47,40 @@ def train(workdir: Path, corpus_root: Path, *overrides: str, run_id: str = "tiny
     return subprocess.run(args, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+# Runs each case through `qkvflow.cli.main` (what `python -m qkvflow` calls) in one process and prints
+# {case: [exit code, stdout, stderr]}: a process of its own per case costs each case ~15 s of imports and
+# start-up. stdout and stderr are real files (Levanter's logging set-up enables faulthandler on stderr).
+_DRIVER = """
+import contextlib, json, sys, tempfile, traceback
+from qkvflow.cli import main
+results, files = {}, []
+for case, argv in json.loads(sys.argv[1]).items():
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    files += [out, err]  # kept open: a handler set up in one case may still hold them
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+        except Exception:  # the case's test fails on it, the others still run
+            code = None
+            traceback.print_exc(file=err)
+    out.seek(0)
+    err.seek(0)
+    results[case] = [code, out.read(), err.read()]
+sys.__stdout__.write(json.dumps(results) + "\\n")
+"""
+
+
+def cli_in_one_process(cases: dict, env: dict, cwd, timeout: float = 900) -> dict:
+    """Run several `qkvflow` command lines (argv after `python -m qkvflow`) one after another in one fresh
+    process with `env`: {case: (exit code or None after an exception, stdout, stderr)}."""
+    proc = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(cases)], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {case: tuple(result) for case, result in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+
+
 def losses(workdir: Path, run_id: str = "tiny") -> list[float]:
     steps = read_metrics(metrics_file(str(workdir / "runs"), run_id))
     return [steps[s]["train/loss"] for s in sorted(steps) if "train/loss" in steps[s]]
