@@ -20,7 +20,7 @@ import jax
 import pytest
 
 from qkvflow.training.faults import incomplete_checkpoints
-from tests.train_utils import losses, reference_run, train_args, train_env
+from tests.train_utils import cli_in_one_process, losses, reference_run, train_args, train_env
 
 INTERVAL = 2  # trainer.checkpointer.keep: [{every: 2}]
 FAST = [
@@ -231,34 +231,47 @@ def test_many_random_kills(tmp_path, corpus_root, jax_cache, reference, seed):
     assert incomplete_checkpoints(str(tmp_path / "checkpoints" / "tiny")) == []
 
 
-# Both non-finite runs poison the same step the same way, so they share one compiled train step.
+# Both non-finite runs poison the same step the same way, so they share one compiled train step; they
+# also share one process (tests/train_utils.cli_in_one_process), which saves one start-up.
 POISON = {"QKVFLOW_TEST_INJECT_NONFINITE": "3:grad:weights.w1.proj"}
 
 
-def test_nonfinite_gradient_stops_naming_step_and_parameter(tmp_path, corpus_root, jax_cache):
-    run = Run(tmp_path, corpus_root, jax_cache, env=POISON)
-    assert run.finish() == 3, run.describe()
-    error = [line for line in run.stderr.splitlines() if line.startswith("qkvflow train: error:")]
-    assert len(error) == 1, run.describe()
+@pytest.fixture(scope="module")
+def nonfinite_runs(tmp_path_factory, corpus_root, jax_cache):
+    """{"stop" | "skip": (work folder, exit code, stdout, stderr)} of the poisoned run in each mode."""
+    cases, folders = {}, {}
+    for case, extra in {"stop": [], "skip": ["--nonfinite", "skip", "--stop_after", "5"]}.items():
+        folders[case] = tmp_path_factory.mktemp(f"nonfinite-{case}")
+        args = train_args(
+            folders[case], corpus_root, "--trainer.jax_compilation_cache_dir", str(jax_cache), *FAST, *extra
+        )
+        cases[case] = args[3:]  # after `python -m qkvflow`
+    results = cli_in_one_process(cases, train_env(1, EQX_ON_ERROR="nan", **POISON), cwd=tmp_path_factory.getbasetemp())
+    return {case: (folders[case], *results[case]) for case in cases}
+
+
+def test_nonfinite_gradient_stops_naming_step_and_parameter(nonfinite_runs):
+    workdir, code, stdout, stderr = nonfinite_runs["stop"]
+    assert code == 3, stdout[-3000:] + stderr[-3000:]
+    error = [line for line in stderr.splitlines() if line.startswith("qkvflow train: error:")]
+    assert len(error) == 1, stderr[-3000:]
     assert "non-finite values at step 3/8: first in the gradients" in error[0]
     assert "generator.weights.w1.proj (1 of" in error[0]
-    assert "Traceback" not in run.stderr
-    assert "step 2/8" in run.stdout and "step 3/8" not in run.stdout
+    assert "Traceback" not in stderr
+    assert "step 2/8" in stdout and "step 3/8" not in stdout
     # no checkpoint of the poisoned step or later (folder step-2 would hold the state after step 3)
-    assert _step_dirs(tmp_path) == {}
-    assert len(losses(tmp_path)) == 2
+    assert _step_dirs(workdir) == {}
+    assert len(losses(workdir)) == 2
 
 
-def test_nonfinite_step_is_skipped_in_skip_mode(tmp_path, corpus_root, jax_cache):
-    run = Run(tmp_path, corpus_root, jax_cache, "--nonfinite", "skip", "--stop_after", "5", env=POISON)
-    assert run.finish() == 0, run.describe()
-    assert "skipped step 3: non-finite values at step 3/8: first in the gradients" in run.stderr
-    assert "skipped_steps: [3]" in run.stdout
-    curve = losses(tmp_path)
-    assert len(curve) == 5 and all(
-        c == c for c in curve
-    )  # the loss of step 3 is finite: only w1's gradient was poisoned
-    assert _step_dirs(tmp_path) == {"step-2": True, "step-4": True}
+def test_nonfinite_step_is_skipped_in_skip_mode(nonfinite_runs):
+    workdir, code, stdout, stderr = nonfinite_runs["skip"]
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    assert "skipped step 3: non-finite values at step 3/8: first in the gradients" in stderr
+    assert "skipped_steps: [3]" in stdout
+    curve = losses(workdir)
+    assert len(curve) == 5 and all(c == c for c in curve)  # step 3's loss is finite: only w1's gradient was poisoned
+    assert _step_dirs(workdir) == {"step-2": True, "step-4": True}
 
 
 # --- in-process pieces ----------------------------------------------------------------------------
