@@ -6,19 +6,17 @@ The cases run the real CLI entry point (`qkvflow.cli.main`) in this process, wit
 would start JAX's distributed runtime replaced by a tripwire, so each case fails where a real run
 would (config parsing, `qkvflow.training.preflight`) without paying for a JAX start-up. The checkpoint cases
 let the run go on to the resume check, with the trainer itself replaced by a tripwire. One case at
-the end runs the whole command in a subprocess to show the same outcome end to end.
+the end run the whole command in one subprocess to show the same outcome end to end.
 """
 
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.train_utils import TINY, train
+from tests.train_utils import TINY, cli_in_one_process, train_args, train_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -492,48 +490,53 @@ def test_the_checkpoint_fits_its_own_config(world, corpus_root, capsys, monkeypa
         _run_cli(world, corpus_root, [], capsys)
 
 
-def test_end_to_end_in_a_subprocess(world, corpus_root, tmp_path):
-    """The whole command, JAX start-up and Levanter's trainer included: resuming run `tiny`, whose
-    checkpoint holds the model but no optimizer state, fails at the restore with one short line
-    naming the checkpoint and a few of the missing arrays (Levanter's own error lists all of them)."""
+@pytest.fixture(scope="module")
+def whole_commands(world, corpus_root, tmp_path_factory):
+    """The cases below that run the whole command, JAX start-up and Levanter's trainer included, one after
+    another in one fresh process with 2 devices (tests/train_utils.cli_in_one_process: one start-up for
+    all): {case: (its folder, exit code, stdout, stderr)}, and the world's checkpoints before them."""
+    folders = {case: tmp_path_factory.mktemp(f"whole-{case}") for case in ("resume", "short", "unwritable")}
+    resume = [
+        "train", "--config_path", str(world / "base.yaml"), "--corpus.root", str(corpus_root),
+        "--trainer.checkpointer.base_path", str(world / "checkpoints"),
+        "--trainer.tracker", f"{{type: jsonl, path: {folders['resume'] / 'runs'}}}",
+        "--trainer.log_dir", str(folders["resume"] / "logs"),
+    ]  # fmt: skip
+    cases = {
+        "resume": resume,
+        "short": train_args(folders["short"], corpus_root, "--model.max_seq_len", str(LONG), run_id="long")[3:],
+        "unwritable": train_args(
+            folders["unwritable"], folders["unwritable"] / "corpora",
+            "--trainer.checkpointer.base_path", "/proc/qkvflow-test/checkpoints",
+        )[3:],
+    }  # fmt: skip
     before = _snapshot(world / "checkpoints")
+    results = cli_in_one_process(cases, train_env(2), cwd=tmp_path_factory.mktemp("whole-cwd"))
+    return {case: (folders[case], *results[case]) for case in cases}, before
+
+
+def test_end_to_end_in_a_subprocess(world, whole_commands):
+    """Resuming run `tiny`, whose checkpoint holds the model but no optimizer state, fails at the restore
+    with one short line naming the checkpoint and a few of the missing arrays (Levanter's own error lists
+    all of them)."""
+    runs, before = whole_commands
+    _, code, _, stderr = runs["resume"]
     step = world / "checkpoints" / "tiny" / "step-5"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "qkvflow",
-            "train",
-            "--config_path",
-            str(world / "base.yaml"),
-            "--corpus.root",
-            str(corpus_root),
-            "--trainer.checkpointer.base_path",
-            str(world / "checkpoints"),
-            "--trainer.tracker",
-            f"{{type: jsonl, path: {tmp_path / 'runs'}}}",
-            "--trainer.log_dir",
-            str(tmp_path / "logs"),
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("qkvflow train: error:")]
-    assert len(errors) == 1, proc.stderr[-3000:]
+    assert code == 2, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("qkvflow train: error:")]
+    assert len(errors) == 1, stderr[-3000:]
     assert f"checkpoint '{step}' lacks " in errors[0] and re.search(r"\(no [^)]*opt_state[^)]* at all\)", errors[0]), (
         errors[0]
     )
     assert re.search(r": [\w.]+, [\w.]+, [\w.]+ and \d+ more;", errors[0]), errors[0]
-    assert len(errors[0]) < 600 and "Traceback" not in proc.stderr
+    assert len(errors[0]) < 600 and "Traceback" not in stderr
     assert _snapshot(world / "checkpoints") == before
 
 
-def test_data_shorter_than_one_sequence_is_refused_after_tokenizing(corpus_root, tmp_path):
+LONG = 16384  # test_data_shorter_...: a sequence longer than the pydoc corpus's validation split
+
+
+def test_data_shorter_than_one_sequence_is_refused_after_tokenizing(corpus_root, whole_commands):
     """A split that passes every file check but holds fewer tokens than one sequence (Levanter's eval
     loader used to fail with an IndexError): one line naming the split, its token count and the
     sequence length, exit 2, before any step. The session's pydoc corpus and its Levanter cache are
@@ -542,22 +545,22 @@ def test_data_shorter_than_one_sequence_is_refused_after_tokenizing(corpus_root,
 
     from transformers import AutoTokenizer
 
-    seq_len = 16384
+    seq_len = LONG
     tokenizer = AutoTokenizer.from_pretrained(str(corpus_root / "pydoc" / "tokenizer"))
     with open(corpus_root / "pydoc" / "validation.jsonl") as f:
         docs = [json.loads(line)["text"] for line in f]
     tokens = sum(len(tokenizer(doc)["input_ids"]) for doc in docs)
     assert tokens < seq_len
-    proc = train(tmp_path, corpus_root, "--model.max_seq_len", str(seq_len), run_id="long")
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("qkvflow train: error:")]
-    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    workdir, code, _, stderr = whole_commands[0]["short"]
+    assert code == 2, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("qkvflow train: error:")]
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
     found = re.search(
         rf"data: the validation split holds (\d+) tokens, fewer than one sequence of model.max_seq_len={seq_len} ",
         errors[0],
     )
     assert found and tokens <= int(found.group(1)) <= tokens + 2 * len(docs), errors[0]  # + BOS/EOS per document
-    assert not list((tmp_path / "checkpoints").rglob("metadata.json"))
+    assert not list((workdir / "checkpoints").rglob("metadata.json"))
 
 
 @pytest.mark.parametrize(
@@ -737,21 +740,14 @@ def test_unreadable_checkpoint_metadata_stops_and_keeps_the_checkpoint(
     assert _snapshot(tmp_path / "checkpoints") == before
 
 
-def test_unwritable_checkpoints_end_to_end(tmp_path):
-    """The whole command in a subprocess: exit 2 and one line, with no corpus built and nothing trained."""
-    import time
-
-    from tests.train_utils import train
-
-    start = time.monotonic()
-    proc = train(tmp_path, tmp_path / "corpora", "--trainer.checkpointer.base_path", "/proc/qkvflow-test/checkpoints")
-    elapsed = time.monotonic() - start
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+def test_unwritable_checkpoints_end_to_end(whole_commands):
+    """The whole command: exit 2 and one line, with no corpus built and nothing trained."""
+    workdir, code, _, stderr = whole_commands[0]["unwritable"]
+    assert code == 2, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if line.strip()]
     expected = (
         "qkvflow train: error: trainer.checkpointer.base_path='/proc/qkvflow-test/checkpoints' cannot be written "
         "(creating a file in /proc failed: No such file or directory): expected a folder that qkvflow can write to"
     )
-    assert errors == [expected], proc.stderr[-3000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no corpus, no metrics, no logs
-    assert elapsed < 180, elapsed  # imports only; the empty folder above is the real proof
+    assert errors == [expected], stderr[-3000:]
+    assert sorted(p.name for p in workdir.iterdir()) == []  # no corpus, no metrics, no logs
