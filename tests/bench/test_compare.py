@@ -210,7 +210,8 @@ def test_a_real_run_trains_on_selection_and_is_evaluated_on_test(tmp_path, corpu
     base = Path(__file__).resolve().parents[2] / "benchmarks" / "compare" / "base_pydoc.yaml"
     spec = {"base": str(base), "baseline": "tiny", "iters": 3, "learning_rates": [1e-3], "seeds": [0],
             "models": {"tiny": {"model": {"type": "gpt2", "max_seq_len": 32, "hidden_dim": 32, "num_heads": 2, "num_layers": 1},
-                                "trainer": {"train_batch_size": 4, "per_device_eval_parallelism": 4, "max_eval_batches": 2}}}}  # fmt: skip
+                                "trainer": {"train_batch_size": 4, "per_device_eval_parallelism": 4, "max_eval_batches": 2,
+                                            "log_jaxprs": False, "log_xla_hlo": False}}}}  # fmt: skip
     (tmp_path / "study.yaml").write_text(yaml.safe_dump(spec))
     argv = [str(tmp_path / "study.yaml"), "--workdir", str(tmp_path / "work"), "--out_dir", str(tmp_path / "out"),
             "--corpus_root", str(corpus_root)]  # fmt: skip

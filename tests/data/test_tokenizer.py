@@ -344,7 +344,7 @@ def test_own_text_trains_offline_end_to_end(sample: dict, tmp_path: Path) -> Non
             "--model.num_frequencies", "16", "--model.ode.num_steps", "2", "--trainer.num_train_steps", "4",
             "--trainer.train_batch_size", "4", "--trainer.steps_per_eval", "4", "--trainer.max_eval_batches", "1",
             "--trainer.per_device_eval_parallelism", "4", "--log_every", "1", "--optimizer.learning_rate", "1e-2",
-            "--optimizer.warmup", "0"]  # fmt: skip
+            "--optimizer.warmup", "0", "--trainer.log_jaxprs", "false", "--trainer.log_xla_hlo", "false"]  # fmt: skip
     trained = run("train", "--config_path", str(ROOT / "configs" / "own_text.yaml"), *tiny)
     assert trained.returncode == 0, trained.stderr[-3000:]
     lines = trained.stdout.splitlines()
