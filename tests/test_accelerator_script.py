@@ -80,3 +80,4 @@ def test_the_cpu_dry_run_runs_every_step(tmp_path, corpus_root):
     summary = (out / "summary.md").read_text()
     assert "| dry_run | Gpt2Config (baseline) |" in summary and "tokens/s" in summary
     assert not (ROOT / "accelerator_quickstart").exists()  # nothing written outside --out
+    assert not (out / "corpora").exists()  # the quickstart used --corpora
