@@ -5,8 +5,8 @@ checkpoint written or changed.
 The cases run the real CLI entry point (`qkvflow.cli.main`) in this process, with the step that
 would start JAX's distributed runtime replaced by a tripwire, so each case fails where a real run
 would (config parsing, `qkvflow.training.preflight`) without paying for a JAX start-up. The checkpoint cases
-let the run go on to the resume check, with the trainer itself replaced by a tripwire. One case at
-the end run the whole command in one subprocess to show the same outcome end to end.
+let the run go on to the resume check, with the trainer itself replaced by a tripwire. Three cases at
+the end run the whole command, one after another in one subprocess, to show the same outcome end to end.
 """
 
 import os
@@ -490,6 +490,9 @@ def test_the_checkpoint_fits_its_own_config(world, corpus_root, capsys, monkeypa
         _run_cli(world, corpus_root, [], capsys)
 
 
+LONG = 16384  # test_data_shorter_...: a sequence longer than the pydoc corpus's validation split
+
+
 @pytest.fixture(scope="module")
 def whole_commands(world, corpus_root, tmp_path_factory):
     """The cases below that run the whole command, JAX start-up and Levanter's trainer included, one after
@@ -531,9 +534,6 @@ def test_end_to_end_in_a_subprocess(world, whole_commands):
     assert re.search(r": [\w.]+, [\w.]+, [\w.]+ and \d+ more;", errors[0]), errors[0]
     assert len(errors[0]) < 600 and "Traceback" not in stderr
     assert _snapshot(world / "checkpoints") == before
-
-
-LONG = 16384  # test_data_shorter_...: a sequence longer than the pydoc corpus's validation split
 
 
 def test_data_shorter_than_one_sequence_is_refused_after_tokenizing(corpus_root, whole_commands):
