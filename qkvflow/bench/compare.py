@@ -57,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", default=None, help="override the seeds, comma-separated")
     p.add_argument("--learning_rates", default=None, help="override the peak learning rates, comma-separated")
     p.add_argument("--models", default=None, help="a comma-separated subset of the study's models")
+    p.add_argument("--baseline", default=None, help="pair the others with this model instead")
     p.add_argument("--corpus_root", default=str(ROOT / "cache" / "corpora"))
     p.add_argument("--keep_checkpoints", action="store_true")
     p.add_argument("--timeout", type=float, default=7200.0, help="seconds per training run")
@@ -88,6 +89,8 @@ def load_study(path: str, args) -> dict:
         if missing:
             raise UserError(f"--models: {missing} not in the study's models {sorted(models)}")
         study["models"] = {m: models[m] for m in chosen}
+    if args.baseline is not None:
+        study["baseline"] = args.baseline
     if study.get("baseline") not in study["models"]:
         raise UserError(
             f"bench compare: {path}: baseline={study.get('baseline')!r} is not one of the models {sorted(study['models'])}"

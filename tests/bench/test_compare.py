@@ -156,6 +156,12 @@ def test_chooses_on_selection_reports_test_and_resumes_an_interrupted_grid(study
     # a third invocation trains nothing
     third = FakeRuns()
     assert _main(study, monkeypatch, third) == 0 and third.calls == []
+    # nor does one that pairs with another baseline: gpt2 is now 0.1 above ode in every seed
+    assert _main(study, monkeypatch, third, "--baseline", "ode", "--name", "vs_ode") == 0 and third.calls == []
+    result = json.loads((study / "out" / "vs_ode.json").read_text())
+    assert result["baseline"] == "ode" and "difference_to_baseline" not in result["models"]["ode"]
+    diff = result["models"]["gpt2"]["difference_to_baseline"]
+    assert diff["mean"] == pytest.approx(0.1) and diff["verdict"] == "higher"
 
 
 def test_a_work_folder_of_another_study_or_of_other_files_is_refused(study, monkeypatch, tmp_path):
