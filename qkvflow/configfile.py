@@ -65,6 +65,8 @@ def parse(cls, argv: list[str], verb: str, *, required: str | None = None):
     import draccus
     import levanter.config  # noqa: F401  (registers Levanter's draccus codecs: dtypes, jmp.Policy, timedelta, ...)
 
+    from qkvflow.models.registry import only_named_types
+
     path, args = split_config_path(argv)
     if path is None and required:
         from qkvflow.errors import UserError
@@ -72,7 +74,51 @@ def parse(cls, argv: list[str], verb: str, *, required: str | None = None):
         raise UserError(f"{CONFIG_PATH} is missing: expected {required}")
     if path is not None:
         path = _readable_config(path)
-    return draccus.parse(cls, config_path=path, args=overrides(verb, args))
+    args = overrides(verb, args)
+    with only_named_types(model_types(path, args)):
+        return draccus.parse(cls, config_path=path, args=args)
+
+
+def model_types(path: str | None, args: list[str]) -> set | None:
+    """The `model.type` names that the config file and the overrides give (empty when neither names one:
+    the config class's default), or None when they cannot be read off them: a file or value that is not
+    YAML, a `model` that is not a mapping, `--help`. With None, draccus searches all of Levanter's types
+    (`qkvflow.models.registry.only_named_types`)."""
+    import yaml
+
+    names = []
+    if path is not None:
+        try:
+            with open(path) as f:
+                tree = yaml.safe_load(f)
+        except Exception:  # draccus reports it
+            return None
+        tree = {} if tree is None else tree
+        if not isinstance(tree, dict):
+            return None
+        model = tree.get("model")
+        if isinstance(model, dict):
+            names += [model["type"]] if "type" in model else []
+        elif model is not None:
+            return None
+    for i, arg in enumerate(args):
+        key, eq, value = arg.partition("=")
+        if key in ("--help", "-h"):
+            return None
+        if key not in ("--model", "--model.type"):
+            continue
+        if not eq:
+            if i + 1 >= len(args):
+                return None
+            value = args[i + 1]
+        try:
+            tree = yaml.safe_load(value) if key == "--model" else {"type": value}
+        except Exception:
+            return None
+        if not isinstance(tree, dict):
+            return None
+        names += [tree["type"]] if "type" in tree else []
+    return set(names) if all(isinstance(n, str) for n in names) else None
 
 
 # Verbs whose config is a TrainConfig (with its `verbose` flag), parsed by draccus from the command line.

@@ -77,10 +77,6 @@ def parser(prog="qkvflow bench speed") -> argparse.ArgumentParser:
 
 def load_config(path: str) -> tuple:
     """(DiffEqFormer config, defaults from the file: batch, vocab_size)."""
-    import draccus
-    from levanter.models.lm_model import LmConfig
-
-    import qkvflow.training.config  # noqa: F401  (registers model types)
     from qkvflow.models import registry
     from qkvflow.training.compat import check_config
 
@@ -94,7 +90,7 @@ def load_config(path: str) -> tuple:
         raise UserError(f"{path} is not valid YAML: {e}") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("model"), dict):
         raise UserError(f"{path}: needs a `model:` section (a diffeqformer_* or shared_ode_* model)")
-    model = draccus.decode(LmConfig, raw["model"])
+    model = registry.decode(raw["model"])
     if not registry.is_ode(model):
         raise UserError(
             f"{path}: model.type must be an ODE model (diffeqformer_*/shared_ode_*), got {raw['model'].get('type')!r}"

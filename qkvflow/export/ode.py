@@ -80,11 +80,9 @@ def _key_part(p) -> str:
 
 def load_ode_export(folder: str):
     """The DiffEqFormerLMHeadModel saved in `folder` by `save_ode_export`."""
-    import draccus
-    from levanter.models.lm_model import LmConfig
     from safetensors.numpy import load_file
 
-    import qkvflow.models  # noqa: F401  (declares every model family)
+    from qkvflow.models import registry
 
     path = os.path.join(folder, CONFIG_FILE)
     try:
@@ -100,6 +98,6 @@ def load_ode_export(folder: str):
             "the 1/d_emb multiplier of W(t) and would give different logits; re-export from the checkpoint "
             "with the qkvflow that trained it)"
         )
-    config = draccus.decode(LmConfig, meta["model"])
+    config = registry.decode(meta["model"])
     template = eqx.filter_eval_shape(config.build, Axis("vocab", meta["vocab_size"]), key=jrandom.PRNGKey(0))
     return from_state_dict(template, load_file(os.path.join(folder, WEIGHTS_FILE)))

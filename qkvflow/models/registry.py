@@ -25,6 +25,7 @@ The families shipped with qkvflow are declared in `qkvflow.models.diffeqformer` 
 module registers them.
 """
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -108,3 +109,46 @@ def discrete_family(config) -> Family:
     if found is None or found.discretises_to is None:
         raise UserError(f"model.type={type_name(config)} declares no discretisation (discretises_to)")
     return family(found.discretises_to)
+
+
+@contextlib.contextmanager
+def only_named_types(names: Optional[set]):
+    """Parse without Levanter's search for model types, when `names` are enough.
+
+    `LmConfig` is a draccus plugin registry: the first parse or decode that meets a `model:` field imports
+    every module of `levanter.models` to collect the registered types (~4.5 s of a CLI start-up on a
+    2-core machine, most of it the transformers config classes those modules import). qkvflow's families
+    are registered by importing `qkvflow.models`, and a Levanter type lives in `levanter.models.<type>`
+    (gpt2, llama, mistral, ...). When every name in `names` is then registered, the search is marked as
+    done for the duration of the block, and undone after it: a later lookup of another type still
+    searches. `names` None (not known), or a name this does not find, keeps the search.
+
+    It sets draccus's `PluginRegistry._did_discover_packages`, a private flag;
+    tests/test_compat.py fails when draccus stops reading it."""
+    import importlib
+
+    skip = names is not None and not LmConfig._did_discover_packages
+    for name in names or ():
+        if skip and name not in LmConfig._choice_registry:
+            try:
+                importlib.import_module(f"levanter.models.{name}")
+            except Exception:  # no such module, or one that fails to import: let draccus search and report
+                skip = False
+            skip = skip and name in LmConfig._choice_registry
+    if skip:
+        LmConfig._did_discover_packages = True
+    try:
+        yield
+    finally:
+        if skip:
+            LmConfig._did_discover_packages = False
+
+
+def decode(tree: dict) -> LmConfig:
+    """`draccus.decode(LmConfig, tree)` for a `model:` mapping, without the search for Levanter's types when
+    its `type` is found directly (`only_named_types`)."""
+    import draccus
+
+    name = tree.get("type") if isinstance(tree, dict) else None
+    with only_named_types({name} if isinstance(name, str) else None):
+        return draccus.decode(LmConfig, tree)

@@ -139,3 +139,86 @@ def test_a_name_cannot_be_declared_twice():
         )
     assert registry.family("parallel_gpt2").config_class.__name__ == "ParallelGpt2Config"
     assert dataclasses.is_dataclass(registry.family("parallel_gpt2").config_class)
+
+
+# A fresh process: in this one other tests have already run draccus's search of levanter.models.
+_SEARCH = """
+import json, sys
+from levanter.models.lm_model import LmConfig
+from qkvflow.configfile import parse
+from qkvflow.training.config import TrainConfig
+
+def state(config):
+    return [type(config.model).__name__, sorted(m for m in sys.modules if m.startswith("levanter.models.")
+            and m.split(".")[2] in LmConfig._choice_registry), LmConfig._did_discover_packages]
+
+tiny, mistral = sys.argv[1:3]
+out = {"tiny": state(parse(TrainConfig, ["--config_path", tiny], "train"))}
+out["mistral"] = state(parse(TrainConfig, ["--config_path", mistral, "--model.hidden_dim", "64"], "train"))
+out["gpt2"] = state(parse(TrainConfig, ["--config_path", mistral, "--model", "{type: gpt2}"], "train"))
+out["later lookup"] = LmConfig.get_choice_class("qwen").__name__
+print(json.dumps(out))
+"""
+
+
+def test_a_parse_imports_only_the_levanter_model_types_it_names(tmp_path):
+    """`qkvflow.configfile.parse` spares draccus's search of every levanter.models module (~4.5 s of each
+    CLI start-up) when the config names its model types: qkvflow's own families, or Levanter's
+    `levanter.models.<type>`. The search stays marked undone afterwards, so a later lookup still finds
+    every type."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.train_utils import TINY
+
+    (tmp_path / "mistral.yaml").write_text("model:\n  type: mistral\n")
+    proc = subprocess.run([sys.executable, "-c", _SEARCH, TINY, str(tmp_path / "mistral.yaml")],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["tiny"] == ["DiffEqFormerGpt2Config", [], False]
+    # mistral's module imports llama's (its base), not the other twenty-odd modules
+    assert out["mistral"] == ["MistralConfig", ["levanter.models.llama", "levanter.models.mistral"], False]
+    assert out["gpt2"] == [
+        "Gpt2Config",
+        ["levanter.models.gpt2", "levanter.models.llama", "levanter.models.mistral"],
+        False,
+    ]
+    assert out["later lookup"] == "QwenConfig"
+
+
+def test_model_types_reads_the_file_and_the_overrides_and_gives_up_when_unsure(tmp_path):
+    from qkvflow.configfile import model_types
+
+    config = tmp_path / "c.yaml"
+    config.write_text("model:\n  type: llama\n")
+    assert model_types(str(config), ["--model.hidden_dim", "8", "--model.type", "gpt2"]) == {"llama", "gpt2"}
+    assert model_types(None, ["--model={type: mistral}"]) == {"mistral"}
+    assert model_types(None, ["--model.hidden_dim", "8"]) == set()  # the config class's default
+    for unsure in (["--model", "[1, 2]"], ["--help"], ["--model.type"], ["--model", "{type: 3}"]):
+        assert model_types(None, unsure) is None, unsure
+    config.write_text("model: 3\n")
+    assert model_types(str(config), []) is None
+
+
+def test_draccus_still_skips_its_search_when_marked_done(monkeypatch):
+    """Pins the private flag `registry.only_named_types` sets: draccus's PluginRegistry reads
+    `_did_discover_packages` before importing the package given as `discover_packages_path`."""
+    import importlib
+
+    assert LmConfig.discover_packages_path == "levanter.models"
+    imported = []
+    monkeypatch.setattr(importlib, "import_module", lambda *a, **k: imported.append(a))
+    monkeypatch.setattr(LmConfig, "_did_discover_packages", True)
+    LmConfig._discover_packages()
+    assert imported == []
+    monkeypatch.setattr(LmConfig, "_did_discover_packages", False)
+    monkeypatch.setattr(importlib, "import_module", lambda *a, **k: imported.append(a) or _EmptyPackage)
+    LmConfig._discover_packages()
+    assert imported == [("levanter.models", "draccus")] and LmConfig._did_discover_packages
+
+
+class _EmptyPackage:
+    __name__ = "levanter.models"
+    __path__ = []
