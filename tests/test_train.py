@@ -6,7 +6,7 @@ import os
 import pytest
 
 from qkvflow.training.tracking import metrics_file, read_metrics
-from tests.train_utils import cli_in_one_process, losses, reference_run, train
+from tests.train_utils import cli_in_one_process, losses, reference_run
 
 
 def _ok(proc):
@@ -81,15 +81,22 @@ def test_weight_decay_reaches_the_matrix_generators_only(reference):
 NO_EVAL = ["--trainer.max_eval_batches", "0", "--loss_curve", "null"]
 
 
-def test_stop_and_resume_reproduces_uninterrupted_losses(tmp_path, corpus_root, reference):
-    whole, split = reference[0], tmp_path
-    first = _ok(train(split, corpus_root, "--stop_after", "4", *NO_EVAL))
-    assert "step 4/8" in first.stdout and "step 5/8" not in first.stdout
-    assert os.path.isdir(split / "checkpoints" / "tiny" / "step-3")
-    second = _ok(train(split, corpus_root, *NO_EVAL))
-    assert "step 5/8" in second.stdout and "step 4/8" not in second.stdout
-    assert losses(split) == losses(whole)  # exact: same data order, same state, same arithmetic
-    assert len(losses(whole)) == 8
+def test_stop_and_resume_reproduces_uninterrupted_losses(four_device_runs):
+    """`--stop_after 4` stops after step 4 with a checkpoint of it (step-3, counted from 0); `qkvflow train`
+    again resumes there and finishes. Run in the 4-device process on the default (FSDP) mesh, so the
+    uninterrupted run to compare with is the "fsdp" case beside it: same mesh, same programs, so the losses
+    must be equal bit for bit (same data order, same state, same arithmetic). test_faults resumes on one
+    device after signals."""
+    workdir, code, stdout, stderr, _ = four_device_runs["stop"]
+    assert code == 0, stderr[-3000:]
+    assert "step 4/8" in stdout and "step 5/8" not in stdout
+    assert os.path.isdir(workdir / "checkpoints" / "tiny" / "step-3")
+    _, code, stdout, stderr, _ = four_device_runs["resume"]
+    assert code == 0, stderr[-3000:]
+    assert "resuming run tiny after step 4" in stdout
+    assert "step 5/8" in stdout and "step 4/8" not in stdout
+    whole = losses(four_device_runs["fsdp"][0])
+    assert len(whole) == 8 and losses(workdir) == whole
 
 
 MESHES = {
@@ -105,7 +112,7 @@ MESHES = {
 @pytest.mark.parametrize("mode", list(MESHES))
 def test_four_devices_match_one(four_device_runs, reference, mode):
     one = reference[0]
-    four, code, stderr, _ = four_device_runs[mode]
+    four, code, _, stderr, _ = four_device_runs[mode]
     assert code == 0, stderr[-3000:]
     # Same data, same initial state, same arithmetic; only the order of f32 reductions differs (the
     # gradient and loss sums are split over 4 shards and combined by all-reduce), which moves a
@@ -136,10 +143,11 @@ BAD_IDS = ["missing-data", "unknown-key", "bad-heads", "batch", "checkpoint", "m
 
 @pytest.fixture(scope="module")
 def four_device_runs(tmp_path_factory, corpus_root):
-    """One 4-device process that trains the tiny run under each of MESHES, runs each BAD case and a run
-    whose folder another process holds, every case in a work folder of its own: (work folder, exit code,
-    stderr, the checkpoint tree before, or for "locked" the holder's pid) per case id. A BAD case's folder
-    already holds a finished checkpoint and a foreign folder."""
+    """One 4-device process that trains the tiny run under each of MESHES, stops a run after step 4 and
+    resumes it ("stop", "resume": one work folder), runs each BAD case and a run whose folder another
+    process holds, every other case in a work folder of its own: (work folder, exit code, stdout, stderr,
+    the checkpoint tree before, or for "locked" the holder's pid) per case id. A BAD case's folder already
+    holds a finished checkpoint and a foreign folder."""
     import subprocess
     import sys
 
@@ -150,6 +158,10 @@ def four_device_runs(tmp_path_factory, corpus_root):
         workdir = tmp_path_factory.mktemp(f"four-{mode}")
         before[mode] = (workdir, None)
         cases[mode] = train_args(workdir, corpus_root, *args, *NO_EVAL)[3:]  # after `python -m qkvflow`
+    stopped = tmp_path_factory.mktemp("four-stop-resume")
+    before["stop"] = before["resume"] = (stopped, None)
+    cases["stop"] = train_args(stopped, corpus_root, "--stop_after", "4", *NO_EVAL)[3:]
+    cases["resume"] = train_args(stopped, corpus_root, *NO_EVAL)[3:]  # runs after "stop" (dicts keep order)
     for case, (args, _message) in zip(BAD_IDS, BAD):
         workdir = tmp_path_factory.mktemp(f"bad-{case}")
         existing = workdir / "checkpoints" / "tiny" / "step-5"
@@ -179,12 +191,12 @@ def four_device_runs(tmp_path_factory, corpus_root):
         holder.stdin.close()
         holder.wait(timeout=60)
     before["locked"] = (locked, holder.pid)
-    return {case: (before[case][0], results[case][0], results[case][2], before[case][1]) for case in cases}
+    return {case: (before[case][0], *results[case], before[case][1]) for case in cases}
 
 
 @pytest.mark.parametrize("args,message", BAD, ids=BAD_IDS)
 def test_bad_input_fails_cleanly_without_touching_checkpoints(four_device_runs, request, args, message):
-    workdir, code, stderr, before = four_device_runs[request.node.callspec.id]
+    workdir, code, _, stderr, before = four_device_runs[request.node.callspec.id]
     assert code == 2, stderr[-2000:]
     assert message in stderr
     assert "Traceback" not in stderr
@@ -244,7 +256,7 @@ def test_second_train_of_the_same_run_is_refused_in_one_line(four_device_runs):
     by four_device_runs), `qkvflow train` with the same id exits 2 in one line, before writing or
     removing anything: the holder's checkpoint write in progress (a step folder without metadata yet)
     survives."""
-    workdir, code, stderr, holder_pid = four_device_runs["locked"]
+    workdir, code, _, stderr, holder_pid = four_device_runs["locked"]
     run = workdir / "checkpoints" / "tiny"
     assert code == 2, stderr[-3000:]
     err = stderr.strip().splitlines()
