@@ -238,13 +238,11 @@ def test_a_real_run_trains_on_selection_and_is_evaluated_on_test(tmp_path, corpu
 
 def _study_configs(name, tmp_path):
     """Each model's full run config of the shipped study `name`, parsed by draccus as `qkvflow train` does."""
-    import argparse
-
     import draccus
 
     from qkvflow.training.config import TrainConfig
 
-    args = argparse.Namespace(iters=None, seeds=None, learning_rates=None, models=None)
+    args = compare._parser().parse_args([str(STUDIES / f"{name}.yaml"), "--workdir", str(tmp_path)])  # no overrides
     study = compare.load_study(str(STUDIES / f"{name}.yaml"), args)
     out = {}
     for model in study["models"]:
