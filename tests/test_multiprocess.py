@@ -106,15 +106,21 @@ def reference(tmp_path_factory):
     return curve
 
 
-def test_two_processes_stop_together_resume_and_match_one_device(tmp_path, corpus_root, reference):
-    """Two processes with 2 devices each, on a corpus without a token cache yet, so that they build it
+def test_two_processes_stop_together_resume_and_match_one_device(tmp_path, tmp_path_factory, reference):
+    """Two processes with 2 devices each, on a corpus without a training token cache yet, so that they build it
     together (Levanter's leader builds, the other waits on its broadcasts). SIGTERM reaches only process
     1: both stop after the same step, save and exit 0; a second launch resumes both from that checkpoint
     and finishes. The losses are the one-device run's (4 shards against 1 change only the order of f32
     reductions, so the tolerance of test_train's test_four_devices_match_one); process 0 alone writes the
     metrics (no record twice) and the checkpoint metadata (each written once, after both processes' shards)."""
-    fresh = tmp_path / "corpora"  # the session's corpus and tokenizer, without its token cache
-    shutil.copytree(corpus_root, fresh, ignore=shutil.ignore_patterns("levanter_cache"))
+    # The reference run's corpus, tokenizer and validation cache, without the training split's token cache:
+    # that build goes through Levanter's leader/broadcast path like any other (a second one would add ~10 s
+    # of its status polling and test nothing more).
+    fresh = tmp_path / "corpora"
+    shutil.copytree(reference_run(tmp_path_factory)[0], fresh)
+    train_cache = fresh / "pydoc" / "levanter_cache" / "pydoc" / "train"
+    assert train_cache.is_dir()
+    shutil.rmtree(train_cache)
     proc = _launch(tmp_path, fresh, "multi", processes=2, devices=2)
     host1 = tmp_path / "logs" / "multi" / "host-1.log"
     deadline = time.monotonic() + 900
