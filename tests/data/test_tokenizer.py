@@ -9,8 +9,6 @@ import math
 import os
 import random
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +21,7 @@ from transformers import AutoTokenizer  # noqa: E402
 from qkvflow.cli import main as cli_main  # noqa: E402
 from qkvflow.data.tokenizer import build_tokenizer_folder  # noqa: E402
 from qkvflow.outputs import MARKER  # noqa: E402
-from tests.train_utils import ROOT, train_env  # noqa: E402
+from tests.train_utils import ROOT, cli_in_one_process, train_env  # noqa: E402
 
 EOS = "<|endoftext|>"  # pinned: the bundled corpora, the export and Levanter's framing all use it
 WORDS = "the river runs past old stone walls and café naïve Ελληνικά 日本語 слово über 🙂 return x = 1".split()
@@ -324,30 +322,31 @@ def test_output_is_never_a_folder_of_yours(tmp_path: Path, capsys) -> None:
 
 def test_own_text_trains_offline_end_to_end(sample: dict, tmp_path: Path) -> None:
     """`qkvflow tokenizer` then `qkvflow train --config_path configs/own_text.yaml` (its default paths),
-    each in a fresh process with the Hugging Face hub switched off; a tiny model, 4 steps."""
+    one after the other in one fresh process (tests/train_utils.cli_in_one_process) with the Hugging Face
+    hub switched off; a tiny model, 4 steps."""
     env = train_env(1, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONPATH=str(ROOT))
-
-    def run(*a):
-        command = [sys.executable, "-m", "qkvflow", *a]
-        return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-
-    made = run("tokenizer", "--files", *sample["files"], "--text_key", "body", "--vocab_size", str(VOCAB),
-               "--chunk_chars", str(CHUNK), "--validation_fraction", str(FRACTION), "--output", "cache/own_text")  # fmt: skip
-    assert made.returncode == 0, made.stderr
-    assert made.stdout.splitlines()[-1] == "next: qkvflow train --config_path configs/own_text.yaml"
-    folder = tmp_path / "cache" / "own_text"
-    assert (folder / "tokenizer.json").read_bytes() == (
-        sample["bpe"] / "tokenizer.json"
-    ).read_bytes()  # another process
-
     tiny = ["--model.hidden_dim", "32", "--model.num_heads", "2", "--model.max_seq_len", "32", "--model.time_embed_dim", "8",
             "--model.num_frequencies", "16", "--model.ode.num_steps", "2", "--trainer.num_train_steps", "4",
             "--trainer.train_batch_size", "4", "--trainer.steps_per_eval", "4", "--trainer.max_eval_batches", "1",
             "--trainer.per_device_eval_parallelism", "4", "--log_every", "1", "--optimizer.learning_rate", "1e-2",
             "--optimizer.warmup", "0", "--trainer.log_jaxprs", "false", "--trainer.log_xla_hlo", "false"]  # fmt: skip
-    trained = run("train", "--config_path", str(ROOT / "configs" / "own_text.yaml"), *tiny)
-    assert trained.returncode == 0, trained.stderr[-3000:]
-    lines = trained.stdout.splitlines()
+    cases = {
+        "tokenizer": ["tokenizer", "--files", *sample["files"], "--text_key", "body", "--vocab_size", str(VOCAB),
+                      "--chunk_chars", str(CHUNK), "--validation_fraction", str(FRACTION), "--output", "cache/own_text"],
+        "train": ["train", "--config_path", str(ROOT / "configs" / "own_text.yaml"), *tiny],
+    }  # fmt: skip
+    results = cli_in_one_process(cases, env, cwd=tmp_path, timeout=600)
+    code, stdout, stderr = results["tokenizer"]
+    assert code == 0, stderr
+    assert stdout.splitlines()[-1] == "next: qkvflow train --config_path configs/own_text.yaml"
+    folder = tmp_path / "cache" / "own_text"
+    assert (folder / "tokenizer.json").read_bytes() == (
+        sample["bpe"] / "tokenizer.json"
+    ).read_bytes()  # another process
+
+    code, stdout, stderr = results["train"]
+    assert code == 0, stderr[-3000:]
+    lines = stdout.splitlines()
     losses = [float(line.split()[3]) for line in lines if line.startswith("step ")]
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
     assert any(line.startswith("eval after step 4: loss ") for line in lines)
