@@ -11,9 +11,12 @@ TINY_TRAIN = str(ROOT / "tests" / "configs" / "tiny_train.yaml")
 TINY_FINETUNE = str(ROOT / "tests" / "configs" / "tiny_finetune.yaml")
 
 
-def save_fresh_checkpoint(path: Path, corpus_root: Path, config_path: str = TINY_TRAIN, *extra: str) -> Path:
-    """A freshly initialised model of `config_path`, saved as a Levanter checkpoint `path/step-0`
-    with the `model` subtree that `qkvflow train` writes (seconds, instead of a training run)."""
+def save_fresh_checkpoint(
+    path: Path, corpus_root: Path, config_path: str = TINY_TRAIN, *extra: str, seed: int = 0
+) -> Path:
+    """A freshly initialised model of `config_path` (initialised with PRNGKey(seed)), saved as a Levanter
+    checkpoint `path/step-0` with the `model` subtree that `qkvflow train` writes (seconds, instead of a
+    training run)."""
     import draccus
     import jax
     import jax.random as jrandom
@@ -28,7 +31,7 @@ def save_fresh_checkpoint(path: Path, corpus_root: Path, config_path: str = TINY
         draccus.parse(TrainConfig, config_path=config_path, args=["--corpus.root", str(corpus_root), *extra])
     )
     vocab = Axis("vocab", len(config.data.the_tokenizer))
-    model = config.model.build(vocab, key=jrandom.PRNGKey(0))
+    model = config.model.build(vocab, key=jrandom.PRNGKey(seed))
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
     with jax.set_mesh(mesh):
         levanter.checkpoint.save_checkpoint({"model": model}, 0, str(path / "step-0"), is_temporary=False)

@@ -220,10 +220,14 @@ def _fails(capsys, argv, message):
         (["--finetune", "qlora"], "finetune='qlora' is invalid: expected one of lora, full"),
         (["--solver", "rk4"], "solver='rk4' is invalid"),
         (["--lora.r", "0"], "lora.r=0 is invalid"),
-        (["--pretrained.config_path", "configs/paper/owt_small_gpt2.yaml"], "not a DiffEqFormer"),
+        (["--pretrained.config_path", "configs/paper/owt_small_gpt2.yaml"], "steps=4 is invalid for pretrained"),
+        (
+            ["--pretrained.config_path", "configs/paper/owt_small_gpt2.yaml", "--steps", "12"],
+            "holds a DiffEqFormer model but pretrained.config_path='configs/paper/owt_small_gpt2.yaml' describes",
+        ),
         (["--pretrained.checkpoint", "{tmp}/nothing"], "pretrained.checkpoint='{tmp}/nothing': no checkpoint found"),
     ],
-    ids=["steps", "method", "solver", "lora-rank", "pretrained-config", "no-checkpoint"],
+    ids=["steps", "method", "solver", "lora-rank", "baseline-depth", "baseline-config", "no-checkpoint"],
 )
 def test_bad_input_fails_in_one_line(tmp_path, shared, capsys, extra, message, monkeypatch):
     from tests.finetune_utils import ROOT
@@ -247,3 +251,73 @@ def test_a_baseline_checkpoint_is_refused(tmp_path, shared, capsys):
     baseline = save_fresh_checkpoint(tmp_path / "baseline", corpora, str(baseline_config))
     err = _fails(capsys, ["finetune", *base_args(tmp_path, corpora, baseline)], "does not hold a DiffEqFormer model")
     assert "pretrained.checkpoint=" in err
+
+
+BASELINE = {
+    "type": "gpt2",
+    "num_layers": 2,
+    "hidden_dim": 32,
+    "num_heads": 2,
+    "max_seq_len": 32,
+    "initializer_range": 0.3,
+}
+
+
+def _baseline(tmp_path, corpora):
+    """A tiny Levanter GPT-2 (a discrete baseline) config and checkpoint, initialised with another key
+    than a fresh build would use, so that fine-tuning a fresh model instead of the checkpoint shows."""
+    import yaml
+
+    config = yaml.safe_load(open(TINY_TRAIN))
+    config["model"] = BASELINE
+    path = tmp_path / "baseline.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path), save_fresh_checkpoint(tmp_path / "baseline", corpora, str(path), seed=7)
+
+
+def test_a_baseline_is_fine_tuned_as_it_is_at_its_own_depth(tmp_path, shared):
+    """Fig. 6's GPT side: a baseline checkpoint is fine-tuned (LoRA) without discretisation. The frozen
+    base is the checkpoint's model bit for bit, the adapters sit on GPT-2's four projections, and the
+    summary names the depth."""
+    import draccus
+    import jax
+    import jax.numpy as jnp
+    from levanter.adaptor.lora import partition_lora_params
+
+    from qkvflow.training.checkpoints import load_model
+    from qkvflow.training.config import TrainConfig
+    from qkvflow.training.finetune import FinetuneConfig, finetune
+
+    corpora, _ = shared
+    config_path, checkpoint = _baseline(tmp_path, corpora)
+    args = base_args(tmp_path, corpora, checkpoint)[2:]
+    args += ["--pretrained.config_path", config_path, "--steps", "2", "--trainer.num_train_steps", "2"]
+    summary = finetune(draccus.parse(FinetuneConfig, config_path=TINY_FINETUNE, args=args))
+    assert summary["finished"] and not summary["pretrained_ode"]
+    assert summary["steps_M"] == summary["pretrained_steps_N"] == 2
+    # LoRA r=4 per layer on c_attn (32 -> 3 x 32), attn c_proj (32 -> 32), c_fc (32 -> 128), mlp c_proj (128 -> 32)
+    assert summary["trainable_parameter_count"] == 2 * 4 * ((32 + 96) + (32 + 32) + (32 + 128) + (128 + 32))
+
+    train = draccus.parse(TrainConfig, config_path=config_path, args=["--corpus.root", str(corpora)])
+    want, _ = load_model(train, str(checkpoint))
+    base_after, _ = partition_lora_params(summary["model"])
+    want, got = jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(base_after)
+    assert len(want) == len(got) > 10
+    assert all(bool(jnp.array_equal(x, y)) for x, y in zip(want, got))
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--steps", "3"], "steps=3 is invalid for pretrained.config_path="),
+        (["--steps", "2", "--export.hf_dir", "{tmp}/hf"], "export is not supported for the Gpt2Config"),
+    ],
+    ids=["depth", "export"],
+)
+def test_a_baseline_at_another_depth_or_with_an_export_is_refused(tmp_path, shared, capsys, extra, message):
+    corpora, _ = shared
+    config_path, checkpoint = _baseline(tmp_path, corpora)
+    args = [*base_args(tmp_path, corpora, checkpoint), "--pretrained.config_path", config_path]
+    err = _fails(capsys, ["finetune", *args, *[e.format(tmp=tmp_path) for e in extra]], message)
+    assert "num_layers=2" in err or "export" in err
+    assert not (tmp_path / "checkpoints").exists()

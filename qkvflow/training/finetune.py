@@ -11,6 +11,10 @@ fine-tune at 9, 12, 18, 24 layers). This verb loads the ODE checkpoint, discreti
   matching linear projections; only the adapters are trainable, the base stays bit-identical
   (and is not written into the checkpoints: it is rebuilt from the ODE checkpoint on resume).
 
+A discrete model (a GPT-2 or Llama baseline of `qkvflow train`) is fine-tuned the same way at its own
+depth (`steps` must equal its `num_layers`), so that a baseline meets the DiffEqFormer under the same
+fine-tuning (the paper's Fig. 6 compares with GPT pretrained and fine-tuned at the larger depth).
+
 Data, trainer, optimizer, epochs, stop_after, nonfinite, ... are `qkvflow train`'s keys (this
 config extends `TrainConfig`); the model comes from `pretrained` instead of `model`. Checkpoints
 and resuming are `qkvflow train`'s: run the same command with the same `trainer.id`.
@@ -168,7 +172,8 @@ def check_values(config: FinetuneConfig) -> None:
 
 
 def load_pretrained_config(config: FinetuneConfig) -> TrainConfig:
-    """The pretraining run's config; only its `model` is used."""
+    """The pretraining run's config; only its `model` is used. A DiffEqFormer is discretised at
+    `steps`; any other model (a baseline) is fine-tuned as it is, at its own depth."""
     import draccus
 
     import qkvflow.models  # noqa: F401  (declares every model family, so parallel_* configs parse and are refused)
@@ -182,21 +187,43 @@ def load_pretrained_config(config: FinetuneConfig) -> TrainConfig:
         cause = _user_cause(e) or e.__cause__ or e
         raise UserError(f"pretrained.config_path={path!r}: {cause}") from None
     if not _is_ode_config(pretrained.model):
-        raise UserError(
-            f"pretrained.config_path={path!r} has model type {type(pretrained.model).__name__}, not a DiffEqFormer: "
-            "expected the config of an ODE run (model.type diffeqformer_gpt2, diffeqformer_llama, shared_ode_*)"
-        )
+        layers = getattr(pretrained.model, "num_layers", None)
+        if layers != config.steps:
+            raise UserError(
+                f"steps={config.steps} is invalid for pretrained.config_path={path!r}: its "
+                f"{type(pretrained.model).__name__} has num_layers={layers} and a discrete model is fine-tuned at "
+                f"its own depth (set steps: {layers}; only a DiffEqFormer is discretised at another M)"
+            )
+        if config.export.hf_dir is not None or config.export.peft_dir is not None:
+            raise UserError(
+                f"export is not supported for the {type(pretrained.model).__name__} of pretrained.config_path={path!r}: "
+                "qkvflow exports discretised DiffEqFormers; remove export.hf_dir and export.peft_dir"
+            )
     return pretrained
 
 
+def pretrained_depth(model_config) -> int:
+    """N: the ODE's number of solver steps, or a discrete model's number of layers."""
+    return model_config.ode.num_steps if _is_ode_config(model_config) else model_config.num_layers
+
+
 def check_pretrained_checkpoint(config: FinetuneConfig, pretrained: TrainConfig) -> None:
-    """The checkpoint must hold a DiffEqFormer (a generator of W(t)), not e.g. a GPT-2 baseline's
-    model: read from its array layout, before any device work."""
+    """The checkpoint must hold the kind of model the config names: for a DiffEqFormer a generator of
+    W(t), not e.g. a GPT-2 baseline's model, and for a baseline no generator; read from its array
+    layout, before any device work (a baseline's remaining mismatches are named when it loads)."""
     from qkvflow.training.checkpoint_arrays import array_shapes
 
     latest = levanter.checkpoint.discover_latest_checkpoint(config.pretrained.checkpoint)
     arrays = [name.split("/") for name in array_shapes(str(latest)) if name.startswith("model/")]
     found = sorted({parts[1] for parts in arrays if len(parts) > 1})
+    if not _is_ode_config(pretrained.model):
+        if "generator" in found:
+            raise UserError(
+                f"pretrained.checkpoint={config.pretrained.checkpoint!r} holds a DiffEqFormer model but "
+                f"pretrained.config_path={config.pretrained.config_path!r} describes a "
+                f"{type(pretrained.model).__name__}: expected the config of the run that wrote the checkpoint"
+            )
+        return
     if "generator" not in found or _checkpoint_vocab(config.pretrained.checkpoint) is None:
         raise UserError(
             f"pretrained.checkpoint={config.pretrained.checkpoint!r} does not hold a DiffEqFormer model "
@@ -216,7 +243,8 @@ def _checkpoint_vocab(checkpoint: str) -> Optional[int]:
 
 
 def load_base(config: FinetuneConfig, pretrained: TrainConfig, tokenizer, Vocab: Axis):
-    """(ODE model, discretised model): the pretrained checkpoint, discretised at `steps`."""
+    """(pretrained model, model to fine-tune): the ODE checkpoint and its discretisation at `steps`,
+    or a discrete baseline twice (it is fine-tuned as it is)."""
     from qkvflow.training.checkpoints import load_model
 
     stored = _checkpoint_vocab(config.pretrained.checkpoint)
@@ -232,6 +260,8 @@ def load_base(config: FinetuneConfig, pretrained: TrainConfig, tokenizer, Vocab:
         ode, _ = load_model(source, config.pretrained.checkpoint, vocab_size=vocab)
     except UserError as e:
         raise UserError(f"pretrained.checkpoint: {e}") from None
+    if not _is_ode_config(pretrained.model):
+        return ode, ode
     return ode, discretise_model(ode, config.steps, config.solver)
 
 
@@ -395,7 +425,7 @@ def _finetune(config: FinetuneConfig, preemption: faults.Preemption, cleanup: co
         if not any(isinstance(x, eqx.Module) and type(x).__name__ == "LoraLinear" for x in _modules(model)):
             raise UserError(
                 f"lora.target_modules={config.lora.target_modules!r} matches no linear projection of the "
-                "discretised model"
+                "model to fine-tune"
             )
         is_trainable = _frozen(model)
     else:
@@ -413,16 +443,16 @@ def _finetune(config: FinetuneConfig, preemption: faults.Preemption, cleanup: co
         eval_before=config.eval_before,
     )
     del model
-    print(
-        f"fine-tuning ({config.finetune}) the {ode.config.ode.num_steps}-step ODE model as {config.steps} layers",
-        flush=True,
-    )
+    depth = pretrained_depth(pretrained.model)
+    what = f"the {depth}-step ODE model as" if _is_ode_config(pretrained.model) else f"the {type(ode).__name__} of"
+    print(f"fine-tuning ({config.finetune}) {what} {config.steps} layers", flush=True)
     loss_fn = functools.partial(lm_loss, z_loss_weight=config.z_loss_weight)
     summary, state = loop.train_run(run, loss_fn, tokenizer, preemption, inject)
     summary = {
         "method": config.finetune,
         "steps_M": config.steps,
-        "pretrained_steps_N": ode.config.ode.num_steps,
+        "pretrained_steps_N": depth,
+        "pretrained_ode": _is_ode_config(pretrained.model),
         **summary,
     }
     summary.setdefault("trainable_parameter_count", summary.get("parameter_count"))
@@ -445,7 +475,7 @@ def _finetune(config: FinetuneConfig, preemption: faults.Preemption, cleanup: co
         summary["metrics"] = metrics_file(jsonl.path, run_id)
         if config.loss_curve and os.path.exists(summary["metrics"]):
             out = os.path.join(os.path.dirname(summary["metrics"]), config.loss_curve)
-            title = f"{config.finetune} fine-tuning at M={config.steps} (N={ode.config.ode.num_steps})"
+            title = f"{config.finetune} fine-tuning at M={config.steps} (N={depth})"
             summary["loss_curve"] = plot_loss_curve(summary["metrics"], out, title=title)
     if jax.process_index() == 0:
         _write_summary(t, run_id, summary)
