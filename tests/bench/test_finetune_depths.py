@@ -59,11 +59,7 @@ def test_the_report_pairs_the_ode_at_m_with_gpt2_at_the_larger_depth():
     }
     # the ODE: 0.2 below GPT-2 at 6 layers for M <= 6 and 0.3 above GPT-2 at 8 layers for M = 8, same noise per seed
     results["ode_n6"] = {
-        s: {
-            (m, k): {"initial_eval_loss": 5.0, "eval_loss": 2.8 + noise[s]}
-            for m in fd.METHODS
-            for k in (3, 4, 6, 8)
-        }
+        s: {(m, k): {"initial_eval_loss": 5.0, "eval_loss": 2.8 + noise[s]} for m in fd.METHODS for k in (3, 4, 6, 8)}
         for s in seeds
     }
     result = fd.report(results, "ode_n6", 6, gpt, seeds)
