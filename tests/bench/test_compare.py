@@ -265,7 +265,7 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
     from qkvflow.data.corpora import corpus_vocab_size
     from qkvflow.models import accounting, registry
 
-    for name in ("tinyshakespeare", "pydoc", "beta2", "rk_blocks", "transevolve", "exits"):
+    for name in ("tinyshakespeare", "pydoc", "beta2", "rk_blocks", "transevolve", "exits", "finetune_pretrain"):
         configs = _study_configs(name, tmp_path)
         reference = next(iter(configs.values()))[0]
         for model, (config, _) in configs.items():
@@ -283,6 +283,15 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
             flops = {m: compare.training_flops(configs[m][1], 2000) for m in ("gpt2_flops", "ode")}
             assert abs(flops["gpt2_flops"] / flops["ode"] - 1) < 0.03, flops
             assert [configs[m][0].model.time_embed_dim for m in ("ode_d16", "ode_d32", "ode")] == [16, 32, 64]
+            llama, ode_llama = configs["llama"][0].model, configs["ode_llama"][0].model
+            assert registry.type_name(ode_llama) == "diffeqformer_llama" and ode_llama.ode.num_steps == llama.num_layers
+            assert (ode_llama.hidden_dim, ode_llama.intermediate_dim) == (llama.hidden_dim, llama.intermediate_dim)
+        if name == "finetune_pretrain":  # N = 6 steps, GPT-2 at N and 4N/3 layers, one width
+            depth = {
+                m: c.model.ode.num_steps if m.startswith("ode") else c.model.num_layers for m, (c, _) in configs.items()
+            }
+            assert depth == {"ode_n6": 6, "gpt2_l6": 6, "gpt2_l8": 8}
+            assert {c.model.hidden_dim for c, _ in configs.values()} == {128}
         if name == "beta2":
             assert {m: c.optimizer.beta2 for m, (c, _) in configs.items()} == {
                 "gpt2_b999": 0.999, "gpt2_b95": 0.95, "ode_b999": 0.999, "ode_b95": 0.95,
