@@ -124,11 +124,12 @@ def report(results: dict, ode: str, n: int, gpts: dict[int, str], seeds: list[in
             after = {s: results[ode][s][(method, m)]["eval_loss"] for s in seeds}
             before = {s: results[ode][s][(method, m)]["initial_eval_loss"] for s in seeds}
             base = {s: results[gpt][s][(method, max(n, m))]["eval_loss"] for s in seeds}
+            base_before = {s: results[gpt][s][(method, max(n, m))]["initial_eval_loss"] for s in seeds}
             d = stats.paired_difference(after, base)
-            so, sb, s0 = (stats.summarise(list(x.values())) for x in (after, base, before))
+            so, sb, s0, sb0 = (stats.summarise(list(x.values())) for x in (after, base, before, base_before))
             out.append({
                 "method": method, "M": m, "baseline": gpt, "ode_before": [s0.mean, s0.std], "ode": [so.mean, so.std],
-                "gpt2": [sb.mean, sb.std], "difference": d.mean, "ci95": [d.low, d.high], "verdict": d.verdict,
+                "gpt2_before": [sb0.mean, sb0.std], "gpt2": [sb.mean, sb.std], "difference": d.mean, "ci95": [d.low, d.high], "verdict": d.verdict,
             })  # fmt: skip
     beats = [r["verdict"] == "lower" for r in out]
     worse = [r["verdict"] == "higher" for r in out]
@@ -144,14 +145,15 @@ def markdown(result: dict) -> str:
         f"fine-tuned at max(N, M) layers; learning rates {result['learning_rates']} (fixed beforehand). "
         f"Claim (ODE below GPT-2 in every row): **{result['claim']}**.",
         "",
-        "| method | M | ODE before | ODE after (mean ± sd) | GPT-2 | GPT-2 after | Δ [95% CI] | verdict |",
-        "|---|---:|---:|---:|---|---:|---:|---|",
+        "| method | M | ODE before | ODE after (mean ± sd) | GPT-2 | GPT-2 before | GPT-2 after | Δ [95% CI] | verdict |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---|",
     ]
     for r in result["rows"]:
         lo, hi = r["ci95"]
         interval = "-" if lo is None else f"[{lo:+.3f}, {hi:+.3f}]"
         lines.append(
-            f"| {r['method']} | {r['M']} | {r['ode_before'][0]:.4f} | {f(r['ode'])} | {r['baseline']} | {f(r['gpt2'])} "
+            f"| {r['method']} | {r['M']} | {r['ode_before'][0]:.4f} | {f(r['ode'])} | {r['baseline']} "
+            f"| {r['gpt2_before'][0]:.4f} | {f(r['gpt2'])} "
             f"| {r['difference']:+.4f} {interval} | {r['verdict']} |"
         )
     return "\n".join(lines) + "\n"

@@ -69,6 +69,7 @@ def test_the_report_pairs_the_ode_at_m_with_gpt2_at_the_larger_depth():
         for m in (3, 4, 6):
             r = rows[(method, m)]
             assert r["baseline"] == "gpt2_l6" and r["difference"] == pytest.approx(-0.2, abs=1e-12)
+            assert r["ode_before"][0] == 5.0 and r["gpt2_before"][0] == 9.0
             assert r["verdict"] == "lower" and r["ci95"][1] - r["ci95"][0] == pytest.approx(0, abs=1e-9)
         r = rows[(method, 8)]
         assert (
