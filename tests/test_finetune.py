@@ -239,17 +239,11 @@ def test_bad_input_fails_in_one_line(tmp_path, shared, capsys, extra, message, m
     assert not (tmp_path / "checkpoints").exists()
 
 
-def test_a_baseline_checkpoint_is_refused(tmp_path, shared, capsys):
+def test_a_baseline_checkpoint_is_refused(tmp_path, shared, baseline, capsys):
     """A Levanter GPT-2 (baseline) checkpoint given as the ODE run's checkpoint."""
-    import yaml
-
     corpora, _ = shared
-    config = yaml.safe_load(open(TINY_TRAIN))
-    config["model"] = {"type": "gpt2", "num_layers": 1, "hidden_dim": 32, "num_heads": 2, "max_seq_len": 32}
-    baseline_config = tmp_path / "baseline.yaml"
-    baseline_config.write_text(yaml.safe_dump(config))
-    baseline = save_fresh_checkpoint(tmp_path / "baseline", corpora, str(baseline_config))
-    err = _fails(capsys, ["finetune", *base_args(tmp_path, corpora, baseline)], "does not hold a DiffEqFormer model")
+    _, checkpoint = baseline
+    err = _fails(capsys, ["finetune", *base_args(tmp_path, corpora, checkpoint)], "does not hold a DiffEqFormer model")
     assert "pretrained.checkpoint=" in err
 
 
@@ -263,19 +257,22 @@ BASELINE = {
 }
 
 
-def _baseline(tmp_path, corpora):
-    """A tiny Levanter GPT-2 (a discrete baseline) config and checkpoint, initialised with another key
-    than a fresh build would use, so that fine-tuning a fresh model instead of the checkpoint shows."""
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, shared):
+    """(config path, checkpoint) of a tiny Levanter GPT-2 (a discrete baseline), initialised with another
+    key than a fresh build would use, so that fine-tuning a fresh model instead of the checkpoint shows."""
     import yaml
 
+    corpora, _ = shared
+    workdir = tmp_path_factory.mktemp("baseline")
     config = yaml.safe_load(open(TINY_TRAIN))
     config["model"] = BASELINE
-    path = tmp_path / "baseline.yaml"
+    path = workdir / "baseline.yaml"
     path.write_text(yaml.safe_dump(config))
-    return str(path), save_fresh_checkpoint(tmp_path / "baseline", corpora, str(path), seed=7)
+    return str(path), save_fresh_checkpoint(workdir / "baseline", corpora, str(path), seed=7)
 
 
-def test_a_baseline_is_fine_tuned_as_it_is_at_its_own_depth(tmp_path, shared):
+def test_a_baseline_is_fine_tuned_as_it_is_at_its_own_depth(tmp_path, shared, baseline):
     """Fig. 6's GPT side: a baseline checkpoint is fine-tuned (LoRA) without discretisation. The frozen
     base is the checkpoint's model bit for bit, the adapters sit on GPT-2's four projections, and the
     summary names the depth."""
@@ -289,7 +286,7 @@ def test_a_baseline_is_fine_tuned_as_it_is_at_its_own_depth(tmp_path, shared):
     from qkvflow.training.finetune import FinetuneConfig, finetune
 
     corpora, _ = shared
-    config_path, checkpoint = _baseline(tmp_path, corpora)
+    config_path, checkpoint = baseline
     args = base_args(tmp_path, corpora, checkpoint)[2:]
     args += ["--pretrained.config_path", config_path, "--steps", "2", "--trainer.num_train_steps", "2"]
     summary = finetune(draccus.parse(FinetuneConfig, config_path=TINY_FINETUNE, args=args))
@@ -314,9 +311,9 @@ def test_a_baseline_is_fine_tuned_as_it_is_at_its_own_depth(tmp_path, shared):
     ],
     ids=["depth", "export"],
 )
-def test_a_baseline_at_another_depth_or_with_an_export_is_refused(tmp_path, shared, capsys, extra, message):
+def test_a_baseline_at_another_depth_or_with_an_export_is_refused(tmp_path, shared, baseline, capsys, extra, message):
     corpora, _ = shared
-    config_path, checkpoint = _baseline(tmp_path, corpora)
+    config_path, checkpoint = baseline
     args = [*base_args(tmp_path, corpora, checkpoint), "--pretrained.config_path", config_path]
     err = _fails(capsys, ["finetune", *args, *[e.format(tmp=tmp_path) for e in extra]], message)
     assert "num_layers=2" in err or "export" in err
