@@ -2,7 +2,8 @@
 
 A study file (benchmarks/compare/*.yaml) names a base `qkvflow train` config (corpus, data, trainer,
 optimizer), a budget (`iters`), peak `learning_rates`, `seeds`, a `baseline` and the `models`, each a
-YAML overlay merged into the base (a `model:` section, and optionally `optimizer:` keys). Then:
+YAML overlay merged into the base (a `model:` section, and optionally `optimizer:` keys) with, where
+one grid does not fit every model, its own `learning_rates` (`--learning_rates` overrides all). Then:
 
 1. every (model, learning rate, seed) trains through `qkvflow train` (trainer.seed = data_seed =
    seed), evaluating on the corpus's `selection` half of the held-out documents
@@ -81,8 +82,16 @@ def load_study(path: str, args) -> dict:
                 given if key == "iters" else [float(x) if key == "learning_rates" else int(x) for x in given.split(",")]
             )
     models = study.get("models")
-    if not isinstance(models, dict) or not models:
+    if not isinstance(models, dict) or not models or not all(isinstance(o, dict) for o in models.values()):
         raise UserError(f"bench compare: {path}: models: expected a mapping of name -> overlay")
+    for name, overlay in models.items():
+        if args.learning_rates is not None:  # the command line's grid is every model's
+            models[name] = {k: v for k, v in overlay.items() if k != "learning_rates"}
+        elif "learning_rates" in overlay and not _valid_rates(overlay["learning_rates"]):
+            raise UserError(
+                f"bench compare: {path}: models.{name}.learning_rates={overlay['learning_rates']!r} is invalid: "
+                "expected numbers in (0, 1)"
+            )
     if args.models:
         chosen = [m.strip() for m in args.models.split(",") if m.strip()]
         missing = [m for m in chosen if m not in models]
@@ -98,7 +107,7 @@ def load_study(path: str, args) -> dict:
     if not isinstance(study.get("iters"), int) or study["iters"] < 1:
         raise UserError(f"bench compare: {path}: iters={study.get('iters')!r} is invalid: expected an integer >= 1")
     lrs, seeds = study.get("learning_rates"), study.get("seeds")
-    if not lrs or not all(isinstance(x, (int, float)) and 0 < x < 1 for x in lrs):
+    if not _valid_rates(lrs):
         raise UserError(f"bench compare: {path}: learning_rates={lrs!r} is invalid: expected numbers in (0, 1)")
     if not seeds or not all(isinstance(s, int) and s >= 0 for s in seeds) or len(set(seeds)) != len(seeds):
         raise UserError(f"bench compare: {path}: seeds={seeds!r} is invalid: expected distinct integers >= 0")
@@ -108,6 +117,20 @@ def load_study(path: str, args) -> dict:
     study["base"] = str(base)
     study["name"] = Path(path).stem
     return study
+
+
+def _valid_rates(lrs) -> bool:
+    return isinstance(lrs, list) and bool(lrs) and all(isinstance(x, (int, float)) and 0 < x < 1 for x in lrs)
+
+
+def learning_rates(study: dict, model: str) -> list:
+    """`model`'s learning-rate grid: its own `learning_rates`, else the study's."""
+    return study["models"][model].get("learning_rates", study["learning_rates"])
+
+
+def _overlay(study: dict, model: str) -> dict:
+    """`model`'s overlay of the base config (its grid is the study's business, not the run's)."""
+    return {k: v for k, v in study["models"][model].items() if k != "learning_rates"}
 
 
 def merge(base: dict, overlay: dict) -> dict:
@@ -127,7 +150,7 @@ def run_id(model: str, lr: float, seed: int) -> str:
 
 def run_config(study: dict, model: str, lr: float, seed: int, workdir: Path, corpus_root: str) -> dict:
     """The full `qkvflow train` config of one run."""
-    config = merge(yaml.safe_load(Path(study["base"]).read_text()), study["models"][model])
+    config = merge(yaml.safe_load(Path(study["base"]).read_text()), _overlay(study, model))
     if "corpus" not in config:
         raise UserError(
             f"bench compare: base {study['base']}: expected a `corpus:` section (its selection/test halves)"
@@ -147,7 +170,8 @@ def run_config(study: dict, model: str, lr: float, seed: int, workdir: Path, cor
 def identity(study: dict) -> dict:
     """What must not change between invocations on one work folder: the base config, the budget, and
     each model's definition (seeds, learning rates and further models may be added)."""
-    return {"base": Path(study["base"]).read_text(), "models": study["models"], "iters": study["iters"]}
+    models = {m: _overlay(study, m) for m in study["models"]}
+    return {"base": Path(study["base"]).read_text(), "models": models, "iters": study["iters"]}
 
 
 def claim_workdir(workdir: Path, study: dict) -> None:
@@ -286,6 +310,7 @@ def report(study: dict, runs: list[dict], tests: dict, flops: dict) -> dict:
         s = stats.summarise(test.values())
         models[model] = {
             "best_learning_rate": best,
+            "learning_rates": learning_rates(study, model),
             "selection": {f"{lr:g}": stats.summarise(v.values()).__dict__ for lr, v in sorted(by_lr.items())},
             "test": {"per_seed": {str(k): v for k, v in sorted(test.items())}, **s.__dict__},
             "parameter_count": next((r["parameter_count"] for r in mine if r["parameter_count"]), None),
@@ -310,9 +335,11 @@ def markdown(result: dict) -> str:
     def f(x, digits=4):
         return "-" if x is None else f"{x:.{digits}f}"
 
+    own = {m: e["learning_rates"] for m, e in result["models"].items() if e.get("learning_rates", result["learning_rates"]) != result["learning_rates"]}  # fmt: skip
+    grids = "".join(f"; {m} from {g}" for m, g in own.items())
     lines = [
         f"{result.get('title') or result['study']}: {result['iters']} steps, seeds {result['seeds']}, peak lr chosen from "
-        f"{result['learning_rates']} on the selection split; test split below. Baseline: {result['baseline']}.",
+        f"{result['learning_rates']}{grids} on the selection split; test split below. Baseline: {result['baseline']}.",
         "",
         "| model | params | train FLOPs | best lr | test loss (mean ± sd) | Δ to baseline [95% CI] | verdict |",
         "|---|---:|---:|---:|---:|---:|---|",
@@ -368,11 +395,10 @@ def main(argv: list[str]) -> int:
         (workdir / sub).mkdir(exist_ok=True)
     runs, tests, flops = [], {}, {}
     for model in study["models"]:
-        mine = [
-            train(study, model, lr, seed, workdir, args) for lr in study["learning_rates"] for seed in study["seeds"]
-        ]
+        grid = learning_rates(study, model)
+        mine = [train(study, model, lr, seed, workdir, args) for lr in grid for seed in study["seeds"]]
         runs += mine
-        by_lr = {lr: [r["selection_loss"] for r in mine if r["learning_rate"] == lr] for lr in study["learning_rates"]}
+        by_lr = {lr: [r["selection_loss"] for r in mine if r["learning_rate"] == lr] for lr in grid}
         best = min(by_lr, key=lambda lr: math.fsum(by_lr[lr]) / len(by_lr[lr]))
         tests[model] = {seed: test_loss(study, model, best, seed, workdir, args) for seed in study["seeds"]}
         flops[model] = training_flops(

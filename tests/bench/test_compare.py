@@ -189,6 +189,34 @@ def test_a_work_folder_of_another_study_or_of_other_files_is_refused(study, monk
     assert (other / "work" / "notes.txt").read_text() == "mine"
 
 
+def test_a_model_with_its_own_grid_is_chosen_within_it(study, monkeypatch):
+    """`models.ode.learning_rates` replaces the study's grid for ode alone; `--learning_rates` is every model's."""
+    spec = yaml.safe_load((study / "study.yaml").read_text())
+    spec["models"]["ode"]["learning_rates"] = [2e-3, 4e-3]
+    (study / "study.yaml").write_text(yaml.safe_dump(spec))
+    fake = FakeRuns()
+    assert _main(study, monkeypatch, fake) == 0
+    trained = [c for c in fake.calls if c.startswith("train")]
+    assert trained == [f"train gpt2-lr{lr:g}-s{s}" for lr in (1e-3, 2e-3) for s in (0, 1, 2)] + [
+        f"train ode-lr{lr:g}-s{s}" for lr in (2e-3, 4e-3) for s in (0, 1, 2)
+    ]
+    result = json.loads((study / "out" / "study.json").read_text())
+    assert (
+        result["models"]["ode"]["learning_rates"] == [2e-3, 4e-3]
+        and result["models"]["ode"]["best_learning_rate"] == 2e-3
+    )
+    assert result["models"]["gpt2"]["learning_rates"] == [1e-3, 2e-3]
+    assert "ode from [0.002, 0.004]" in (study / "out" / "study.md").read_text()
+    # the grid is not part of the model's definition: the same work folder takes the command line's grid
+    fake = FakeRuns()
+    assert _main(study, monkeypatch, fake, "--learning_rates", "1e-3", "--name", "one") == 0
+    assert [c for c in fake.calls if c.startswith("train")] == [f"train ode-lr0.001-s{s}" for s in (0, 1, 2)]
+    spec["models"]["ode"]["learning_rates"] = [0]
+    (study / "study.yaml").write_text(yaml.safe_dump(spec))
+    with pytest.raises(UserError, match=r"models.ode.learning_rates=\[0\] is invalid: expected numbers in \(0, 1\)"):
+        _main(study, monkeypatch, FakeRuns())
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -236,14 +264,18 @@ def test_a_real_run_trains_on_selection_and_is_evaluated_on_test(tmp_path, corpu
 # --- the shipped studies ----------------------------------------------------------------------------
 
 
+def _study(name, tmp_path):
+    args = compare._parser().parse_args([str(STUDIES / f"{name}.yaml"), "--workdir", str(tmp_path)])  # no overrides
+    return compare.load_study(str(STUDIES / f"{name}.yaml"), args)
+
+
 def _study_configs(name, tmp_path):
     """Each model's full run config of the shipped study `name`, parsed by draccus as `qkvflow train` does."""
     import draccus
 
     from qkvflow.training.config import TrainConfig
 
-    args = compare._parser().parse_args([str(STUDIES / f"{name}.yaml"), "--workdir", str(tmp_path)])  # no overrides
-    study = compare.load_study(str(STUDIES / f"{name}.yaml"), args)
+    study = _study(name, tmp_path)
     out = {}
     for model in study["models"]:
         path = tmp_path / f"{name}-{model}.yaml"
@@ -266,12 +298,14 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
     from qkvflow.models import accounting, registry
 
     for name in ("tinyshakespeare", "pydoc", "beta2", "rk_blocks", "transevolve", "exits", "finetune_pretrain"):
-        configs = _study_configs(name, tmp_path)
+        configs, study = _study_configs(name, tmp_path), _study(name, tmp_path)
         reference = next(iter(configs.values()))[0]
         for model, (config, _) in configs.items():
             same_trainer = dataclasses.replace(config.trainer, id=reference.trainer.id) == reference.trainer
             assert config.corpus == reference.corpus and same_trainer, (name, model)
             assert config.model.max_seq_len == 64 and config.optimizer.learning_rate == 1e-3, (name, model)
+            grid = compare.learning_rates(study, model)
+            assert grid == ([2.5e-4, 5e-4, 1e-3, 2e-3] if model == "gpt2_params" else study["learning_rates"]), model
         if name == "tinyshakespeare":
             vocab = corpus_vocab_size("tinyshakespeare")
             params = {
