@@ -92,7 +92,7 @@ def test_lora_freezes_the_base_bit_for_bit_and_trains_the_adapters(lora_run, sha
     tokenizer = c.data.the_tokenizer
     from haliax import Axis
 
-    _, base = load_base(c, load_pretrained_config(c), tokenizer, Axis("vocab", len(tokenizer)))
+    base = load_base(c, load_pretrained_config(c), tokenizer, Axis("vocab", len(tokenizer)))
     initial = add_lora(base, config.lora, config.lora_seed)
     base_before, lora_before = partition_lora_params(initial)
     base_after, lora_after = partition_lora_params(summary["model"])

@@ -335,8 +335,11 @@ def markdown(result: dict) -> str:
     def f(x, digits=4):
         return "-" if x is None else f"{x:.{digits}f}"
 
-    own = {m: e["learning_rates"] for m, e in result["models"].items() if e.get("learning_rates", result["learning_rates"]) != result["learning_rates"]}  # fmt: skip
-    grids = "".join(f"; {m} from {g}" for m, g in own.items())
+    grids = "".join(
+        f"; {m} from {e['learning_rates']}"
+        for m, e in result["models"].items()
+        if e["learning_rates"] != result["learning_rates"]
+    )
     lines = [
         f"{result.get('title') or result['study']}: {result['iters']} steps, seeds {result['seeds']}, peak lr chosen from "
         f"{result['learning_rates']}{grids} on the selection split; test split below. Baseline: {result['baseline']}.",

@@ -243,8 +243,8 @@ def _checkpoint_vocab(checkpoint: str) -> Optional[int]:
 
 
 def load_base(config: FinetuneConfig, pretrained: TrainConfig, tokenizer, Vocab: Axis):
-    """(pretrained model, model to fine-tune): the ODE checkpoint and its discretisation at `steps`,
-    or a discrete baseline twice (it is fine-tuned as it is)."""
+    """The model to fine-tune: the ODE checkpoint discretised at `steps`, or a discrete baseline's
+    checkpoint as it is."""
     from qkvflow.training.checkpoints import load_model
 
     stored = _checkpoint_vocab(config.pretrained.checkpoint)
@@ -257,12 +257,12 @@ def load_base(config: FinetuneConfig, pretrained: TrainConfig, tokenizer, Vocab:
     # only the model section of the pretraining config matters; the data is this run's (its tokenizer)
     source = dataclasses.replace(pretrained, corpus=None, data=config.data)
     try:
-        ode, _ = load_model(source, config.pretrained.checkpoint, vocab_size=vocab)
+        model, _ = load_model(source, config.pretrained.checkpoint, vocab_size=vocab)
     except UserError as e:
         raise UserError(f"pretrained.checkpoint: {e}") from None
     if not _is_ode_config(pretrained.model):
-        return ode, ode
-    return ode, discretise_model(ode, config.steps, config.solver)
+        return model
+    return discretise_model(model, config.steps, config.solver)
 
 
 def is_finetune_config(path: Optional[str]) -> bool:
@@ -300,7 +300,7 @@ def load_finetuned(config: FinetuneConfig, checkpoint: str):
     tokenizer = preflight.load_tokenizer(config.data)
     if hasattr(tokenizer, "as_hf_tokenizer"):
         tokenizer = tokenizer.as_hf_tokenizer()
-    _, base = load_base(config, pretrained, tokenizer, Axis("vocab", len(tokenizer)))
+    base = load_base(config, pretrained, tokenizer, Axis("vocab", len(tokenizer)))
     model, is_trainable = base, True
     if config.finetune == "lora":
         model = add_lora(base, config.lora, config.lora_seed)
@@ -418,7 +418,7 @@ def _finetune(config: FinetuneConfig, preemption: faults.Preemption, cleanup: co
     config, tokenizer, inject, Vocab = session.start(config, cleanup)
     t = config.trainer
 
-    ode, base = load_base(config, pretrained, tokenizer, Vocab)
+    base = load_base(config, pretrained, tokenizer, Vocab)
     lora = config.finetune == "lora"
     if lora:
         model = haliax.named_jit(lambda m: add_lora(m, config.lora, config.lora_seed))(base)
@@ -444,7 +444,7 @@ def _finetune(config: FinetuneConfig, preemption: faults.Preemption, cleanup: co
     )
     del model
     depth = pretrained_depth(pretrained.model)
-    what = f"the {depth}-step ODE model as" if _is_ode_config(pretrained.model) else f"the {type(ode).__name__} of"
+    what = f"the {depth}-step ODE model as" if _is_ode_config(pretrained.model) else f"the {type(base).__name__} of"
     print(f"fine-tuning ({config.finetune}) {what} {config.steps} layers", flush=True)
     loss_fn = functools.partial(lm_loss, z_loss_weight=config.z_loss_weight)
     summary, state = loop.train_run(run, loss_fn, tokenizer, preemption, inject)
