@@ -6,6 +6,7 @@ import dataclasses
 import equinox as eqx
 import haliax as hax
 import jax
+import numpy as np
 import pytest
 from levanter.models.gpt2 import Gpt2Config
 from levanter.models.llama import LlamaConfig
@@ -139,3 +140,54 @@ def test_no_decay_counts_nothing():
     optimizer = with_decay_mask(AdamConfig(weight_decay=0.0), config)
     model = config.build(VOCAB, key=jax.random.PRNGKey(0))
     assert decayed_parameter_count(optimizer, model) == 0
+
+
+def test_the_optimizer_that_trains_decays_exactly_the_mask(monkeypatch):
+    """`train_run` hands Levanter's Trainer the masked optimizer, not `config.optimizer` (whose Levanter
+    default decays the norms' generators): caught as the Trainer receives it, one update with zero
+    gradients, where only weight decay moves anything (Adam's step is 0/(0 + eps) = 0), shrinks each
+    parameter `should_decay` names by decoupled decay, p <- p - lr * wd * p, and leaves the rest exactly."""
+    import draccus
+    import jax.numpy as jnp
+
+    from qkvflow.training import loop
+    from qkvflow.training.config import TrainConfig
+    from tests.analysis.builders import filled
+    from tests.train_utils import TINY
+
+    class Caught(Exception):
+        pass
+
+    def trainer(config, optimizer, loss_fn, **kwargs):
+        raise Caught(optimizer)
+
+    config = draccus.parse(TrainConfig, config_path=TINY, args=[])
+    lr, wd = config.optimizer.learning_rate, config.optimizer.weight_decay
+    assert (lr, wd, config.optimizer.warmup) == (1e-2, 0.1, 0.0)  # tiny_train.yaml: step 0 runs at lr
+    monkeypatch.setattr(loop, "Trainer", trainer)
+    with pytest.raises(Caught) as caught:
+        loop.train_run(loop.Run(config=config, verb="train", Pos=config.model.max_Pos), None, None, None)
+    optimizer = caught.value.args[0]
+
+    params = eqx.filter(filled(config.model, VOCAB, std=1.0), eqx.is_array)  # random weights, no compile
+
+    @eqx.filter_jit
+    def step(params):
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+        updates, _ = optimizer.update(zeros, optimizer.init(params), params)
+        return eqx.apply_updates(params, updates)
+
+    after = step(params)
+    is_leaf = hax.is_named_array
+    paths = jax.tree_util.tree_leaves(leaf_key_paths(params, is_leaf=is_leaf), is_leaf=lambda x: isinstance(x, str))
+    before_leaves = jax.tree_util.tree_leaves(params, is_leaf=is_leaf)
+    after_leaves = jax.tree_util.tree_leaves(after, is_leaf=is_leaf)
+    decayed = 0
+    for path, old, new in zip(paths, before_leaves, after_leaves, strict=True):
+        old, new = np.asarray(getattr(old, "array", old)), np.asarray(getattr(new, "array", new))
+        if should_decay(path, config.model):
+            decayed += 1
+            np.testing.assert_allclose(new, old * (1 - lr * wd), rtol=4 * np.finfo(np.float32).eps, err_msg=path)
+        else:
+            np.testing.assert_array_equal(new, old, err_msg=path)
+    assert decayed >= len(MATRICES["gpt2"]) and len(paths) > 2 * decayed  # both kinds are there
