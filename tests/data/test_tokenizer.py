@@ -197,6 +197,19 @@ def test_documents_split_and_jsonl_follow_the_documented_rule(sample: dict) -> N
         )
 
 
+def test_validation_text_stays_out_of_bpe_training(sample: dict) -> None:
+    """The BPE merges are those of a tokenizer trained on the train split alone (train.jsonl, as
+    written), and not those of one trained on every document: held-out text never shapes the tokenizer."""
+    from qkvflow.data.tokenizer import bpe_tokenizer
+
+    def merges(docs):
+        return json.loads(bpe_tokenizer(docs, VOCAB).to_str())["model"]["merges"]
+
+    shipped = json.loads((sample["bpe"] / "tokenizer.json").read_text(encoding="utf-8"))["model"]["merges"]
+    assert shipped == merges(_jsonl(sample["bpe"] / "train.jsonl"))
+    assert shipped != merges(_reference_documents(sample["files"], CHUNK))  # the split changes the merges
+
+
 def test_same_files_give_a_byte_identical_tokenizer(sample: dict, tmp_path: Path) -> None:
     for kind, folder in (("bpe", sample["bpe"]), ("char", sample["char"])):
         again = tmp_path / kind
