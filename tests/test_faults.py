@@ -453,6 +453,10 @@ UNREADABLE = {
     "bad-step": '{"step": "eight", "timestamp": "2025-01-01T00:00:08"}',
     "not-a-dict": "[8]",
     "binary": b"\xff\xfe",
+    # file-system states: a symbolic link to a file that is gone is there but cannot be opened (not an
+    # interrupted write: Levanter writes metadata.json itself, never a link); a link to itself cannot be read
+    "dangling-link": lambda file: os.symlink(file.parent / "gone.json", file),
+    "link-loop": lambda file: os.symlink(file, file),
 }
 
 
@@ -467,7 +471,11 @@ def test_unreadable_metadata_stops_the_run_and_removes_nothing(tmp_path, metadat
     _checkpoint_folder(run, "step-4", _meta(4, "2025-01-01T00:00:04"))
     _checkpoint_folder(run, "step-6")
     _checkpoint_folder(run, "step-8")
-    (run / "step-8" / "metadata.json").write_bytes(metadata.encode() if isinstance(metadata, str) else metadata)
+    file = run / "step-8" / "metadata.json"
+    if callable(metadata):
+        metadata(file)
+    else:
+        file.write_bytes(metadata.encode() if isinstance(metadata, str) else metadata)
     before = {str(p): p.read_bytes() for p in run.rglob("*") if p.is_file()}
     with pytest.raises(UserError) as info:
         remove_incomplete_checkpoints(str(run))
@@ -475,7 +483,7 @@ def test_unreadable_metadata_stops_the_run_and_removes_nothing(tmp_path, metadat
     assert "\n" not in message and f"checkpoint {run / 'step-8'}: its metadata.json" in message
     assert f"mv {run / 'step-8'} {run}.step-8.unreadable" in message and "it was not removed" in message
     assert {str(p): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
-    assert sorted(p.name for p in run.iterdir()) == ["step-4", "step-6", "step-8"]
+    assert sorted(p.name for p in run.iterdir()) == ["step-4", "step-6", "step-8"] and os.path.lexists(file)
 
 
 def test_sigterm_requests_a_stop_after_the_current_batch():

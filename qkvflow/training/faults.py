@@ -166,8 +166,10 @@ def _read_metadata(fs, path: str) -> Optional[dict]:
         with fs.open(file) as f:
             metadata = json.load(f)
     except FileNotFoundError:
-        if fs.exists(file):  # e.g. a dangling link: the file is there but cannot be opened
-            problem = "cannot be opened"
+        # listed in its folder but not found: e.g. a symbolic link to a file that is gone (fsspec's
+        # `exists` follows links, so it says False for a dangling one, as if nothing were there)
+        if any(os.path.basename(p.rstrip("/")) == "metadata.json" for p in fs.ls(path, detail=False)):
+            problem = "cannot be opened (a symbolic link to a missing file?)"
         else:
             return None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
