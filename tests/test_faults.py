@@ -543,6 +543,37 @@ def test_sigint_requests_a_stop_and_a_second_one_exits_at_once(tmp_path):
         assert message in proc.stderr
 
 
+def test_ctrl_c_under_jax_distributed_is_forwarded_as_one_sigterm(monkeypatch):
+    """With several processes, the first SIGINT is passed on to JAX's preemption notifier as a SIGTERM to
+    our own process, which is not a second signal. A faked two-process run (a distributed client,
+    process_count 2) whose `os.kill` delivers as CPython does for a signal to itself: the handler runs
+    inside the call (or the default action ends the process). The forwarded SIGTERM must find the
+    flag set: one stop requested, by SIGINT, and the process alive (else it exits 143, unsaved)."""
+    from qkvflow.training import faults
+
+    died = []
+
+    def deliver(pid, signum):
+        assert pid == os.getpid()
+        handler = signal.getsignal(signum)
+        if handler is signal.SIG_DFL:  # the default action of SIGTERM and SIGINT: the process ends
+            died.append(signal.Signals(signum).name)
+        else:
+            handler(signum, None)
+
+    monkeypatch.setattr(faults, "_distributed_client", lambda: object())
+    monkeypatch.setattr(faults.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(faults.os, "kill", deliver)
+    before = signal.getsignal(signal.SIGTERM)
+    with faults.Preemption() as preemption:
+        deliver(os.getpid(), signal.SIGINT)  # Ctrl-C
+        assert died == [] and preemption.requested and preemption.signal_name == "SIGINT"
+        assert not preemption._forwarded and signal.getsignal(signal.SIGTERM) == preemption._handle
+        deliver(os.getpid(), signal.SIGINT)  # a second Ctrl-C still ends the process at once
+        assert died == ["SIGINT"]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_a_resume_drops_the_metrics_of_the_steps_it_trains_again(tmp_path):
     """The file a SIGKILL leaves after step 5 (checkpoint after step 3, a line cut short): resuming at
     step 3 (0-based) keeps hparams, summaries and steps 0-2; Levanter's rerun of the hooks after the
