@@ -162,3 +162,55 @@ def test_the_write_probe(tmp_path):
     check_writable("gs://bucket/checkpoints", "key")  # remote: left to fsspec
     check_writable(None, "key")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"]  # nothing created, no probe left
+
+
+def test_a_folder_that_becomes_yours_during_the_write_is_not_replaced(world):
+    """`check_replaceable` runs again just before the swap: a file of the user's put into the target while
+    the writer ran (the target absent, then an earlier output, at the first check) survives, and so does
+    the folder; the new output is dropped and no temporary folder is left."""
+    for earlier in (False, True):
+        out = world / f"export-{earlier}"
+        if earlier:
+            with replacing(str(out), kind="hf_export", key="--output") as folder:
+                _write(folder, **{"model.safetensors": "old"})
+        with pytest.raises(UserError, match="did not write|was not written by qkvflow"):
+            with replacing(str(out), kind="hf_export", key="--output") as folder:
+                _write(folder, **{"model.safetensors": "new"})
+                out.mkdir(exist_ok=True)
+                (out / "thesis.tex").write_text("years of work")
+        assert (out / "thesis.tex").read_text() == "years of work"
+        assert (out / "model.safetensors").exists() == earlier
+    assert sorted(p.name for p in world.iterdir()) == ["checkpoints", "configs", "export-False", "export-True", "here"]
+
+
+def _read_only(folder: Path):
+    """Make `folder` refuse new entries: `chattr +i` as root (whom modes do not stop), mode 555 otherwise.
+    Returns the undo, or None when this file system or user cannot do it."""
+    import subprocess
+
+    if os.geteuid() == 0:
+        done = subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0
+        return (lambda: subprocess.run(["chattr", "-i", str(folder)], check=True)) if done else None
+    folder.chmod(0o555)
+    return lambda: folder.chmod(0o755)
+
+
+def test_the_write_probe_beside_an_output_checks_its_parent(tmp_path):
+    """`beside=True` probes where `replacing` puts its temporary sibling: an existing, writable output
+    folder inside a read-only parent is refused at the start (not after the work, at the swap)."""
+    parent = tmp_path / "parent"
+    out = parent / "export"
+    out.mkdir(parents=True)
+    check_writable(str(out), "--output", beside=True)
+    undo = _read_only(parent)
+    if undo is None:
+        pytest.skip("cannot make a read-only folder here (chattr +i failed as root)")
+    try:
+        check_writable(str(out), "--output")  # the folder itself can still be written ...
+        _refusal(  # ... but not beside it
+            lambda: check_writable(str(out), "--output", beside=True),
+            f"--output={str(out)!r} cannot be written (creating a file in {parent} failed",
+        )
+    finally:
+        undo()
+    assert sorted(p.name for p in parent.iterdir()) == ["export"] and not any(out.iterdir())
