@@ -251,6 +251,39 @@ def test_run_lock_refuses_a_second_holder_and_recovers_a_stale_one(tmp_path):
         assert json.loads((run / LOCK_FILE).read_text())["pid"] == os.getpid()
 
 
+def test_run_lock_taken_on_a_file_its_holder_just_removed_is_taken_again(tmp_path, monkeypatch):
+    """A holder that ends between our `open` and our `flock` has removed the file we opened: the lock we
+    then get is on a file no one else can find. The lock is taken again on the current file, so that a
+    third run is refused (without the re-check, it would create a new file and run beside us)."""
+    import fcntl
+    import json
+
+    from qkvflow.errors import UserError
+    from qkvflow.training.runlock import LOCK_FILE, RunLock
+
+    run = tmp_path / "checkpoints" / "tiny"
+    holder = RunLock(str(run)).acquire()
+    flock, calls = fcntl.flock, []
+
+    def holder_ends_first(fd, operation):
+        if operation & fcntl.LOCK_EX:
+            calls.append(fd)
+            if len(calls) == 1:
+                holder.release()  # unlinks the file just opened by the second run, then unlocks it
+        return flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", holder_ends_first)
+    second = RunLock(str(run)).acquire()
+    monkeypatch.setattr(fcntl, "flock", flock)
+    try:
+        with pytest.raises(UserError, match=f"in use by process {os.getpid()} "):
+            RunLock(str(run)).acquire()
+        assert len(calls) == 2  # the first lock, on the removed file, was let go
+        assert json.loads((run / LOCK_FILE).read_text())["pid"] == os.getpid()
+    finally:
+        second.release()
+
+
 def test_second_train_of_the_same_run_is_refused_in_one_line(four_device_runs):
     """While another process holds the run (here a tiny holder instead of a whole training run, started
     by four_device_runs), `qkvflow train` with the same id exits 2 in one line, before writing or
