@@ -97,15 +97,17 @@ def rk4_reference(block, x, n_real, steps=100):
 
 
 def test_forward_readout_and_regulariser(setup):
-    """Two chained blocks, SOS readout through relu MLP, R = lambda / (2L) sum_blocks int ||X'||^2."""
+    """Two chained blocks, SOS readout through relu MLP, R = lambda / (2L) sum_blocks int ||X'||^2, with L
+    the string's own length (SOS included), not the padded width."""
     lam = 0.25
     config = NodeTransformerConfig(max_len=8, kinetic_lambda=lam)
     _, params = setup
     data = parity_dataset(2)
-    tokens, lengths = data.tokens[3:5], data.lengths[3:5]  # "01", "10"
+    tokens, lengths = data.tokens[[1, 3, 4]], data.lengths[[1, 3, 4]]  # "1" (padded), "01", "10"
+    assert list(lengths) == [2, 3, 3] and tokens.shape[1] == 3 and tokens[0, 2] == PAD
     logits, reg, nfe = forward(params, jnp.asarray(tokens), jnp.asarray(lengths), config)
-    assert nfe.shape == (2,) and (nfe > 0).all()
-    for b in range(2):
+    assert nfe.shape == (3,) and (nfe > 0).all()
+    for b in range(3):
         n = int(lengths[b])
         x = np.asarray(params["embed"])[tokens[b]] + pos_encoding(tokens.shape[1])
         total = 0.0
