@@ -25,6 +25,7 @@ from qkvflow.models.adaptive import AdaptiveGpt2Config
 from qkvflow.models.halting import HaltingConfig, HaltingGpt2Config, HaltingLMHeadModel
 from qkvflow.training import halting_phase
 from qkvflow.training.config import TrainConfig
+from tests.analysis.builders import filled
 from tests.helpers import Batch, Vocab
 from tests.models.test_halting import geometric_q_reference, smoothed_reference
 
@@ -83,6 +84,33 @@ def test_training_loss_is_the_cross_entropy_to_the_oracle(tokens, oracle):
         total += sum(-math.log(q[t, target[t]]) for t in range(T - 1))
     reference = 0.5 * total / (Batch.size * (T - 1))
     np.testing.assert_allclose(got, reference, rtol=2e-5)  # float32 sums over d = 32 and V = 61
+
+
+def test_the_likelihood_oracle_scores_the_next_token(tokens):
+    """n* of the likelihood oracle, by its equation with lambda = 0 and no smoothing: per position t, the
+    exit n whose logits give the gold token y_t = x_{t+1} the highest log-likelihood. The target must be
+    the next token: scoring x_t itself picks other exits at most positions (checked on the reference)."""
+    config = config_of(oracle="likelihood", lam=0.0, sigma=1e-3)  # kappa(1) = exp(-1000) = 0: no smoothing
+    model = filled(config, Vocab, seed=5, std=0.2)  # random weights, filled without compiling an initialiser
+    L, T = config.Layers, tokens.axis_size("position")
+    weight = hax.named(jnp.asarray(np.arange(T) < T - 1, jnp.float32), tokens.resolve_axis("position"))
+    oracle_and_logits = eqx.filter_jit(lambda m, x, w: (m.oracle(x, m.exit_states(x), w), m.exit_logits(x)))
+    got, logits = oracle_and_logits(model, tokens, weight)  # one compiled program: seconds, not a minute
+    got = np.asarray(got.rearrange((Batch, "position")).array)
+    logits = np.asarray(logits.rearrange((Batch, "position", L, "vocab")).array, np.float64)
+    log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    ids = np.asarray(tokens.array)
+
+    def best_exit(gold):  # [batch, position] -> argmax_n LL(n), and its margin over the runner-up
+        ll = np.take_along_axis(log_p, gold[:, :, None, None].repeat(L.size, 2), -1)[..., 0]
+        ordered = np.sort(ll, -1)
+        return ll.argmax(-1)[:, : T - 1], (ordered[..., -1] - ordered[..., -2])[:, : T - 1]
+
+    want, margin = best_exit(np.roll(ids, -1, axis=1))
+    assert margin.min() > 1e-4  # no near-ties that float32 could flip
+    np.testing.assert_array_equal(got[:, : T - 1], want)
+    unshifted, _ = best_exit(ids)
+    assert (unshifted != want).mean() > 0.3
 
 
 def test_geometric_evaluation_equals_copy_up_at_its_exits(tokens):
