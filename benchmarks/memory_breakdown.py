@@ -59,7 +59,7 @@ def breakdown(name: str, batch: int, seq: int) -> dict:
     p_ode, p_gpt2 = count(model), gpt2_params(baseline_config(ode))
     tokens = batch * seq
     activ = {
-        "stored states": 2 * n * tokens * hidden,
+        "stored states (bf16)": 2 * n * tokens * hidden,
         "one layer's internals": tokens * hidden * (34 + 5 * heads * seq / hidden),
         "logits + gradient (f32)": 2 * 4 * tokens * VOCAB,
     }
