@@ -10,7 +10,7 @@ traces `--steps` steps and prints, per step:
   compiled HLO's `op_name` metadata): the optimizer update and the hypernetwork's weight generation
   (named scopes set in `Step` and `generate_batched`), attention's core (Levanter's
   `dot_product_attention`: scores, softmax, weighted sum), the other matrix products (split into the
-  feed-forward's, whose shapes carry the MLP width, and the rest: Q/K/V/O projections, unembedding),
+  feed-forward's, whose op_name names the `mlp` axis or module, and the rest: Q/K/V/O projections, unembedding),
   layout copies (copy/transpose kernels), and everything else (element-wise: norms, activations,
   the solver's updates and loop bookkeeping). Each part is split by pass: forward, recomputation
   (rematerialised forward inside the backward pass) and backward (`transpose(...)` in op_name);
@@ -78,8 +78,10 @@ def classify(kernel: str, shape: str, op: str, mlp_dim: int) -> tuple[str, str]:
     if "dot_product_attention" in op:
         return "attention core (QK^T, softmax, AV)", phase
     if kind.startswith(MATMUL_KINDS):
+        # haliax names a product by its axes ("contract embed -> batch, position, mlp"), Levanter's by
+        # its module (Gpt2Mlp); failing both, a product whose shape carries the MLP width
         dims = [int(d) for d in re.findall(r"\d+", shape.split("{")[0])]
-        if mlp_dim in dims:
+        if re.search(r"\bmlp\b|Mlp", op) or mlp_dim in dims:
             return "MLP products", phase
         return "other products (QKV/O, unembedding)", phase
     if any(k in kind for k in COPY_KINDS):
