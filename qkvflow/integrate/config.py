@@ -9,6 +9,7 @@ from .solvers import ADAPTIVE_BY_DEFAULT, EMBEDDED_ERROR, SOLVERS
 
 ADJOINTS = ("recursive_checkpoint", "direct", "backsolve")
 WEIGHT_CACHES = ("precompute", "on_the_fly")
+LOOPS = ("diffrax", "scan")
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,10 @@ class OdeConfig:
     """Fixed grids only. precompute: generate W(t) for every evaluation time in one batched
     hypernetwork call before the solve (fast, holds all weights); on_the_fly: generate inside each
     vector-field evaluation (memory flat in N)."""
+    loop: str = "diffrax"
+    """Fixed grids only. diffrax: `diffeqsolve`; scan: a `lax.scan` over diffrax's solver step with
+    per-step remat (`qkvflow.integrate.scan`), the same steps and times without diffrax's loop. The scan
+    keeps every step's state (recursive_checkpoint with `checkpoints` null or N) and returns x(1) only."""
 
     def __post_init__(self):
         _check(self.num_steps >= 1, "ode.num_steps", self.num_steps, "an integer >= 1")
@@ -63,6 +68,21 @@ class OdeConfig:
         _check(
             self.weight_cache in WEIGHT_CACHES, "ode.weight_cache", self.weight_cache, f"one of {list(WEIGHT_CACHES)}"
         )
+        _check(self.loop in LOOPS, "ode.loop", self.loop, f"one of {list(LOOPS)}")
+        if self.loop == "scan":
+            _check(
+                not self.is_adaptive,
+                "ode.loop",
+                self.loop,
+                f"'diffrax' for the adaptive solver {self.solver!r} (a scan needs a fixed grid)",
+            )
+            _check(
+                self.adjoint == "recursive_checkpoint" and self.checkpoints in (None, self.num_steps),
+                "ode.loop",
+                self.loop,
+                "'diffrax' unless ode.adjoint is recursive_checkpoint with ode.checkpoints null or ode.num_steps "
+                f"(the scan stores every step; got adjoint={self.adjoint!r}, checkpoints={self.checkpoints})",
+            )
 
     @property
     def is_adaptive(self) -> bool:

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import OdeConfig
+from .scan import scan_solve
 from .solvers import SOLVERS, CountingController, evaluations
 
 
@@ -68,7 +69,8 @@ def integrate(
     (diffrax's `PIDController(norm=)`, given the scaled error shaped like the state: y0's array, or
     (array, energy) with `tokens`); None: diffrax's RMS over every element. With `ts` (increasing times
     in (0, 1], the last one 1) the first result is x at every time of `ts`, stacked on a leading axis
-    (diffrax's `SaveAt(ts=...)`), and the energy is the one at the last time.
+    (diffrax's `SaveAt(ts=...)`), and the energy is the one at the last time. `config.loop == "scan"`
+    solves a fixed grid by `qkvflow.integrate.scan` (diffrax's solve when `ts` is given).
     """
     solver = build_solver(config)
     dt0 = 1.0 / config.num_steps
@@ -83,6 +85,12 @@ def integrate(
             return dy, energy_rate
 
         state0 = (y0, jnp.zeros((), jnp.float32))
+
+    if config.loop == "scan" and ts is None:
+        final = scan_solve(term_fn, solver, state0, args, config.num_steps)
+        steps = jnp.asarray(config.num_steps, jnp.int32)
+        stats = OdeStats(num_steps=steps, nfe=evaluations(solver, steps))
+        return (final, None, stats) if tokens is None else (final[0], final[1], stats)
 
     if config.is_adaptive:
         norm_kw = {} if norm is None else {"norm": norm}

@@ -67,4 +67,5 @@ class WeightSource(eqx.Module):
 def generate_batched(generator, times: jax.Array) -> dict:
     """W(t_k) for all k in one batched generator call; each weight gains an `ode_time` axis."""
     OdeTimeAxis = hax.Axis("ode_time", times.shape[0])
-    return generator.at_times(hax.named(times, OdeTimeAxis))
+    with jax.named_scope("weight_generation"):  # benchmarks/profile_step.py finds it by this name
+        return generator.at_times(hax.named(times, OdeTimeAxis))

@@ -64,5 +64,6 @@ def test_ode_config_defaults_are_pinned():
         "adjoint": "recursive_checkpoint",
         "checkpoints": None,
         "weight_cache": "precompute",
+        "loop": "diffrax",
     }
     assert not config.is_adaptive
