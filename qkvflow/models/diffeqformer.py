@@ -73,7 +73,11 @@ class DiffEqFormerConfig(LmConfig):
     """d_emb, width of each weight's time MLP; the projections hold d_emb times the layer's parameters."""
     num_frequencies: int = 128
     time_scale: float = 1000.0
-    """t is multiplied by this before the sinusoids (see qkvflow.nn.time_embedding)."""
+    """t is multiplied by this before the sinusoids (see qkvflow.nn.time_embedding). At 1000 the fastest
+    feature has period 2 pi / 1000 ~ 0.006 in t, far finer than any solver grid; 2 pi / time_scale is the
+    shortest period W(t) can follow (set it with the grids the model is trained and used on in mind)."""
+    time_max_period: float = 1e4
+    """P, the slowest sinusoid's period in units of time_scale * t (frequencies exp(-ln(P) i / F))."""
     shared_time_mlp: bool = False
     """One time MLP shared by all weights (the paper's ablation) instead of one per weight."""
     time_embed_norm: bool = False
@@ -118,6 +122,7 @@ class DiffEqFormerConfig(LmConfig):
         if self.intermediate_dim is not None:
             _check(self.intermediate_dim >= 1, "intermediate_dim", self.intermediate_dim, "null or an integer >= 1")
         _check(self.time_scale > 0, "time_scale", self.time_scale, "a positive float")
+        _check(self.time_max_period > 1, "time_max_period", self.time_max_period, "a float > 1")
         _check(self.kinetic_weight >= 0, "kinetic_weight", self.kinetic_weight, "a float >= 0")
         _check(self.exits in EXITS, "exits", self.exits, f"one of {list(EXITS)}")
         if self.exits != "none":

@@ -27,6 +27,7 @@ COMMON = {
     "time_embed_dim": 64,
     "num_frequencies": 128,
     "time_scale": 1000.0,
+    "time_max_period": 1e4,
     "shared_time_mlp": False,
     "time_embed_norm": False,
     "ode": OdeConfig(),
