@@ -41,6 +41,7 @@ from qkvflow.errors import check as _check
 from qkvflow.integrate.config import OdeConfig
 from qkvflow.integrate.solve import OdeStats, integrate
 from qkvflow.integrate.weight_source import WeightSource
+from qkvflow.models.depth_dial import DepthDialConfig
 from qkvflow.models.flavour import GPT2, LLAMA, Flavour
 from qkvflow.models.generator import HyperGenerator, SharedGenerator
 from qkvflow.models.registry import register
@@ -87,6 +88,9 @@ class DiffEqFormerConfig(LmConfig):
     ode: OdeConfig = dataclasses.field(default_factory=OdeConfig)
     kinetic_weight: float = 0.0
     """lambda of the kinetic regulariser lambda/2 * int mean_tokens ||dx/dt||^2 dt; 0 turns it off."""
+    dial: DepthDialConfig = dataclasses.field(default_factory=DepthDialConfig)
+    """Training recipes for a depth chosen when the model runs (varied grids, consistency, Jacobian
+    regulariser; `qkvflow.models.depth_dial`); all off by default."""
     exits: str = "none"
     """"aligned": train on the mean next-token loss of N exits, norm(x(k/N)) @ unembedding for
     k = 1..N (depth-adaptive exits in continuous depth, `qkvflow.models.ode_exits`); fixed grids only.
@@ -132,6 +136,14 @@ class DiffEqFormerConfig(LmConfig):
                 self.exits,
                 f"'none' with the adaptive solver ode.solver={self.ode.solver!r}: exits sit on a fixed grid of "
                 "ode.num_steps steps (a fixed-step solver, or ode.adaptive: false)",
+            )
+        if self.dial.active:
+            _check(
+                self.exits == "none" and not self.ode.is_adaptive,
+                "dial",
+                self.dial,
+                f"no recipe with exits={self.exits!r} or the adaptive solver {self.ode.solver!r}: the depth-dial "
+                "recipes train a fixed-step solver's loss at t = 1",
             )
         _check(self.matrix_init in ("normal", "fan_in"), "matrix_init", self.matrix_init, "'normal' or 'fan_in'")
         _check(self.initializer_range > 0, "initializer_range", self.initializer_range, "a positive float")

@@ -12,6 +12,7 @@ from levanter.layers.rotary import DefaultRotaryEmbeddingsConfig
 from levanter.utils.activation import ActivationFunctionEnum
 
 from qkvflow.integrate.config import OdeConfig
+from qkvflow.models.depth_dial import DepthDialConfig
 from qkvflow.models.diffeqformer import (
     DiffEqFormerGpt2Config,
     DiffEqFormerLlamaConfig,
@@ -32,6 +33,9 @@ COMMON = {
     "time_embed_norm": False,
     "ode": OdeConfig(),
     "kinetic_weight": 0.0,
+    "dial": DepthDialConfig(
+        train_steps=(), jitter=0.0, steer=0.0, consistency_weight=0.0, consistency_factor=2, jacobian_weight=0.0
+    ),
     "exits": "none",
     "initializer_range": 0.02,
     "matrix_init": "normal",
