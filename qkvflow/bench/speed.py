@@ -367,6 +367,7 @@ def run(args) -> dict:
             "mlp_dim": config.mlp_dim,
             "time_embed_dim": config.time_embed_dim,
             "ode": dataclasses.asdict(config.ode),
+            "dial": dataclasses.asdict(config.dial) if hasattr(config, "dial") else None,
             "dtype": args.dtype,
             "repeats": args.repeats,
             "warmup": args.warmup,
