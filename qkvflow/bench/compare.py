@@ -39,13 +39,13 @@ from typing import Optional
 
 import yaml
 
-from qkvflow.bench import stats
+from qkvflow.bench import depth_curves, stats
 from qkvflow.errors import UserError
 from qkvflow.outputs import check_writable
 from qkvflow.training.tracking import metrics_file, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
-STUDY_KEYS = {"base", "baseline", "iters", "learning_rates", "seeds", "models", "title"}
+STUDY_KEYS = {"base", "baseline", "iters", "learning_rates", "seeds", "models", "title", "depth"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -116,6 +116,8 @@ def load_study(path: str, args) -> dict:
         raise UserError(f"bench compare: {path}: base={study.get('base')!r}: no such file beside the study")
     study["base"] = str(base)
     study["name"] = Path(path).stem
+    if "depth" in study:  # every chosen ODE run also evaluated at these grids (qkvflow.bench.depth_curves)
+        study["depth"] = depth_curves.check(study["depth"], path)
     return study
 
 
@@ -271,11 +273,34 @@ def test_loss(study: dict, model: str, lr: float, seed: int, workdir: Path, args
     shutil.rmtree(out, ignore_errors=True)  # a partial output of this study's own earlier attempt
     cmd = [sys.executable, "-m", "qkvflow", "eval", "--config_path", str(workdir / "configs" / f"{rid}.yaml"),
            "--checkpoint", str(workdir / "checkpoints" / rid), "--corpus.eval_split", "test", "--output", str(out)]  # fmt: skip
+    if _is_ode(study, model):
+        cmd += depth_curves.eval_args(study.get("depth"))
     print(f"bench compare: evaluating {rid} on the test split", flush=True)
     _subprocess(cmd, workdir / "logs" / f"{rid}.out", args.timeout)
-    (row,) = json.loads((out / "depth.json").read_text())["rows"]
-    _write_json(done, {"test_loss": row["loss"]})
+    rows = json.loads((out / "depth.json").read_text())["rows"]
+    row = depth_curves.trained_row(rows)
+    _write_json(done, {"test_loss": row["loss"], "depth": rows})
     return row["loss"]
+
+
+def _is_ode(study: dict, model: str) -> bool:
+    from qkvflow.models import registry
+
+    kind = (_overlay(study, model).get("model") or {}).get("type")
+    return kind in {f.name for f in registry.families() if f.ode}
+
+
+def depth_report(study: dict, tests: dict, workdir: Path) -> dict:
+    """Per ODE model, its chosen runs' test rows at every grid summarised over seeds (`depth_curves`)."""
+    models = {}
+    for model, per_seed in tests.items():
+        if _is_ode(study, model):
+            lr = per_seed["learning_rate"]
+            rows = {s: json.loads((workdir / "results" / f"{run_id(model, lr, s)}.test.json").read_text())["depth"]
+                    for s in study["seeds"]}  # fmt: skip
+            models[model] = depth_curves.summarise(rows)
+    return {"study": study["name"], "title": study.get("title") or study["name"], "iters": study["iters"],
+            "seeds": study["seeds"], "grids": study["depth"], "models": models}  # fmt: skip
 
 
 def training_flops(config_path: Path, iters: int) -> Optional[float]:
@@ -396,7 +421,7 @@ def main(argv: list[str]) -> int:
     check_writable(args.out_dir, "--out_dir")
     for sub in ("configs", "results", "logs", "test"):
         (workdir / sub).mkdir(exist_ok=True)
-    runs, tests, flops = [], {}, {}
+    runs, tests, flops, chosen = [], {}, {}, {}
     for model in study["models"]:
         grid = learning_rates(study, model)
         mine = [train(study, model, lr, seed, workdir, args) for lr in grid for seed in study["seeds"]]
@@ -404,6 +429,7 @@ def main(argv: list[str]) -> int:
         by_lr = {lr: [r["selection_loss"] for r in mine if r["learning_rate"] == lr] for lr in grid}
         best = min(by_lr, key=lambda lr: math.fsum(by_lr[lr]) / len(by_lr[lr]))
         tests[model] = {seed: test_loss(study, model, best, seed, workdir, args) for seed in study["seeds"]}
+        chosen[model] = {"learning_rate": best}
         flops[model] = training_flops(
             workdir / "configs" / f"{run_id(model, best, study['seeds'][0])}.yaml", study["iters"]
         )
@@ -421,4 +447,10 @@ def main(argv: list[str]) -> int:
     (out / f"{name}.md").write_text(table)
     plot(result, out / f"{name}.png")
     print(table)
+    if "depth" in study:
+        curves = depth_report(study, chosen, workdir)
+        (out / f"{name}_depth.json").write_text(json.dumps(curves, indent=1) + "\n")
+        (out / f"{name}_depth.md").write_text(depth_curves.markdown(curves))
+        depth_curves.plot(curves, out / f"{name}_depth.png")
+        print(depth_curves.markdown(curves))
     return 0

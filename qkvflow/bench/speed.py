@@ -73,6 +73,12 @@ def parser(prog="qkvflow bench speed") -> argparse.ArgumentParser:
     p.add_argument("--weight_cache", default=None)
     p.add_argument("--loop", default=None, help="the ODE's fixed-step loop: diffrax or scan (ode.loop)")
     p.add_argument("--time_embed_dim", type=int, default=None)
+    p.add_argument(
+        "--dial",
+        default=None,
+        help="the DiffEqFormer's depth-dial recipes as a YAML mapping, e.g. '{train_steps: [2, 4, 8], jitter: 0.5}' "
+        "(qkvflow.models.depth_dial); each timed step draws its grid with a key of its own",
+    )
     return p
 
 
@@ -114,7 +120,25 @@ def apply_overrides(model, args):
         top["max_seq_len"] = args.seq_len
     if args.time_embed_dim is not None:
         top["time_embed_dim"] = args.time_embed_dim
+    if getattr(args, "dial", None) is not None:
+        top["dial"] = dial_config(args.dial)
     return dataclasses.replace(model, **top)
+
+
+def dial_config(text: str):
+    """`--dial`'s YAML mapping as a `DepthDialConfig`; one line naming the option otherwise."""
+    from qkvflow.models.depth_dial import DepthDialConfig
+
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError:
+        raw = None
+    names = [f.name for f in dataclasses.fields(DepthDialConfig)]
+    if not isinstance(raw, dict) or set(raw) - set(names):
+        raise UserError(f"--dial {text!r} is invalid: expected a YAML mapping with keys among {names}")
+    if "train_steps" in raw:
+        raw["train_steps"] = tuple(raw["train_steps"] or ())
+    return DepthDialConfig(**raw)
 
 
 def baseline_config(model, *, remat: bool = True):
@@ -201,20 +225,24 @@ class Step:
         tokens = hax.random.randint(key_tokens, (Batch, config.max_Pos), 0, Vocab.size)
         example = hax.vmap(LmExample.causal, Batch)(tokens)
 
-        def loss_fn(params, example):
+        # a DiffEqFormer with depth-dial recipes draws its grid from the training step's key (as in training)
+        dial = getattr(config, "dial", None)
+        self.key = jax.random.PRNGKey(seed + 1) if dial is not None and dial.active else None
+
+        def loss_fn(params, example, key):
             model = policy.cast_to_compute(eqx.combine(params, static))
-            out = lm_loss(model, example)
+            out = lm_loss(model, example, key=key)
             loss = out[0] if isinstance(out, tuple) else out
             return loss.scalar() if isinstance(loss, hax.NamedArray) else loss
 
-        def step(params, opt_state, example):
-            loss, grads = eqx.filter_value_and_grad(loss_fn)(params, example)
+        def step(params, opt_state, example, key):
+            loss, grads = eqx.filter_value_and_grad(loss_fn)(params, example, key)
             with jax.named_scope("optimizer_update"):  # benchmarks/profile_step.py finds it by this name
                 updates, opt_state = optimizer.update(grads, opt_state, params=params)
                 return eqx.apply_updates(params, updates), opt_state, loss
 
         start = time.perf_counter()
-        lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, example)
+        lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, example, self.key)
         self.compiled = lowered.compile()
         self.compile_s = time.perf_counter() - start
         self.state = (params, opt_state)
@@ -226,7 +254,8 @@ class Step:
 
     def run(self) -> float:
         start = time.perf_counter()
-        params, opt_state, loss = self.compiled(*self.state, self.example)
+        key = None if self.key is None else jax.random.fold_in(self.key, len(self.times))
+        params, opt_state, loss = self.compiled(*self.state, self.example, key)
         loss.block_until_ready()
         elapsed = time.perf_counter() - start
         self.state, self.loss = (params, opt_state), float(loss)
@@ -340,6 +369,7 @@ def run(args) -> dict:
             "mlp_dim": config.mlp_dim,
             "time_embed_dim": config.time_embed_dim,
             "ode": dataclasses.asdict(config.ode),
+            "dial": dataclasses.asdict(config.dial) if hasattr(config, "dial") else None,
             "dtype": args.dtype,
             "repeats": args.repeats,
             "warmup": args.warmup,

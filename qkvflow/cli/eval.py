@@ -47,7 +47,8 @@ class EvalOptions:
     checkpoint: Optional[str] = None
     """The run's checkpoints: checkpoints/<run_id> (its newest step-N) or a step-N folder."""
     steps: Optional[str] = None
-    """Fixed solver grids to evaluate a DiffEqFormer at, comma-separated (e.g. 1,2,4,8,16); default: model.ode.num_steps."""
+    """Fixed solver grids to evaluate a DiffEqFormer at, comma-separated (e.g. 1,2,4,8,16, or relative to the trained
+    N = model.ode.num_steps: N/4,N/2,N,2N,4N); default: model.ode.num_steps."""
     solver: Optional[str] = None
     """Solvers for the fixed grids, comma-separated (euler, heun, midpoint, ralston, rk4, tsit5, dopri5); default: model.ode.solver."""
     tolerances: Optional[str] = None
@@ -119,9 +120,9 @@ def is_ode(model_config) -> bool:
 
 
 def points(config: EvalConfig):
-    from qkvflow.evaluation.depth import grid_points, parse_list
+    from qkvflow.evaluation.depth import grid_points, parse_list, parse_steps
 
-    steps = parse_list(config.steps, "steps", int, "comma-separated integers >= 1, e.g. 2,4,8")
+    steps = parse_steps(config.steps, config.model.ode.num_steps)
     solvers = parse_list(config.solver, "solver", str, "comma-separated solver names, e.g. euler,rk4")
     tolerances = parse_list(config.tolerances, "tolerances", float, "comma-separated positive numbers, e.g. 1e-2,1e-3")
     return grid_points(config.model.ode, steps, solvers, tolerances, config.adaptive_solver)

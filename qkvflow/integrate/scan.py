@@ -18,11 +18,14 @@ import jax
 import jax.numpy as jnp
 
 
-def scan_solve(term_fn: Callable, solver: dfx.AbstractSolver, y0, args, num_steps: int):
-    """y(1) of dy/dt = term_fn(t, y, args) from y(0) = y0 in `num_steps` equal steps of `solver`."""
+def scan_solve(term_fn: Callable, solver: dfx.AbstractSolver, y0, args, num_steps: int, times=None):
+    """y(1) of dy/dt = term_fn(t, y, args) from y(0) = y0 in `num_steps` equal steps of `solver`; with
+    `times` (num_steps + 1 increasing times, as diffrax's `StepTo` takes them), y(times[-1]) stepping from
+    each time to the next."""
     terms = dfx.ODETerm(term_fn)
-    times = jnp.arange(num_steps + 1, dtype=jnp.result_type(float)) / num_steps
-    times = times.at[-1].set(1.0)
+    if times is None:
+        times = jnp.arange(num_steps + 1, dtype=jnp.result_type(float)) / num_steps
+        times = times.at[-1].set(1.0)
     state0 = solver.init(terms, times[0], times[1], y0, args)
 
     @jax.checkpoint

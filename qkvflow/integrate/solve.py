@@ -61,6 +61,7 @@ def integrate(
     tokens: Optional[int] = None,
     norm: Optional[Callable] = None,
     ts: Optional[jax.Array] = None,
+    grid: Optional[jax.Array] = None,
 ) -> tuple[jax.Array, Optional[jax.Array], OdeStats]:
     """Solve from t=0 to t=1; return (x(1), kinetic energy or None, stats).
 
@@ -69,11 +70,13 @@ def integrate(
     (diffrax's `PIDController(norm=)`, given the scaled error shaped like the state: y0's array, or
     (array, energy) with `tokens`); None: diffrax's RMS over every element. With `ts` (increasing times
     in (0, 1], the last one 1) the first result is x at every time of `ts`, stacked on a leading axis
-    (diffrax's `SaveAt(ts=...)`), and the energy is the one at the last time. `config.loop == "scan"`
-    solves a fixed grid by `qkvflow.integrate.scan` (diffrax's solve when `ts` is given).
+    (diffrax's `SaveAt(ts=...)`), and the energy is the one at the last time. With `grid` (config.num_steps
+    + 1 increasing times from 0, a fixed-step solver) the steps go from one time of `grid` to the next
+    (diffrax's `StepTo`) and the solve ends at grid[-1] (`qkvflow.models.depth_dial`). `config.loop ==
+    "scan"` solves a fixed grid by `qkvflow.integrate.scan` (diffrax's solve when `ts` is given).
     """
     solver = build_solver(config)
-    dt0 = 1.0 / config.num_steps
+    dt0, t1 = 1.0 / config.num_steps, 1.0
 
     if tokens is None:
         term_fn, state0 = field, y0
@@ -87,7 +90,7 @@ def integrate(
         state0 = (y0, jnp.zeros((), jnp.float32))
 
     if config.loop == "scan" and ts is None:
-        final = scan_solve(term_fn, solver, state0, args, config.num_steps)
+        final = scan_solve(term_fn, solver, state0, args, config.num_steps, times=grid)
         steps = jnp.asarray(config.num_steps, jnp.int32)
         stats = OdeStats(num_steps=steps, nfe=evaluations(solver, steps))
         return (final, None, stats) if tokens is None else (final[0], final[1], stats)
@@ -96,8 +99,11 @@ def integrate(
         norm_kw = {} if norm is None else {"norm": norm}
         controller = CountingController(dfx.PIDController(rtol=config.rtol, atol=config.atol, **norm_kw))
         max_steps = config.max_steps
-    else:
+    elif grid is None:
         controller = dfx.ConstantStepSize()
+        max_steps = config.num_steps
+    else:
+        controller, dt0, t1 = dfx.StepTo(ts=grid), None, grid[-1]
         max_steps = config.num_steps
 
     if ts is None:
@@ -108,7 +114,7 @@ def integrate(
         dfx.ODETerm(term_fn),
         solver,
         t0=0.0,
-        t1=1.0,
+        t1=t1,
         dt0=dt0,
         y0=state0,
         args=args,

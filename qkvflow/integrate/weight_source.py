@@ -31,6 +31,15 @@ def evaluation_times(config: OdeConfig) -> Optional[np.ndarray]:
     return np.array(sorted(times), dtype=np.float32)
 
 
+def grid_evaluation_times(config: OdeConfig, grid: jax.Array) -> jax.Array:
+    """Sorted times at which a fixed-step solve on the step times `grid` evaluates the field: each step's
+    start (and end, for a solver with a stage there), then its inner stages (`qkvflow.models.depth_dial`)."""
+    offsets = sorted(set(stage_offsets(build_solver(config))))
+    parts = [grid if offsets[-1] == 1.0 else grid[:-1]]
+    parts += [grid[:-1] + c * jnp.diff(grid) for c in offsets if 0.0 < c < 1.0]
+    return jnp.sort(jnp.concatenate(parts))
+
+
 class WeightSource(eqx.Module):
     """W(t) for the vector field: `source(t)` is the generator's weights at t.
 
@@ -44,12 +53,12 @@ class WeightSource(eqx.Module):
     table: Optional[dict]
 
     @staticmethod
-    def build(generator, config: OdeConfig) -> "WeightSource":
-        """The source for `config`'s grid and weight cache."""
+    def build(generator, config: OdeConfig, grid: Optional[jax.Array] = None) -> "WeightSource":
+        """The source for `config`'s grid (or the step times `grid`, see `integrate`) and weight cache."""
         times = evaluation_times(config)
         if times is None:
             return WeightSource(generator, None, None)
-        times = jnp.asarray(times)
+        times = jnp.asarray(times) if grid is None else grid_evaluation_times(config, grid)
         table = None
         if config.weight_cache == "precompute":
             table = generate_batched(generator, times)

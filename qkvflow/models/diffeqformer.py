@@ -41,6 +41,7 @@ from qkvflow.errors import check as _check
 from qkvflow.integrate.config import OdeConfig
 from qkvflow.integrate.solve import OdeStats, integrate
 from qkvflow.integrate.weight_source import WeightSource
+from qkvflow.models.depth_dial import DepthDialConfig
 from qkvflow.models.flavour import GPT2, LLAMA, Flavour
 from qkvflow.models.generator import HyperGenerator, SharedGenerator
 from qkvflow.models.registry import register
@@ -73,7 +74,11 @@ class DiffEqFormerConfig(LmConfig):
     """d_emb, width of each weight's time MLP; the projections hold d_emb times the layer's parameters."""
     num_frequencies: int = 128
     time_scale: float = 1000.0
-    """t is multiplied by this before the sinusoids (see qkvflow.nn.time_embedding)."""
+    """t is multiplied by this before the sinusoids (see qkvflow.nn.time_embedding). At 1000 the fastest
+    feature has period 2 pi / 1000 ~ 0.006 in t, far finer than any solver grid; 2 pi / time_scale is the
+    shortest period W(t) can follow (set it with the grids the model is trained and used on in mind)."""
+    time_max_period: float = 1e4
+    """P, the slowest sinusoid's period in units of time_scale * t (frequencies exp(-ln(P) i / F))."""
     shared_time_mlp: bool = False
     """One time MLP shared by all weights (the paper's ablation) instead of one per weight."""
     time_embed_norm: bool = False
@@ -83,6 +88,9 @@ class DiffEqFormerConfig(LmConfig):
     ode: OdeConfig = dataclasses.field(default_factory=OdeConfig)
     kinetic_weight: float = 0.0
     """lambda of the kinetic regulariser lambda/2 * int mean_tokens ||dx/dt||^2 dt; 0 turns it off."""
+    dial: DepthDialConfig = dataclasses.field(default_factory=DepthDialConfig)
+    """Training recipes for a depth chosen when the model runs (varied grids, consistency, Jacobian
+    regulariser; `qkvflow.models.depth_dial`); all off by default."""
     exits: str = "none"
     """"aligned": train on the mean next-token loss of N exits, norm(x(k/N)) @ unembedding for
     k = 1..N (depth-adaptive exits in continuous depth, `qkvflow.models.ode_exits`); fixed grids only.
@@ -118,6 +126,7 @@ class DiffEqFormerConfig(LmConfig):
         if self.intermediate_dim is not None:
             _check(self.intermediate_dim >= 1, "intermediate_dim", self.intermediate_dim, "null or an integer >= 1")
         _check(self.time_scale > 0, "time_scale", self.time_scale, "a positive float")
+        _check(self.time_max_period > 1, "time_max_period", self.time_max_period, "a float > 1")
         _check(self.kinetic_weight >= 0, "kinetic_weight", self.kinetic_weight, "a float >= 0")
         _check(self.exits in EXITS, "exits", self.exits, f"one of {list(EXITS)}")
         if self.exits != "none":
@@ -127,6 +136,14 @@ class DiffEqFormerConfig(LmConfig):
                 self.exits,
                 f"'none' with the adaptive solver ode.solver={self.ode.solver!r}: exits sit on a fixed grid of "
                 "ode.num_steps steps (a fixed-step solver, or ode.adaptive: false)",
+            )
+        if self.dial.active:
+            _check(
+                self.exits == "none" and not self.ode.is_adaptive,
+                "dial",
+                self.dial,
+                f"no recipe with exits={self.exits!r} or the adaptive solver {self.ode.solver!r}: the depth-dial "
+                "recipes train a fixed-step solver's loss at t = 1",
             )
         _check(self.matrix_init in ("normal", "fan_in"), "matrix_init", self.matrix_init, "'normal' or 'fan_in'")
         _check(self.initializer_range > 0, "initializer_range", self.initializer_range, "a positive float")

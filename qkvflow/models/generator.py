@@ -60,14 +60,14 @@ class HyperGenerator(eqx.Module):
 
     @staticmethod
     def init(specs: dict[str, WeightSpec], config, *, key) -> "HyperGenerator":
-        """`config` supplies num_frequencies, time_scale, time_embed_dim, shared_time_mlp,
+        """`config` supplies num_frequencies, time_scale, time_max_period, time_embed_dim, shared_time_mlp,
         time_embed_norm, initializer_range and matrix_init.
 
         Matrices start with W(t) ~ N(0, std^2) at every t (the projection is rescaled by the
         measured size of its time embedding), std = initializer_range or, with matrix_init
         "fan_in", 1/sqrt(fan_in); biases start at 0 and norm scales at 1.
         """
-        embedding = SinusoidalTimeEmbedding.init(config.num_frequencies, config.time_scale)
+        embedding = SinusoidalTimeEmbedding.init(config.num_frequencies, config.time_scale, config.time_max_period)
         k_shared, *keys = jrandom.split(key, len(specs) + 1)
         d = config.time_embed_dim
         own = not config.shared_time_mlp

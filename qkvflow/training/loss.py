@@ -6,6 +6,8 @@ trainer logs as `train/ode_*`. Both give `flow(tokens, mask) -> (x, E, OdeStats)
 still goes through its final norm, the N-ODE's is already the readout's hidden layer. With a
 DiffEqFormer's `exits: aligned` the loss is the mean over the N grid-time exits
 (`qkvflow.models.ode_exits`), each exit's loss logged as `train/ode_exit_loss_k`.
+With a DiffEqFormer's `dial` recipes on, a training step (one given a key) solves on the grid they draw
+and adds their terms (`qkvflow.training.dial_loss`); evaluation solves on the config's grid.
 Other models (Levanter's GPT-2/Llama baselines) go through their own `compute_next_token_loss`.
 """
 
@@ -17,6 +19,7 @@ from levanter.models.loss import maybe_fused_next_token_loss
 from qkvflow.models.diffeqformer import DiffEqFormerLMHeadModel
 from qkvflow.models.node_lm import NodeTransformerLMHeadModel
 from qkvflow.models.ode_exits import aligned_loss
+from qkvflow.training.dial_loss import dial_flow
 
 
 def lm_loss(model: LmHeadModel, example: LmExample, *, key=None, z_loss_weight: float = 0.0):
@@ -36,7 +39,12 @@ def lm_loss(model: LmHeadModel, example: LmExample, *, key=None, z_loss_weight: 
         for k, exit_loss in enumerate(per_exit, start=1):
             metrics[f"ode_exit_loss_{k}"] = Metric.from_value(exit_loss, ReductionType.MEAN)
         return _with_ode_terms(model, loss, energy, stats, metrics)
-    if isinstance(model, DiffEqFormerLMHeadModel):
+    added = None
+    if isinstance(model, DiffEqFormerLMHeadModel) and key is not None and model.config.dial.active:
+        x, energy, stats, added, dial_metrics = dial_flow(model, example, weight, key)  # training only
+        metrics.update(dial_metrics)
+        x = model.final_norm(x)
+    elif isinstance(model, DiffEqFormerLMHeadModel):
         x, energy, stats = model.flow(example.tokens, example.attn_mask)
         x = model.final_norm(x)
     elif isinstance(model, NodeTransformerLMHeadModel):
@@ -58,6 +66,8 @@ def lm_loss(model: LmHeadModel, example: LmExample, *, key=None, z_loss_weight: 
         dtype=jnp.float32,
         block_size=getattr(model.config, "cross_entropy_block_size", None),
     )
+    if added is not None:
+        loss = loss + added
     return _with_ode_terms(model, loss, energy, stats, metrics)
 
 

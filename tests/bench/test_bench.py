@@ -311,3 +311,19 @@ def test_quality_configs_share_one_budget():
         assert raw["optimizer"] == reference["optimizer"], path  # the decay mask too: qkvflow's default for all
     tuned = draccus.parse(TrainConfig, config_path=str(configs / "quality_ode_tuned.yaml"), args=[])
     assert tuned.model.time_embed_norm and tuned.model.matrix_init == "fan_in"
+
+
+def test_speed_dial_option_sets_the_recipes_and_refuses_unknown_keys():
+    """`bench speed --dial` times the DiffEqFormer with its depth-dial recipes on (qkvflow.models.depth_dial)."""
+    from qkvflow.bench.speed import apply_overrides, dial_config, load_config, parser
+    from qkvflow.errors import UserError
+    from qkvflow.models.depth_dial import DepthDialConfig
+
+    args = parser().parse_args(
+        ["--config_path", str(ROOT / "benchmarks/configs/speed.yaml"), "--dial", "{train_steps: [2, 4], jitter: 0.5}"]
+    )
+    model = apply_overrides(load_config(args.config_path)[0], args)
+    assert model.dial == DepthDialConfig(train_steps=(2, 4), jitter=0.5) and model.dial.active
+    for bad in ("{train_step: [2]}", "[1, 2]", "{jitter: 2.0}"):
+        with pytest.raises(UserError, match="dial"):
+            dial_config(bad)

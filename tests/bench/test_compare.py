@@ -297,7 +297,8 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
     from qkvflow.data.corpora import corpus_vocab_size
     from qkvflow.models import accounting, registry
 
-    for name in ("tinyshakespeare", "pydoc", "beta2", "rk_blocks", "transevolve", "exits", "finetune_pretrain"):
+    studies = ("tinyshakespeare", "pydoc", "beta2", "rk_blocks", "transevolve", "exits", "finetune_pretrain")
+    for name in (*studies, "depth_dial", "depth_dial_pydoc"):
         configs, study = _study_configs(name, tmp_path), _study(name, tmp_path)
         reference = next(iter(configs.values()))[0]
         for model, (config, _) in configs.items():
@@ -320,6 +321,11 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
             llama, ode_llama = configs["llama"][0].model, configs["ode_llama"][0].model
             assert registry.type_name(ode_llama) == "diffeqformer_llama" and ode_llama.ode.num_steps == llama.num_layers
             assert (ode_llama.hidden_dim, ode_llama.intermediate_dim) == (llama.hidden_dim, llama.intermediate_dim)
+        if name.startswith("depth_dial"):  # every recipe on today's DiffEqFormer at N = 4 Euler steps
+            assert all(c.model.ode == configs["ode"][0].model.ode for c, _ in configs.values())
+            assert configs["ode"][0].model.ode.num_steps == 4 and not configs["ode"][0].model.dial.active
+            assert configs["steps_drawn"][0].model.dial.train_steps == (2, 4, 8)
+            assert configs["slow_time"][0].model.time_scale == 4.0
         if name == "finetune_pretrain":  # N = 6 steps, GPT-2 at N and 4N/3 layers, one width
             depth = {
                 m: c.model.ode.num_steps if m.startswith("ode") else c.model.num_layers for m, (c, _) in configs.items()
@@ -356,3 +362,52 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
                 "randomff_2": (6, 2, "random"), "randomff_1": (6, 1, "random"),
             }  # fmt: skip
             assert all(compare.training_flops(path, 300) > 0 for _, path in configs.values())
+
+
+class DepthRuns(FakeRuns):
+    """FakeRuns whose `qkvflow eval` with --steps writes one row per grid: the trained N = 2 at the test
+    loss, N = 1 at +0.3 + 0.01 seed, N = 4 at -0.01 seed (grid rows as qkvflow.evaluation.depth labels them)."""
+
+    def __call__(self, cmd, log_file, timeout):
+        super().__call__(cmd, log_file, timeout)
+        if cmd[3] != "eval" or "--steps" not in cmd:
+            return
+        assert cmd[cmd.index("--steps") + 1] == "N/2,N,2N" and cmd[cmd.index("--solver") + 1] == "euler"
+        out = Path(cmd[cmd.index("--output") + 1])
+        (loss,) = (r["loss"] for r in json.loads((out / "depth.json").read_text())["rows"])
+        seed = int(self.calls[-1].rsplit("-s", 1)[1])
+        rows = [{"solver": "euler", "grid": f"N={n}", "steps": n, "tolerance": None, "nfe": n, "trained": n == 2,
+                 "loss": loss + {1: 0.3 + 0.01 * seed, 2: 0.0, 4: -0.01 * seed}[n]} for n in (1, 2, 4)]  # fmt: skip
+        (out / "depth.json").write_text(json.dumps({"rows": rows}))
+
+
+def test_a_depth_section_evaluates_ode_runs_at_every_grid_and_reports_intervals(study, monkeypatch):
+    spec = yaml.safe_load((study / "study.yaml").read_text())
+    spec["depth"] = {"steps": "N/2,N,2N", "solver": "euler"}
+    (study / "study.yaml").write_text(yaml.safe_dump(spec))
+    fake = DepthRuns()
+    assert _main(study, monkeypatch, fake) == 0
+    result = json.loads((study / "out" / "study.json").read_text())
+    # the test loss of a run is its row at the trained grid
+    assert result["models"]["ode"]["test"]["per_seed"] == {str(s): _loss("ode", 2e-3, s, "test") for s in (0, 1, 2)}
+    curves = json.loads((study / "out" / "study_depth.json").read_text())
+    assert list(curves["models"]) == ["ode"]  # gpt2 has a fixed depth: no grids asked of it
+    by_grid = {g["grid"]: g for g in curves["models"]["ode"]}
+    coarse = [0.3 + 0.01 * s for s in (0, 1, 2)]  # N = 1 minus N = 2, per seed
+    half = T_975_2 * np.std(coarse, ddof=1) / math.sqrt(3)
+    assert by_grid["N=1"]["minus_trained"]["mean"] == pytest.approx(0.31, abs=1e-12)
+    assert by_grid["N=1"]["minus_trained"]["ci95"] == pytest.approx([0.31 - half, 0.31 + half], abs=1e-12)
+    assert by_grid["N=2"]["trained"] and by_grid["N=2"]["minus_trained"]["mean"] == 0.0
+    losses = [_loss("ode", 2e-3, s, "test") - 0.01 * s for s in (0, 1, 2)]
+    half = T_975_2 * np.std(losses, ddof=1) / math.sqrt(3)
+    assert by_grid["N=4"]["loss"]["ci95"] == pytest.approx([np.mean(losses) - half, np.mean(losses) + half])
+    assert (study / "out" / "study_depth.png").is_file() and "| ode | euler | N=2 (trained) |" in (
+        study / "out" / "study_depth.md"
+    ).read_text()
+    spec["depth"] = {"step": "N"}
+    (study / "study.yaml").write_text(yaml.safe_dump(spec))
+    with pytest.raises(UserError, match="depth=.* is invalid: expected a mapping with keys among"):
+        _main(study, monkeypatch, DepthRuns())
+
+
+T_975_2 = 4.302652729911275  # Student t, 97.5% quantile, 2 degrees of freedom (statistical tables)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from qkvflow.cli import main as cli_main
+from qkvflow.errors import UserError
 from tests.finetune_utils import TINY_TRAIN, shared_setup
 
 EPS32 = float(np.finfo(np.float32).eps)
@@ -40,7 +41,8 @@ def _rows(out: str) -> list[list[str]]:
 
 @pytest.fixture(scope="module")
 def depth_run(shared, tmp_path_factory):
-    """`qkvflow eval --steps 1,2 --tolerances 1e-2 --output DIR` on the trained tiny run: the JSON it wrote."""
+    """`qkvflow eval --steps N/2,N --tolerances 1e-2 --output DIR` on the trained tiny run (N = 2: the grids
+    1 and 2, which the tests read back): the JSON it wrote."""
     import contextlib
     import io
 
@@ -50,7 +52,7 @@ def depth_run(shared, tmp_path_factory):
     with contextlib.redirect_stdout(stdout):
         rc = cli_main([
             "eval", "--config_path", TINY_TRAIN, "--corpus.root", str(corpora), "--checkpoint", str(pretrained),
-            "--steps", "1,2", "--tolerances", "1e-2", "--output", str(out_dir),
+            "--steps", "N/2,N", "--tolerances", "1e-2", "--output", str(out_dir),
         ])  # fmt: skip
     assert rc == 0
     return out_dir, json.loads((out_dir / "depth.json").read_text()), stdout.getvalue()
@@ -218,6 +220,7 @@ def test_outputs_table_plot_and_overwrite_rules(shared, depth_run, capsys):
     [
         (["--steps", "2,x"], "--steps '2,x' is invalid: expected comma-separated integers"),
         (["--steps", "0"], "--steps 0 is invalid"),
+        (["--steps", "N/3"], "--steps N/3 is invalid with the trained N=2: 1 x 2 / 3 is not a whole number"),
         (["--solver", "rk5"], "--solver rk5 is invalid"),
         (["--tolerances", "1e-2", "--adaptive_solver", "euler"], "--adaptive_solver euler is invalid"),
     ],
@@ -226,6 +229,16 @@ def test_bad_grids_are_refused_in_one_line(shared, capsys, args, message):
     corpora, pretrained = shared
     rc, out, err = _eval(capsys, corpora, pretrained, *args)
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_steps_relative_to_the_trained_grid():
+    from qkvflow.evaluation.depth import parse_steps
+
+    assert parse_steps("N/4,N/2,N,2N,4N", 8) == [2, 4, 8, 16, 32]
+    assert parse_steps("3, 2*N, 5", 4) == [3, 8, 5]
+    for bad in ("N/16", "N/0", "xN", "2.5", "N/2.0"):
+        with pytest.raises(UserError):
+            parse_steps(bad, 8)
 
 
 def test_target_bytes_decode_each_run_of_targets_as_utf8():

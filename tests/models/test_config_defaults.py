@@ -12,6 +12,7 @@ from levanter.layers.rotary import DefaultRotaryEmbeddingsConfig
 from levanter.utils.activation import ActivationFunctionEnum
 
 from qkvflow.integrate.config import OdeConfig
+from qkvflow.models.depth_dial import DepthDialConfig
 from qkvflow.models.diffeqformer import (
     DiffEqFormerGpt2Config,
     DiffEqFormerLlamaConfig,
@@ -27,10 +28,14 @@ COMMON = {
     "time_embed_dim": 64,
     "num_frequencies": 128,
     "time_scale": 1000.0,
+    "time_max_period": 1e4,
     "shared_time_mlp": False,
     "time_embed_norm": False,
     "ode": OdeConfig(),
     "kinetic_weight": 0.0,
+    "dial": DepthDialConfig(
+        train_steps=(), jitter=0.0, steer=0.0, consistency_weight=0.0, consistency_factor=2, jacobian_weight=0.0
+    ),
     "exits": "none",
     "initializer_range": 0.02,
     "matrix_init": "normal",

@@ -59,3 +59,20 @@ def test_defaults_are_the_papers_and_reach_the_model():
     assert (config.num_frequencies, config.time_scale) == (128, 1000.0)
     model_embedding = tiny_model(config).generator.time_embedding
     np.testing.assert_array_equal(model_embedding(0.3).array, emb(0.3).array)
+
+
+def test_config_sets_scale_period_and_frequencies_of_the_model():
+    """`time_scale`, `time_max_period` and `num_frequencies` of the model config reach the generator's
+    embedding (a slow embedding for the depth-dial study): the formula written out for t = 0.7 with s = 2,
+    P = 50 and F = 3, whose fastest sinusoid has period 2 pi / 2 ~ 3.1 in t."""
+    from qkvflow.models.diffeqformer import DiffEqFormerGpt2Config
+    from tests.helpers import tiny_model
+
+    config = DiffEqFormerGpt2Config(
+        max_seq_len=8, hidden_dim=16, num_heads=2, time_embed_dim=4, num_frequencies=3, time_scale=2.0,
+        time_max_period=50.0,
+    )  # fmt: skip
+    emb = tiny_model(config).generator.time_embedding
+    w = np.array([50.0 ** (-i / 3) for i in range(3)])
+    expected = np.concatenate([[0.7], np.sin(2.0 * 0.7 * w), np.cos(2.0 * 0.7 * w)])
+    np.testing.assert_allclose(emb(0.7).array, expected, rtol=0, atol=4 * np.finfo(np.float32).eps)
