@@ -2,6 +2,7 @@
 # Everything qkvflow checks on an accelerator, in one command: install with the accelerator's jax,
 # train the quickstart, run the gpu-marked tests, and time the DiffEqFormer against the GPT-2 of the
 # same shape at two sizes (tokens/s, MFU, peak memory). Results go to --out; summary.md sums them up.
+# --no-install uses the JAX already installed (NVIDIA's JAX containers, a machine without network);
 # --cpu-dry-run runs the same steps at tiny sizes on the CPU with the current environment (no install).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -9,6 +10,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 OUT=""
 EXTRA=""
 DRY_RUN=0
+NO_INSTALL=0
 STEPS=""
 CORPORA=""
 PYTHON=${PYTHON:-python3}
@@ -16,7 +18,8 @@ SHAPES=(small medium)
 
 usage() {
     cat <<USAGE
-usage: $(basename "$0") [--out DIR] [--extra gpu|tpu] [--steps LIST] [--corpora DIR] [--cpu-dry-run]
+usage: $(basename "$0") [--out DIR] [--extra gpu|tpu] [--steps LIST] [--corpora DIR] [--no-install]
+       [--cpu-dry-run]
 
 Runs, from the repository root, each step below; a failing step is recorded and the others still run
 (exit status 1 if any failed). Each step's output is in DIR/<step>.log, DIR/status.tsv lists them.
@@ -33,9 +36,12 @@ options:
   --out DIR       results folder (default: accelerator-results-<UTC time>)
   --extra E       gpu or tpu: the pyproject extra to install (default: detected)
   --steps LIST    comma-separated subset of: install,quickstart,tests,speed,summary (default: all;
-                  with --cpu-dry-run all but install)
+                  with --no-install or --cpu-dry-run all but install)
   --corpora DIR   where the quickstart finds, or builds, its corpus (default: the config's
                   corpus.root; with --cpu-dry-run, DIR/corpora under --out)
+  --no-install    no install step: run with the JAX (and qkvflow's dependencies) that \$PYTHON already
+                  imports, e.g. an NVIDIA JAX container or a machine without network (checked first:
+                  a \$PYTHON that cannot import jax stops the script in one line)
   --cpu-dry-run   tiny sizes on the CPU (JAX_PLATFORMS=cpu), current environment, no install, nothing
                   written outside DIR (and --corpora); for checking this script
                   (tests/test_accelerator_script.py)
@@ -64,13 +70,18 @@ while [ $# -gt 0 ]; do
             esac
             shift 2 ;;
         --cpu-dry-run) DRY_RUN=1; shift ;;
+        --no-install) NO_INSTALL=1; shift ;;
         -h|--help) usage; exit 0 ;;
         *) die "unknown option '$1' (see --help)" ;;
     esac
 done
 
 if [ -z "$STEPS" ]; then
-    if [ "$DRY_RUN" = 1 ]; then STEPS=quickstart,tests,speed,summary; else STEPS=install,quickstart,tests,speed,summary; fi
+    if [ "$DRY_RUN" = 1 ] || [ "$NO_INSTALL" = 1 ]; then
+        STEPS=quickstart,tests,speed,summary
+    else
+        STEPS=install,quickstart,tests,speed,summary
+    fi
 fi
 IFS=, read -r -a STEP_LIST <<<"$STEPS"
 for step in "${STEP_LIST[@]}"; do
@@ -106,6 +117,12 @@ case "$EXTRA" in
     cpu) export JAX_PLATFORMS=cpu ;;
     *) die "--extra must be gpu or tpu, got '$EXTRA'" ;;
 esac
+if [ "$NO_INSTALL" = 1 ]; then
+    wants install && die "--no-install does not install: drop install from --steps"
+    version=$("$PYTHON" -c 'import jax; print(jax.__version__)' 2>/dev/null) ||
+        die "--no-install: $PYTHON cannot import jax; install it (or drop --no-install to install with pip)"
+    echo "using the installed jax $version ($PYTHON)"
+fi
 
 OUT=${OUT:-accelerator-results-$(date -u +%Y%m%dT%H%M%SZ)}
 mkdir -p "$OUT"

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 from tests.test_launch import shellcheck
@@ -17,7 +18,7 @@ SCRIPT = ROOT / "benchmarks" / "accelerator.sh"
 
 
 def script(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
-    environ = dict(os.environ, PYTHON=sys.executable, **env)
+    environ = {**os.environ, "PYTHON": sys.executable, **env}
     return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=environ, capture_output=True, text=True,
                           timeout=timeout)  # fmt: skip
 
@@ -31,7 +32,7 @@ def test_help_names_every_step_and_option():
     proc = script("--help")
     assert proc.returncode == 0, proc.stderr
     for word in ("install", "quickstart", "pytest -m gpu", "bench speed", "summary", "--out", "--extra", "--steps",
-                 "--corpora", "--cpu-dry-run", "accelerator_{small,medium}.yaml", "MFU", "peak memory"):  # fmt: skip
+"--corpora", "--no-install", "--cpu-dry-run", "accelerator_{small,medium}.yaml", "MFU", "peak memory"):  # fmt: skip
         assert word in proc.stdout, word
     for shape in ("small", "medium", "dry_run"):
         assert (ROOT / "benchmarks" / "configs" / f"accelerator_{shape}.yaml").is_file()
@@ -46,12 +47,23 @@ def test_help_names_every_step_and_option():
         (["--steps", "quickstart,lint", "--cpu-dry-run"], "unknown step 'lint'"),
         (["--cpu-dry-run", "--steps", "install"], "--cpu-dry-run does not install"),
         (["--extra", "rocm", "--steps", "summary"], "--extra must be gpu or tpu, got 'rocm'"),
+        (["--no-install", "--extra", "gpu", "--steps", "install,speed"], "--no-install does not install"),
     ],
 )
 def test_bad_arguments_are_refused_in_one_line(tmp_path, args, message):
     proc = script(*args, "--out", str(tmp_path / "out")) if args not in (["--out"], ["--corpora"]) else script(*args)
     assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_no_install_uses_the_installed_jax_or_says_it_cannot(tmp_path):
+    """--no-install: the interpreter's jax is checked before any step; without one, one line and exit 2."""
+    proc = script("--no-install", "--extra", "gpu", "--steps", "summary", "--out", str(tmp_path), PYTHON="/bin/false")
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert "--no-install: /bin/false cannot import jax" in proc.stderr and len(proc.stderr.splitlines()) == 1
+    proc = script("--no-install", "--extra", "gpu", "--steps", "summary", "--out", str(tmp_path))
+    assert f"using the installed jax {jax.__version__}" in proc.stdout, proc.stdout + proc.stderr
+    assert "install" not in (tmp_path / "status.tsv").read_text()  # only the summary ran (none to sum up: exit 1)
 
 
 def test_the_cpu_dry_run_runs_every_step(tmp_path, corpus_root):

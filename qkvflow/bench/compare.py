@@ -58,6 +58,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", default=None, help="override the seeds, comma-separated")
     p.add_argument("--learning_rates", default=None, help="override the peak learning rates, comma-separated")
     p.add_argument("--models", default=None, help="a comma-separated subset of the study's models")
+    p.add_argument(
+        "--attention",
+        default="auto",
+        help="the attention kernel of every run, baseline and DiffEqFormer alike (qkvflow.nn.attention: auto, "
+        "cudnn, xla, vanilla, jax_flash, splash, nvte; passed as $QKVFLOW_ATTENTION; default auto)",
+    )
     p.add_argument("--baseline", default=None, help="pair the others with this model instead")
     p.add_argument("--corpus_root", default=str(ROOT / "cache" / "corpora"))
     p.add_argument("--keep_checkpoints", action="store_true")
@@ -204,12 +210,14 @@ def _write_json(path: Path, value: dict) -> None:
     os.replace(tmp, path)  # a result file is whole or absent
 
 
-def _subprocess(cmd: list[str], log_file: Path, timeout: float) -> None:
+def _subprocess(cmd: list[str], log_file: Path, timeout: float, attention: str = "auto") -> None:
+    """`cmd` with its output to `log_file`; every run's attention kernel is `attention` (qkvflow.nn.attention,
+    for the configs that leave attn_backend unset: check_attention refuses any other)."""
     with open(log_file, "a") as log:
         proc = subprocess.run(
             cmd,
             cwd=ROOT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            env=dict(os.environ, PYTHONUNBUFFERED="1", QKVFLOW_ATTENTION=attention),
             stdout=log,
             stderr=subprocess.STDOUT,
             timeout=timeout,
@@ -237,6 +245,7 @@ def train(study: dict, model: str, lr: float, seed: int, workdir: Path, args) ->
         [sys.executable, "-m", "qkvflow", "train", "--config_path", str(config_path)],
         workdir / "logs" / f"{rid}.out",
         args.timeout,
+        args.attention,
     )
     file = metrics_file(str(workdir / "runs"), rid)
     steps = read_metrics(file)
@@ -276,7 +285,7 @@ def test_loss(study: dict, model: str, lr: float, seed: int, workdir: Path, args
     if _is_ode(study, model):
         cmd += depth_curves.eval_args(study.get("depth"))
     print(f"bench compare: evaluating {rid} on the test split", flush=True)
-    _subprocess(cmd, workdir / "logs" / f"{rid}.out", args.timeout)
+    _subprocess(cmd, workdir / "logs" / f"{rid}.out", args.timeout, args.attention)
     rows = json.loads((out / "depth.json").read_text())["rows"]
     row = depth_curves.trained_row(rows)
     _write_json(done, {"test_loss": row["loss"], "depth": rows})
@@ -413,9 +422,26 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def check_attention(study: dict, args) -> None:
+    """One kernel for every run: --attention is known, and no model's config names a backend of its own."""
+    from qkvflow.nn.attention import CHOICES
+
+    if args.attention not in CHOICES:
+        raise UserError(f"--attention={args.attention} is invalid: expected one of {', '.join(CHOICES)}")
+    base = yaml.safe_load(Path(study["base"]).read_text())
+    for model in study["models"]:
+        own = (merge(base, _overlay(study, model)).get("model") or {}).get("attn_backend")
+        if own not in (None, "default"):
+            raise UserError(
+                f"bench compare: model {model} sets model.attn_backend={own}: every run takes --attention "
+                f"({args.attention}), so that no model gets a kernel of its own; drop the key"
+            )
+
+
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     study = load_study(args.study, args)
+    check_attention(study, args)
     workdir = Path(args.workdir).resolve()
     claim_workdir(workdir, study)
     check_writable(args.out_dir, "--out_dir")
@@ -439,6 +465,7 @@ def main(argv: list[str]) -> int:
                     workdir / "checkpoints" / run_id(model, r["learning_rate"], r["seed"]), ignore_errors=True
                 )
     result = report(study, runs, tests, flops)
+    result["attention"] = args.attention
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     name = args.name or study["name"]

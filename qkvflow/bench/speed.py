@@ -12,10 +12,17 @@ include rematerialisation). Two MFUs: `mfu` is model FLOP/s over the device's no
 compute dtype (Levanter's own table, `fray.device_flops`, as its trainer's throughput callback uses;
 `--peak-flops` sets it, and there is none for a CPU), and `fraction_of_matmul_peak` is over a matmul
 measured in the same run. The step runs on one device, so the peak is one device's.
+
+`--batch` takes a list (`8,32,max`): each batch is built, warmed up and timed in turn (one JSON object
+per batch, under `runs`, when there are several); `max` is the largest batch at which every model fits,
+found from `--max_batch` down, halving on out-of-memory. Both models run the same attention kernel,
+`--attention` (qkvflow.nn.attention; default `auto`, the fastest for the backend and compute dtype),
+set on both configs.
 """
 
 import argparse
 import dataclasses
+import gc
 import json
 import platform
 import sys
@@ -33,6 +40,7 @@ import yaml
 from qkvflow.bench.memory import device_peak_bytes, process_peak, xla_memory
 from qkvflow.bench.peak import matmul_peak
 from qkvflow.errors import UserError
+from qkvflow.nn import attention
 
 CORPUS_VOCAB = {"tinyshakespeare": 66, "pydoc": 2048}
 DTYPES = {"f32": "p=f32,c=f32", "bf16": "p=f32,c=bfloat16"}
@@ -41,7 +49,20 @@ DTYPES = {"f32": "p=f32,c=f32", "bf16": "p=f32,c=bfloat16"}
 def parser(prog="qkvflow bench speed") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config_path", required=True, help="a train or bench config with a DiffEqFormer `model` section")
-    p.add_argument("--batch", type=int, default=None, help="default: bench.batch, trainer.train_batch_size, or 8")
+    p.add_argument(
+        "--batch",
+        default=None,
+        help="a batch, or a comma-separated list of them; `max`: the largest that fits, from --max_batch down, "
+        "halving on out-of-memory (default: bench.batch, trainer.train_batch_size, or 8)",
+    )
+    p.add_argument("--max_batch", type=int, default=256, help="where `--batch max` starts its search")
+    p.add_argument(
+        "--attention",
+        choices=attention.CHOICES,
+        default="auto",
+        help="the attention kernel of both models (qkvflow.nn.attention; auto: the fastest for this backend "
+        "and --dtype)",
+    )
     p.add_argument("--seq_len", type=int, default=None, help="default: the model's max_seq_len")
     p.add_argument("--vocab_size", type=int, default=None, help="default: bench.vocab_size, the corpus's, or 50257")
     p.add_argument("--repeats", type=int, default=10)
@@ -107,6 +128,42 @@ def load_config(path: str) -> tuple:
     batch = bench.get("batch") or (raw.get("trainer") or {}).get("train_batch_size") or 8
     vocab = bench.get("vocab_size") or corpus.get("vocab_size") or CORPUS_VOCAB.get(corpus.get("name"), 50257)
     return model, {"batch": int(batch), "vocab_size": int(vocab)}
+
+
+def parse_batches(text) -> list:
+    """`--batch`: one batch or a comma-separated list, each an integer >= 1 or `max`; ascending, `max` last
+    (so that the allocator's peak read after each batch is that batch's)."""
+    out = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if part == "max":
+            out.append(part)
+            continue
+        try:
+            value = int(part)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise UserError(f"--batch={part} is invalid: expected an integer >= 1 or max")
+        out.append(value)
+    return sorted(set(out), key=lambda b: (b == "max", 0 if b == "max" else b))
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """XLA's out-of-memory errors (at compile or at run time) on GPU and TPU."""
+    text = str(e)
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
+def with_attention(models: dict, choice: str, dtype: str) -> tuple[dict, str]:
+    """Every model config with `attn_backend` set to the kernel `choice` resolves to for `dtype` (the same
+    one for all): the models and the kernel's name."""
+    heads = {c.hidden_dim // c.num_heads for c in models.values()}
+    kernel = attention.resolve(
+        choice, jnp.bfloat16 if dtype == "bf16" else jnp.float32, head_size=heads.pop() if len(heads) == 1 else None
+    )
+    value = attention.config_value(kernel)
+    return {name: dataclasses.replace(c, attn_backend=value) for name, c in models.items()}, kernel
 
 
 def apply_overrides(model, args):
@@ -313,28 +370,11 @@ def report_line(name: str, r: dict) -> str:
     return f"{name}: {r['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, peak device memory {mem}"
 
 
-def run(args) -> dict:
-    config, defaults = load_config(args.config_path)
-    config = apply_overrides(config, args)
-    batch = defaults["batch"] if args.batch is None else args.batch
-    vocab = defaults["vocab_size"] if args.vocab_size is None else args.vocab_size
-    for name, value in (("batch", batch), ("vocab_size", vocab), ("repeats", args.repeats)):
-        if value < 1:
-            raise UserError(f"--{name}={value} is invalid: expected an integer >= 1")
-    if args.warmup < 0:
-        raise UserError(f"--warmup={args.warmup} is invalid: expected an integer >= 0")
-    if args.peak_flops is not None and not args.peak_flops > 0:
-        raise UserError(f"--peak-flops={args.peak_flops} is invalid: expected FLOP/s > 0 (e.g. 989e12)")
-    Vocab, Batch = hax.Axis("vocab", vocab), hax.Axis("batch", batch)
-    tokens = batch * config.max_seq_len
-    models = {}
-    if args.only in ("both", "ode"):
-        models["ode"] = config
-    if args.only in ("both", "baseline"):
-        models["baseline"] = baseline_config(config, remat=args.baseline_remat == "true")
-
-    # Built and warmed up one after the other, so that each model's device peak is read before the next
-    # exists: the first model's is its own, a later one's includes the earlier models' resident state.
+def build_steps(models: dict, Vocab, batch: int, args) -> dict:
+    """Each model's compiled, warmed-up Step at `batch`, built one after the other, so that each model's
+    device peak is read before the next exists: the first's is its own, a later one's includes the earlier
+    models' resident state."""
+    Batch = hax.Axis("batch", batch)
     steps = {}
     for i, (name, c) in enumerate(models.items()):
         step = steps[name] = Step(c, Vocab, Batch, args.dtype)
@@ -342,6 +382,58 @@ def run(args) -> dict:
             step.run()
         scope = "this model alone" if i == 0 else f"includes the resident state of {', '.join(list(models)[:i])}"
         step.peak_memory = {"bytes": device_peak_bytes(), "scope": scope, "after": "compile and warm-up"}
+    return steps
+
+
+def largest_batch(models: dict, Vocab, start: int, args) -> tuple[int, dict, list]:
+    """The largest batch, from `start` down by halving, at which every model builds and runs: the batch,
+    its steps and the batches that ran out of memory."""
+    failed = []
+    batch = start
+    while batch >= 1:
+        try:
+            return batch, build_steps(models, Vocab, batch, args), failed
+        except Exception as e:  # noqa: BLE001  (XLA raises its own runtime error types)
+            if not is_out_of_memory(e):
+                raise
+            failed.append(batch)
+            gc.collect()
+            batch //= 2
+    raise UserError(f"--batch max: no batch from {start} down to 1 fits in the device's memory")
+
+
+def run(args, batch=None) -> dict:
+    config, defaults = load_config(args.config_path)
+    config = apply_overrides(config, args)
+    if batch is None:
+        batch = parse_batches(defaults["batch"] if args.batch is None else args.batch)[0]
+    vocab = defaults["vocab_size"] if args.vocab_size is None else args.vocab_size
+    for name, value in (("vocab_size", vocab), ("repeats", args.repeats), ("max_batch", args.max_batch)):
+        if value < 1:
+            raise UserError(f"--{name}={value} is invalid: expected an integer >= 1")
+    if args.warmup < 0:
+        raise UserError(f"--warmup={args.warmup} is invalid: expected an integer >= 0")
+    if args.peak_flops is not None and not args.peak_flops > 0:
+        raise UserError(f"--peak-flops={args.peak_flops} is invalid: expected FLOP/s > 0 (e.g. 989e12)")
+    Vocab = hax.Axis("vocab", vocab)
+    models = {}
+    if args.only in ("both", "ode"):
+        models["ode"] = config
+    if args.only in ("both", "baseline"):
+        models["baseline"] = baseline_config(config, remat=args.baseline_remat == "true")
+    models, kernel = with_attention(models, args.attention, args.dtype)
+    config = models.get("ode", config)
+
+    search = None
+    if batch == "max":
+        batch, steps, failed = largest_batch(models, Vocab, args.max_batch, args)
+        search = {"from": args.max_batch, "out_of_memory_at": failed}
+        if failed:  # the allocator's peak now includes the attempts that did not fit
+            for step in steps.values():
+                step.peak_memory = {"bytes": None, "scope": "not measurable after an out-of-memory attempt"}
+    else:
+        steps = build_steps(models, Vocab, batch, args)
+    tokens = batch * config.max_seq_len
     for _ in range(args.repeats):  # alternate, so that load changes hit both models alike
         for step in steps.values():
             step.times.append(step.run())
@@ -361,6 +453,7 @@ def run(args) -> dict:
             "path": args.config_path,
             "model_type": type(config).__name__,
             "batch": batch,
+            "batch_search": search,
             "seq_len": config.max_seq_len,
             "tokens_per_step": tokens,
             "vocab_size": vocab,
@@ -371,6 +464,7 @@ def run(args) -> dict:
             "ode": dataclasses.asdict(config.ode),
             "dial": dataclasses.asdict(config.dial) if hasattr(config, "dial") else None,
             "dtype": args.dtype,
+            "attention": {"requested": args.attention, "kernel": kernel},
             "repeats": args.repeats,
             "warmup": args.warmup,
         },
@@ -380,6 +474,7 @@ def run(args) -> dict:
     for name, step in steps.items():
         flops = train_flops_per_token(models[name], vocab, tokens)
         result[name] = summarise(step, tokens, flops, peak, nominal)
+        result[name]["attn_backend"] = str(models[name].attn_backend)
     if "baseline" in steps:
         result["baseline"]["model_type"] = type(models["baseline"]).__name__
         result["baseline"]["num_layers"] = models["baseline"].num_layers
@@ -387,18 +482,24 @@ def run(args) -> dict:
     if len(steps) == 2:
         result["ratio_ode_over_baseline"] = result["ode"]["tokens_per_s"] / result["baseline"]["tokens_per_s"]
     result["process_peak_memory"] = process_peak()
+    del steps
+    gc.collect()  # the next batch's models start from a free device
     return result
 
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
-    result = run(args)
+    batches = parse_batches(args.batch) if args.batch is not None else [None]
+    runs = [run(args, batch) for batch in batches]
+    result = runs[0] if len(runs) == 1 else {"runs": runs}
     text = json.dumps(result)
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
     print(text)
-    for name in ("ode", "baseline"):
-        if name in result:
-            print(report_line(name, result[name]), file=sys.stderr)
+    for r in runs:
+        for name in ("ode", "baseline"):
+            if name in r:
+                head = f"batch {r['config']['batch']} ({r['config']['tokens_per_step']:,} tokens), {name}"
+                print(report_line(head, r[name]), file=sys.stderr)
     return 0

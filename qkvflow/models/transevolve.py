@@ -72,7 +72,7 @@ import jax.numpy as jnp
 import jax.random as jrandom
 from haliax import Axis, NamedArray
 from haliax.nn.scan import Stacked
-from levanter.layers.attention import AttentionBackend, AttentionMask, dot_product_attention
+from levanter.layers.attention import AttentionBackend, AttentionMask
 from levanter.models.lm_model import LmConfig, LmHeadModel
 from levanter.utils.activation import ActivationFunctionEnum
 
@@ -80,6 +80,7 @@ from qkvflow.errors import check
 from qkvflow.models.discrete.layers import Gpt2Mlp
 from qkvflow.models.flavour import GPT2
 from qkvflow.models.registry import register
+from qkvflow.nn.attention import dot_product_attention
 
 FFN_KINDS = ("full", "random")
 

@@ -18,7 +18,7 @@ import levanter
 from haliax import Axis
 
 from qkvflow.errors import UserError
-from qkvflow.training import preflight
+from qkvflow.training import distributed, preflight
 from qkvflow.training.config import TrainConfig
 from qkvflow.training.runlock import RunLock
 
@@ -68,7 +68,7 @@ def _initialize(config: TrainConfig) -> Optional[RunLock]:
     t = config.trainer
     for key, value in t.jax_config.items():  # e.g. jax_cpu_collectives_implementation before distributed
         jax.config.update(key, value)
-    t.distributed.initialize()  # jax.distributed when configured, or detected (SLURM, TPU pods)
+    distributed.initialize(t.distributed)  # jax.distributed when configured or detected; not for one process
     t.distributed = dataclasses.replace(t.distributed, initialize_jax_distributed=False)
     if jax.process_count() > 1:
         print(

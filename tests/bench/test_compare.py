@@ -78,9 +78,11 @@ class FakeRuns:
 
     def __init__(self, stop_before: int | None = None):
         self.calls: list[str] = []
+        self.attention: set[str] = set()
         self.stop_before = stop_before
 
-    def __call__(self, cmd, log_file, timeout):
+    def __call__(self, cmd, log_file, timeout, attention):
+        self.attention.add(attention)
         if self.stop_before is not None and len(self.calls) + 1 >= self.stop_before:
             raise KeyboardInterrupt
         config = yaml.safe_load(Path(cmd[cmd.index("--config_path") + 1]).read_text())
@@ -234,6 +236,20 @@ def test_bad_studies_are_refused_in_one_line(study, monkeypatch, change, message
     with pytest.raises(UserError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")) as e:
         _main(study, monkeypatch, FakeRuns())
     assert "\n" not in str(e.value)
+
+
+def test_every_run_gets_the_one_attention_kernel(study, monkeypatch):
+    fake = FakeRuns()
+    assert _main(study, monkeypatch, fake, "--attention", "xla", "--seeds", "0") == 0
+    assert fake.attention == {"xla"} and len(fake.calls) == 6  # 2 models x 2 rates, then 2 test evaluations
+    assert json.loads((study / "out" / "study.json").read_text())["attention"] == "xla"
+    with pytest.raises(UserError, match="--attention=flash9 is invalid"):
+        _main(study, monkeypatch, FakeRuns(), "--attention", "flash9")
+    spec = yaml.safe_load((study / "study.yaml").read_text())
+    spec["models"]["gpt2"]["model"]["attn_backend"] = "vanilla"
+    (study / "study.yaml").write_text(yaml.safe_dump(spec))
+    with pytest.raises(UserError, match="model gpt2 sets model.attn_backend=vanilla"):
+        _main(study, monkeypatch, FakeRuns())
 
 
 # --- one real run ----------------------------------------------------------------------------------

@@ -4,9 +4,10 @@ from typing import Optional
 
 import haliax as hax
 from haliax import NamedArray
-from levanter.layers.attention import AttentionMask, dot_product_attention
+from levanter.layers.attention import AttentionMask
 
 from qkvflow.models.generator import WeightSpec
+from qkvflow.nn.attention import dot_product_attention
 
 
 def affine(x: NamedArray, weights: dict, name: str, In) -> NamedArray:
@@ -52,8 +53,9 @@ def self_attention(
 
 
 def attend(q: NamedArray, k: NamedArray, v: NamedArray, config, mask) -> NamedArray:
-    """softmax(q k^T / sqrt(head_size)) v over positions, by Levanter's attention kernels; shared by the
-    ODE fields and the discretised blocks (qkvflow.models.discrete), so both compute the same thing."""
+    """softmax(q k^T / sqrt(head_size)) v over positions, by Levanter's attention kernels or qkvflow's
+    (`config.attn_backend`, qkvflow.nn.attention); shared by the ODE fields and the discretised blocks
+    (qkvflow.models.discrete), so both compute the same thing."""
     k = k.rename({config.max_Pos.name: config.KeyPos.name})
     v = v.rename({config.max_Pos.name: config.KeyPos.name})
     return dot_product_attention(
