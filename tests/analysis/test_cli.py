@@ -113,3 +113,36 @@ def test_an_unwritable_output_is_refused_before_the_analysis(tmp_path, capsys, m
         assert cli.main(["analyze", "clusters", "--output", output]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith(f"qkvflow analyze: error: --output={output!r} {reason}"), err
+
+
+def test_output_follows_the_output_folder_rules(tmp_path, capsys, monkeypatch):
+    """--output is replaced only when it is absent, empty or an earlier output of the same analysis
+    (qkvflow.outputs); a user's folder, the current folder and another analysis's output are refused
+    before the analysis runs, and every file in them survives."""
+    out = tmp_path / "out"
+    first = _run(capsys, "clusters", "--output", out)
+    assert sorted(p.name for p in out.iterdir()) == ["clusters.json", "clusters.png", "qkvflow_output.json"]
+    assert first["json"] == str(out / "clusters.json") and json.loads(Path(first["json"]).read_text())["seed"] == 0
+    assert _run(capsys, "clusters", "--seed", 1, "--output", out)["seed"] == 1  # its own earlier output: replaced
+    assert json.loads((out / "clusters.json").read_text())["seed"] == 1
+
+    import qkvflow.analysis.clusters
+
+    monkeypatch.setattr(qkvflow.analysis.clusters, "analyze_clusters", lambda *a, **k: pytest.fail("ran the analysis"))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "spectra.json").write_text("my numbers")
+    (out / "notes.txt").write_text("my notes")
+    for output, reason in [
+        (str(mine), "is not empty and was not written by qkvflow"),
+        (".", "is or holds the current folder"),
+        (str(out), "holds 'notes.txt', which qkvflow did not write"),
+    ]:
+        monkeypatch.chdir(mine if output == "." else tmp_path)
+        assert cli.main(["analyze", "clusters", "--output", output]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"qkvflow analyze: error: --output={output!r} {reason}"), err
+    (out / "notes.txt").unlink()
+    with pytest.raises(UserError, match="holds a qkvflow clusters analysis, not a spectra analysis"):
+        analyze.main(["spectra", "--config_path", "c.yaml", "--checkpoint", "ckpt", "--output", str(out)])
+    assert (mine / "spectra.json").read_text() == "my numbers" and json.loads((out / "clusters.json").read_text())
