@@ -211,8 +211,11 @@ CASES = [
     ),
     ("negative-epochs", ["--epochs", "-1"], "epochs=-1 is invalid: expected an integer >= 0"),
     ("negative-z-loss", ["--z_loss_weight", "-0.5"], "z_loss_weight=-0.5 is invalid: expected a float >= 0"),
-    ("run-id-with-space", ["--trainer.id", "my run"], "trainer.id='my run' is invalid: expected a name without"),
+    ("run-id-with-space", ["--trainer.id", "my run"], "trainer.id='my run' is invalid: expected a plain name without"),
     ("run-id-with-slash", ["--trainer.id", "a/b"], "trainer.id='a/b' is invalid"),
+    ("run-id-parent", ["--trainer.id", ".."], "trainer.id='..' is invalid: expected a plain name"),
+    ("run-id-dot", ["--trainer.id", "."], "trainer.id='.' is invalid: expected a plain name"),
+    ("run-id-empty", ["--trainer.id", ""], "trainer.id='' is invalid: expected a plain name"),
     (
         "unknown-corpus",
         ["--corpus.name", "wikipedia"],
