@@ -18,6 +18,7 @@ from qkvflow.configfile import (  # noqa: F401  (re-exported: `qkvflow.cli.parse
     FLAG_VERBS,
     FLAGS,
     _user_cause,
+    blamed_flag,
     overrides,
     parse,
     split_config_path,
@@ -115,7 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         message = str(e)
     except (draccus.utils.DecodingError, draccus.utils.ParsingError) as e:
         cause = _user_cause(e)
-        if cause is not None:
+        flag = blamed_flag(e, rest)
+        if flag is not None:  # a value given on the command line, not in the config file
+            what = cause if cause is not None else e if isinstance(e, draccus.utils.DecodingError) else e.__cause__ or e
+            message = f"command line ({flag}): {what}"
+        elif cause is not None:
             message = f"{where}: {cause}"
         elif isinstance(e, draccus.utils.DecodingError):
             message = f"{where}: {e}"
