@@ -87,6 +87,18 @@ def test_help_all_lists_every_key(capsys):
     out = capsys.readouterr().out
     assert exit.value.code == 0
     assert "--trainer.checkpointer.base_path" in out and "--model.ode.num_steps" in out
+    said = re.search(
+        r"`--help-all` lists every key with its default \(about ([\d,]+)\s", (ROOT / "README.md").read_text()
+    )
+    assert said and abs(len(out.splitlines()) / int(said.group(1).replace(",", "")) - 1) < 0.1, len(out.splitlines())
+
+
+def test_the_overview_lists_every_bench_mode(capsys):
+    from qkvflow.cli.bench import MODES
+
+    rc, out, _ = cli(capsys, "--help")
+    line = next(line for line in out.splitlines() if line.split()[:1] == ["bench"])
+    assert rc == 0 and all(f" {mode} " in line or f" {mode}:" in line for mode in MODES), line
 
 
 # --- Levanter 1.2 keys: refused by every verb before it runs (qkvflow.training.compat, from qkvflow.cli.main) ------

@@ -12,6 +12,7 @@ import contextlib
 import importlib
 import sys
 
+from qkvflow.cli.bench import MODES as BENCH_MODES
 from qkvflow.configfile import (  # noqa: F401  (re-exported: `qkvflow.cli.parse` is how verbs read configs)
     COMPONENTS,
     CONFIG_PATH,
@@ -31,7 +32,7 @@ VERBS = {
     "export": ("qkvflow.cli.export", "a DiffEqFormer checkpoint as a Hugging Face model (--steps M layers) [+ --ode]"),
     "bench": (
         "qkvflow.cli.bench",
-        "speed | scaling | quality: throughput, memory scaling and Tiny Shakespeare benchmarks",
+        f"{' | '.join(BENCH_MODES)}: throughput, memory, quality, paired comparisons, early exits",
     ),
     "finetune": (
         "qkvflow.cli.finetune",
@@ -76,6 +77,18 @@ def _argparse_raises():
         yield
     finally:
         argparse.ArgumentParser.error = original
+
+
+def quiet_checkpoint_warnings() -> None:
+    """For the verbs that only read a checkpoint (export, analyze, generate): Levanter's warnings while
+    it looks for and restores one are not the user's business, and the verb says what went wrong in
+    its own line. Its restore warns "Unknown leaf type <class 'NoneType'>" for each absent submodule
+    (e.g. a tied lm_head), and its search warns "No checkpoints found in [...]" just before the verb's
+    own error; errors still show."""
+    import logging
+
+    for name in ("levanter.tensorstore_serialization", "levanter.checkpoint"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def _config_path(argv: list[str]) -> str:

@@ -17,6 +17,7 @@ import json
 import os
 
 from qkvflow import outputs
+from qkvflow.cli import quiet_checkpoint_warnings
 from qkvflow.errors import UserError
 
 DEFAULT_OUTPUT = "runs/analysis/{analysis}"
@@ -121,6 +122,7 @@ def main(argv: list[str]) -> int:
     args, overrides = _parser().parse_known_args(argv)
     if args.output is None:
         args.output = DEFAULT_OUTPUT.format(analysis=args.analysis)
+    quiet_checkpoint_warnings()
     rules = _output_rules(args)
     outputs.check_replaceable(args.output, **rules)  # before loading a model or running an analysis
     outputs.check_writable(args.output, "--output", beside=True)
