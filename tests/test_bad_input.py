@@ -468,7 +468,7 @@ def test_checkpoint_that_does_not_fit_the_config_is_refused(world, corpus_root, 
         raise Tripwire("a checkpoint that does not fit reached the trainer")
 
     monkeypatch.setattr(qkvflow.training.session, "_initialize", initialize_without_writes)
-    monkeypatch.setattr(qkvflow.training.loop, "build_caches", trainer_tripwire)  # what follows the resume check
+    monkeypatch.setattr(qkvflow.training.session, "build_caches", trainer_tripwire)  # what follows the resume check
     monkeypatch.chdir(world)
     before = _snapshot(world / "checkpoints")
     rc, err = _run_cli(world, corpus_root, args, capsys)
@@ -486,7 +486,7 @@ def test_the_checkpoint_fits_its_own_config(world, corpus_root, capsys, monkeypa
         raise Tripwire("reached the trainer")
 
     monkeypatch.setattr(qkvflow.training.session, "_initialize", initialize_without_writes)
-    monkeypatch.setattr(qkvflow.training.loop, "build_caches", trainer_tripwire)  # what follows the resume check
+    monkeypatch.setattr(qkvflow.training.session, "build_caches", trainer_tripwire)  # what follows the resume check
     with pytest.raises(Tripwire):
         _run_cli(world, corpus_root, [], capsys)
 
@@ -732,7 +732,7 @@ def test_unreadable_checkpoint_metadata_stops_and_keeps_the_checkpoint(
     step = tmp_path / "checkpoints" / "tiny" / "step-5"
     (step / "metadata.json").write_text('{"step": garbage')
     monkeypatch.setattr(qkvflow.training.session, "_initialize", initialize_without_writes)
-    monkeypatch.setattr(qkvflow.training.loop, "build_caches", trainer_tripwire)  # what follows the resume check
+    monkeypatch.setattr(qkvflow.training.session, "build_caches", trainer_tripwire)  # what follows the resume check
     monkeypatch.chdir(world)
     before = _snapshot(tmp_path / "checkpoints")
     rc, err = _run_cli(world, corpus_root, ["--trainer.checkpointer.base_path", str(tmp_path / "checkpoints")], capsys)

@@ -224,7 +224,7 @@ def test_a_run_of_the_old_version_is_not_resumed_but_refused_in_one_line(tmp_pat
         raise AssertionError("an old run reached the trainer")
 
     monkeypatch.setattr(qkvflow.training.session, "_initialize", initialize_without_writes)
-    monkeypatch.setattr(qkvflow.training.loop, "build_caches", tripwire)  # what follows the resume check
+    monkeypatch.setattr(qkvflow.training.session, "build_caches", tripwire)  # what follows the resume check
     monkeypatch.chdir(tmp_path)
     rc = cli.main(
         [

@@ -67,31 +67,6 @@ def drop_replayed_metrics(trainer_config, run_id: str, start: int) -> None:
             logger.info(f"Dropped {dropped} metric records of the steps after step {start}: they are trained again")
 
 
-def build_caches(data) -> dict:
-    """Tokenize into Levanter's caches before reading them. Every process calls Levanter's
-    `build_or_load_cache` at the same time: with several processes, its own coordination has process 0
-    build while the others take part in its status broadcasts, then load what it wrote (the cache folder
-    must be shared, as Levanter requires). The barrier first lines the processes up, so that all of them
-    find the cache missing or all find it complete: a process that stood aside while process 0 built (as
-    qkvflow did on Levanter 1.2) would leave process 0 waiting on that broadcast forever.
-
-    Returns the number of tokens of each split that has data."""
-    say(f"preparing the token cache in {data.cache_dir} (the first run tokenizes the data) ...")
-    start = time.perf_counter()
-    tokens: dict = {}
-
-    def build():
-        for split in ("train", "validation"):
-            caches = data.build_caches(split)
-            if caches:
-                tokens[split] = sum(cache.flat_field_length("input_ids") for cache in caches.values())
-
-    faults.barrier("qkvflow_build_caches")
-    build()
-    say(f"token cache ready ({time.perf_counter() - start:.0f} s)")
-    return tokens
-
-
 def eval_losses(mp):
     """The evaluator's per-position loss: the plain next-token loss of the model (a DiffEqFormer's
     kinetic penalty is a training regulariser, not part of the validation loss), in the compute
@@ -200,7 +175,7 @@ def train_run(
     run: Run, loss_fn, tokenizer, preemption: faults.Preemption, tokens: dict, inject=None, resume_from=None
 ) -> tuple[dict, object]:
     """Train `run` to `trainer.num_train_steps` (or `stop_after`, or a preemption) on the token caches
-    `session.start` built (`tokens`: tokens of each split). Returns the summary and the final trainer
+    `session.start` built (`session.build_caches`; `tokens`: tokens of each split). Returns the summary and the final trainer
     state (None if no state exists, e.g. stopped before the first step)."""
     config, t = run.config, run.config.trainer
     t = dataclasses.replace(t, crash_on_nan=False, crash_on_inf=False)  # the guard decides, after the step

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import time
 import warnings
 from typing import Callable, NamedTuple, Optional
 
@@ -170,9 +171,38 @@ class Started(NamedTuple):
     Vocab: Axis
     """The vocabulary axis, rounded up for the parameter mapping."""
     tokens: dict
-    """Tokens of each split with data (`loop.build_caches`)."""
+    """Tokens of each split with data (`build_caches`)."""
     prepared: object
     """What the verb's `prepare` returned."""
+
+
+def _say(message: str) -> None:
+    """A progress line on stdout from process 0 (as `qkvflow.training.loop.say`)."""
+    if jax.process_index() == 0:
+        print(message, flush=True)
+
+
+def build_caches(data) -> dict:
+    """Tokenize into Levanter's caches before reading them. Every process calls Levanter's
+    `build_or_load_cache` at the same time: with several processes, its own coordination has process 0
+    build while the others take part in its status broadcasts, then load what it wrote (the cache folder
+    must be shared, as Levanter requires). The barrier first lines the processes up, so that all of them
+    find the cache missing or all find it complete: a process that stood aside while process 0 built (as
+    qkvflow did on Levanter 1.2) would leave process 0 waiting on that broadcast forever.
+
+    Returns the number of tokens of each split that has data."""
+    from qkvflow.training import faults
+
+    _say(f"preparing the token cache in {data.cache_dir} (the first run tokenizes the data) ...")
+    start = time.perf_counter()
+    tokens: dict = {}
+    faults.barrier("qkvflow_build_caches")
+    for split in ("train", "validation"):
+        caches = data.build_caches(split)
+        if caches:
+            tokens[split] = sum(cache.flat_field_length("input_ids") for cache in caches.values())
+    _say(f"token cache ready ({time.perf_counter() - start:.0f} s)")
+    return tokens
 
 
 def start(config: TrainConfig, cleanup: contextlib.ExitStack, prepare: Optional[Callable] = None) -> Started:
@@ -202,8 +232,6 @@ def start(config: TrainConfig, cleanup: contextlib.ExitStack, prepare: Optional[
     found: dict = {}
 
     def before_writes():
-        from qkvflow.training.loop import build_caches
-
         if t.load_checkpoint_path is None and t.id is not None:  # an unreadable checkpoint: refused here
             faults.incomplete_checkpoints(
                 t.checkpointer.expanded_path(t.id), t.checkpointer.delete_old_temp_checkpoints
