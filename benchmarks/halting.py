@@ -77,8 +77,8 @@ def run_config(args, oracle: str, lam: float, workdir: Path) -> tuple[str, Path]
 def train(run_id: str, config_path: Path, workdir: Path, steps: int) -> float:
     """Train the halting phase unless its step-`steps` checkpoint exists; returns the wall time (0: reused)."""
 
-    def finished() -> bool:  # Levanter names the checkpoint after the last step's 0-based index
-        return (workdir / "checkpoints" / run_id / f"step-{steps - 1}").is_dir()
+    def finished() -> bool:  # step-N holds the state after N steps
+        return (workdir / "checkpoints" / run_id / f"step-{steps}").is_dir()
 
     if finished():
         return 0.0

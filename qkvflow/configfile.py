@@ -196,3 +196,31 @@ def _user_cause(error: BaseException):
         seen.add(id(error))
         error = error.__cause__ or error.__context__
     return None
+
+
+def blamed_flag(error: BaseException, argv: list[str]) -> str | None:
+    """The command-line override (`--dotted.key`) that a draccus error is about, or None when the
+    value came from the config file. draccus names the key of a value it cannot decode (`key_path`);
+    a value that a config class refuses is named at the start of that class's message
+    (`ode.solver='foo' is invalid`, `num_heads=5 is invalid`), relative to the class."""
+    import re
+
+    import draccus.utils
+
+    keys = [a[2:].partition("=")[0] for a in argv if a.startswith("--") and not a.startswith(CONFIG_PATH)]
+    decoding = next(
+        (e for e in (error, error.__cause__) if isinstance(e, draccus.utils.DecodingError) and e.key_path), None
+    )
+    if decoding is not None:
+        path = list(decoding.key_path)
+        for key in keys:
+            parts = key.split(".")
+            if path[: len(parts)] == parts or parts[: len(path)] == path:
+                return f"--{key}"
+        return None
+    cause = _user_cause(error)
+    named = re.match(r"([A-Za-z_][\w.]*)=", str(cause)) if cause is not None else None
+    if named is None:
+        return None
+    name = named.group(1)
+    return next((f"--{k}" for k in keys if k == name or k.endswith("." + name)), None)

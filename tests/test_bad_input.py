@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train_utils import TINY, cli_in_one_process, train_args, train_env
+from tests.train_utils import TINY, cli_in_one_process, initialize_without_writes, train_args, train_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -211,8 +211,11 @@ CASES = [
     ),
     ("negative-epochs", ["--epochs", "-1"], "epochs=-1 is invalid: expected an integer >= 0"),
     ("negative-z-loss", ["--z_loss_weight", "-0.5"], "z_loss_weight=-0.5 is invalid: expected a float >= 0"),
-    ("run-id-with-space", ["--trainer.id", "my run"], "trainer.id='my run' is invalid: expected a name without"),
+    ("run-id-with-space", ["--trainer.id", "my run"], "trainer.id='my run' is invalid: expected a plain name without"),
     ("run-id-with-slash", ["--trainer.id", "a/b"], "trainer.id='a/b' is invalid"),
+    ("run-id-parent", ["--trainer.id", ".."], "trainer.id='..' is invalid: expected a plain name"),
+    ("run-id-dot", ["--trainer.id", "."], "trainer.id='.' is invalid: expected a plain name"),
+    ("run-id-empty", ["--trainer.id", ""], "trainer.id='' is invalid: expected a plain name"),
     (
         "unknown-corpus",
         ["--corpus.name", "wikipedia"],
@@ -331,7 +334,7 @@ CASES = [
 def test_bad_input_is_refused_before_anything_starts(world, corpus_root, capsys, monkeypatch, args, message):
     import qkvflow.training.session
 
-    def tripwire(config):
+    def tripwire(config, before_writes=None):
         raise Tripwire("bad input reached JAX's initialisation")
 
     monkeypatch.setattr(qkvflow.training.session, "_initialize", tripwire)
@@ -381,7 +384,7 @@ def test_a_mesh_that_does_not_fit_the_devices_is_refused(world, corpus_root, cap
     import qkvflow.training.session
     from qkvflow.training import preflight
 
-    def initialize(config):
+    def initialize(config, before_writes=None):
         preflight.check_devices(config.trainer)
         raise Tripwire("a mesh that does not fit passed the device check")
 
@@ -460,13 +463,12 @@ RESUME = [
 def test_checkpoint_that_does_not_fit_the_config_is_refused(world, corpus_root, capsys, monkeypatch, args, message):
     import qkvflow.training.loop
     import qkvflow.training.session
-    from qkvflow.training import preflight
 
     def trainer_tripwire(*args, **kwargs):
         raise Tripwire("a checkpoint that does not fit reached the trainer")
 
-    monkeypatch.setattr(qkvflow.training.session, "_initialize", lambda config: preflight.check_devices(config.trainer))
-    monkeypatch.setattr(qkvflow.training.loop, "Run", trainer_tripwire)  # what follows the resume check
+    monkeypatch.setattr(qkvflow.training.session, "_initialize", initialize_without_writes)
+    monkeypatch.setattr(qkvflow.training.session, "build_caches", trainer_tripwire)  # what follows the resume check
     monkeypatch.chdir(world)
     before = _snapshot(world / "checkpoints")
     rc, err = _run_cli(world, corpus_root, args, capsys)
@@ -479,13 +481,12 @@ def test_the_checkpoint_fits_its_own_config(world, corpus_root, capsys, monkeypa
     """The control for the table above: the same checkpoint with base.yaml passes the resume check."""
     import qkvflow.training.loop
     import qkvflow.training.session
-    from qkvflow.training import preflight
 
     def trainer_tripwire(*args, **kwargs):
         raise Tripwire("reached the trainer")
 
-    monkeypatch.setattr(qkvflow.training.session, "_initialize", lambda config: preflight.check_devices(config.trainer))
-    monkeypatch.setattr(qkvflow.training.loop, "Run", trainer_tripwire)  # what follows the resume check
+    monkeypatch.setattr(qkvflow.training.session, "_initialize", initialize_without_writes)
+    monkeypatch.setattr(qkvflow.training.session, "build_caches", trainer_tripwire)  # what follows the resume check
     with pytest.raises(Tripwire):
         _run_cli(world, corpus_root, [], capsys)
 
@@ -539,7 +540,7 @@ def test_end_to_end_in_a_subprocess(world, whole_commands):
 def test_data_shorter_than_one_sequence_is_refused_after_tokenizing(corpus_root, whole_commands):
     """A split that passes every file check but holds fewer tokens than one sequence (Levanter's eval
     loader used to fail with an IndexError): one line naming the split, its token count and the
-    sequence length, exit 2, before any step. The session's pydoc corpus and its Levanter cache are
+    sequence length, exit 2, before the run writes anything. The session's pydoc corpus and its Levanter cache are
     reused: its validation split (8 documents) is shorter than 16384 tokens, its train split is not."""
     import json
 
@@ -560,7 +561,8 @@ def test_data_shorter_than_one_sequence_is_refused_after_tokenizing(corpus_root,
         errors[0],
     )
     assert found and tokens <= int(found.group(1)) <= tokens + 2 * len(docs), errors[0]  # + BOS/EOS per document
-    assert not list((workdir / "checkpoints").rglob("metadata.json"))
+    # refused before the run's first write: no run folder (lock file), no tracker file, no log
+    assert not (workdir / "checkpoints" / "long").exists() and not (workdir / "runs" / "long").exists()
 
 
 @pytest.mark.parametrize(
@@ -697,7 +699,7 @@ UNWRITABLE = [
 def test_unwritable_outputs_are_refused_before_any_work(world, corpus_root, capsys, monkeypatch, args, message):
     import qkvflow.training.session
 
-    def tripwire(config):
+    def tripwire(config, before_writes=None):
         raise Tripwire("an unwritable output reached the corpus or JAX's initialisation")
 
     monkeypatch.setattr(qkvflow.training.session, "with_corpus", tripwire)
@@ -722,7 +724,6 @@ def test_unreadable_checkpoint_metadata_stops_and_keeps_the_checkpoint(
 
     import qkvflow.training.loop
     import qkvflow.training.session
-    from qkvflow.training import preflight
 
     def trainer_tripwire(*args, **kwargs):
         raise Tripwire("a run with an unreadable checkpoint reached the trainer")
@@ -730,8 +731,8 @@ def test_unreadable_checkpoint_metadata_stops_and_keeps_the_checkpoint(
     shutil.copytree(world / "checkpoints" / "tiny", tmp_path / "checkpoints" / "tiny")
     step = tmp_path / "checkpoints" / "tiny" / "step-5"
     (step / "metadata.json").write_text('{"step": garbage')
-    monkeypatch.setattr(qkvflow.training.session, "_initialize", lambda config: preflight.check_devices(config.trainer))
-    monkeypatch.setattr(qkvflow.training.loop, "Run", trainer_tripwire)  # what follows the resume check
+    monkeypatch.setattr(qkvflow.training.session, "_initialize", initialize_without_writes)
+    monkeypatch.setattr(qkvflow.training.session, "build_caches", trainer_tripwire)  # what follows the resume check
     monkeypatch.chdir(world)
     before = _snapshot(tmp_path / "checkpoints")
     rc, err = _run_cli(world, corpus_root, ["--trainer.checkpointer.base_path", str(tmp_path / "checkpoints")], capsys)

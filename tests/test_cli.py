@@ -87,6 +87,18 @@ def test_help_all_lists_every_key(capsys):
     out = capsys.readouterr().out
     assert exit.value.code == 0
     assert "--trainer.checkpointer.base_path" in out and "--model.ode.num_steps" in out
+    said = re.search(
+        r"`--help-all` lists every key with its default \(about ([\d,]+)\s", (ROOT / "README.md").read_text()
+    )
+    assert said and abs(len(out.splitlines()) / int(said.group(1).replace(",", "")) - 1) < 0.1, len(out.splitlines())
+
+
+def test_the_overview_lists_every_bench_mode(capsys):
+    from qkvflow.cli.bench import MODES
+
+    rc, out, _ = cli(capsys, "--help")
+    line = next(line for line in out.splitlines() if line.split()[:1] == ["bench"])
+    assert rc == 0 and all(f" {mode} " in line or f" {mode}:" in line for mode in MODES), line
 
 
 # --- Levanter 1.2 keys: refused by every verb before it runs (qkvflow.training.compat, from qkvflow.cli.main) ------
@@ -151,6 +163,36 @@ def test_old_override_keys_are_refused_in_one_line(capsys, no_verb, verb, overri
     assert rc == 2 and out == ""
     assert err.startswith(f"qkvflow {verb}: error: command line: {key} was removed in marin-levanter; {replacement}")
     assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "override,in_file,message",
+    [
+        (
+            ["--trainer.num_train_steps", "abc"],
+            "num_train_steps: 300",
+            "`trainer.num_train_steps`: Couldn't parse 'abc'",
+        ),
+        (["--model.ode.solver=foo"], "solver: euler", "ode.solver='foo' is invalid: expected one of"),
+        (["--model.num_heads", "5"], "num_heads: 4", "num_heads=5 is invalid: expected a divisor of hidden_dim=128"),
+    ],
+)
+def test_a_bad_value_is_blamed_on_where_it_was_given(capsys, tmp_path, override, in_file, message):
+    """A bad value given on the command line is reported as a command-line error naming the flag; the
+    same value written in the config file is reported as an error in that file."""
+    config = ROOT / "configs" / "quickstart.yaml"
+    rc, out, err = cli(capsys, "describe", "--config_path", str(config), *override)
+    flag = override[0].split("=")[0]
+    assert rc == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"qkvflow describe: error: command line ({flag}): {message}"), err
+    key, value = flag.rsplit(".", 1)[-1], override[-1].split("=")[-1]
+    text = config.read_text()
+    assert in_file in text
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace(in_file, f"{key}: {value}", 1))
+    rc, out, err = cli(capsys, "describe", "--config_path", str(bad))
+    assert rc == 2 and err.startswith(f"qkvflow describe: error: {bad}: "), err
+    assert message.split(": ", 1)[-1] in err
 
 
 def test_an_old_config_is_refused_end_to_end(tmp_path):

@@ -188,7 +188,7 @@ def test_kills_and_preemption_resume_to_the_uninterrupted_losses(tmp_path, corpu
     assert done - _resumed_from(preempted) <= INTERVAL + 1
     stopped_at = preempted.steps_done()
     assert stopped_at < 8, "SIGTERM came too late to test anything"
-    assert _step_dirs(tmp_path).get(f"step-{stopped_at - 1}") is True, _step_dirs(tmp_path)
+    assert _step_dirs(tmp_path).get(f"step-{stopped_at}") is True, _step_dirs(tmp_path)
 
     # Ctrl-C (SIGINT): the same, exiting 130 (128 + SIGINT, as a shell reports Ctrl-C)
     interrupted = Run(tmp_path, corpus_root, jax_cache)
@@ -259,7 +259,7 @@ def test_nonfinite_gradient_stops_naming_step_and_parameter(nonfinite_runs):
     assert "generator.weights.w1.proj (1 of" in error[0]
     assert "Traceback" not in stderr
     assert "step 2/8" in stdout and "step 3/8" not in stdout
-    # no checkpoint of the poisoned step or later (folder step-2 would hold the state after step 3)
+    # no checkpoint of the poisoned step or later (Levanter runs the checkpointer from step 3 on)
     assert _step_dirs(workdir) == {}
     assert len(losses(workdir)) == 2
 
@@ -269,9 +269,10 @@ def test_nonfinite_step_is_skipped_in_skip_mode(nonfinite_runs):
     assert code == 0, stdout[-3000:] + stderr[-3000:]
     assert "skipped step 3: non-finite values at step 3/8: first in the gradients" in stderr
     assert "skipped_steps: [3]" in stdout
+    assert "Global tracker is already set" not in stderr  # the second run in this process (as in a sweep)
     curve = losses(workdir)
     assert len(curve) == 5 and all(c == c for c in curve)  # step 3's loss is finite: only w1's gradient was poisoned
-    assert _step_dirs(workdir) == {"step-2": True, "step-4": True}
+    assert _step_dirs(workdir) == {"step-4": True, "step-5": True}  # every 2 steps from step 3 on, and the last
 
 
 # --- in-process pieces ----------------------------------------------------------------------------

@@ -73,7 +73,7 @@ def test_lora_loss_falls_and_summary(lora_run):
     assert summary["eval_perplexity"] == pytest.approx(math.exp(summary["eval_loss"]), rel=1e-6)
     written = json.loads((workdir / "checkpoints" / "tiny-ft" / "finetune_summary.json").read_text())
     assert written["finished"] and written["eval_loss"] == summary["eval_loss"] and "model" not in written
-    assert (workdir / "checkpoints" / "tiny-ft" / "step-5").is_dir()
+    assert (workdir / "checkpoints" / "tiny-ft" / "step-6").is_dir()  # after step 6
     assert (workdir / "runs" / "tiny-ft" / "loss_curve.png").stat().st_size > 10_000
 
 

@@ -213,7 +213,7 @@ def test_a_run_of_the_old_version_is_not_resumed_but_refused_in_one_line(tmp_pat
     import qkvflow.training.loop
     import qkvflow.training.session
     from qkvflow import cli
-    from qkvflow.training import preflight
+    from tests.train_utils import initialize_without_writes
 
     run = tmp_path / "checkpoints" / "fixture"
     shutil.copytree(STEP, run / "step-1")
@@ -223,8 +223,8 @@ def test_a_run_of_the_old_version_is_not_resumed_but_refused_in_one_line(tmp_pat
     def tripwire(*args, **kwargs):
         raise AssertionError("an old run reached the trainer")
 
-    monkeypatch.setattr(qkvflow.training.session, "_initialize", lambda config: preflight.check_devices(config.trainer))
-    monkeypatch.setattr(qkvflow.training.loop, "Run", tripwire)
+    monkeypatch.setattr(qkvflow.training.session, "_initialize", initialize_without_writes)
+    monkeypatch.setattr(qkvflow.training.session, "build_caches", tripwire)  # what follows the resume check
     monkeypatch.chdir(tmp_path)
     rc = cli.main(
         [

@@ -59,7 +59,7 @@ def test_trains_evaluates_checkpoints_and_plots(reference):
     assert last["eval/perplexity"] == pytest.approx(math.exp(last["eval/loss"]), rel=1e-6)
     assert last["train/ode_nfe"] == 2.0  # Euler, 2 steps
     assert "throughput/tokens_per_second" in last
-    assert os.path.isdir(tmp_path / "checkpoints" / "tiny" / "step-7")
+    assert sorted(p.name for p in (tmp_path / "checkpoints" / "tiny").glob("step-*")) == ["step-8"]  # after step 8
     assert (tmp_path / "runs" / "tiny" / "loss_curve.png").stat().st_size > 10_000
 
 
@@ -82,15 +82,15 @@ NO_EVAL = ["--trainer.max_eval_batches", "0", "--loss_curve", "null"]
 
 
 def test_stop_and_resume_reproduces_uninterrupted_losses(four_device_runs):
-    """`--stop_after 4` stops after step 4 with a checkpoint of it (step-3, counted from 0); `qkvflow train`
-    again resumes there and finishes. Run in the 4-device process on the default (FSDP) mesh, so the
+    """`--stop_after 4` stops after step 4 with a checkpoint of it, named step-4 like the printed step, and
+    `qkvflow train` again resumes there ("after step 4": the state's own step count) and finishes. Run in the 4-device process on the default (FSDP) mesh, so the
     uninterrupted run to compare with is the "fsdp" case beside it: same mesh, same programs, so the losses
     must be equal bit for bit (same data order, same state, same arithmetic). test_faults resumes on one
     device after signals."""
     workdir, code, stdout, stderr, _ = four_device_runs["stop"]
     assert code == 0, stderr[-3000:]
     assert "step 4/8" in stdout and "step 5/8" not in stdout
-    assert os.path.isdir(workdir / "checkpoints" / "tiny" / "step-3")
+    assert sorted(p.name for p in (workdir / "checkpoints" / "tiny").glob("step-*")) == ["step-4"]
     _, code, stdout, stderr, _ = four_device_runs["resume"]
     assert code == 0, stderr[-3000:]
     assert "resuming run tiny after step 4" in stdout

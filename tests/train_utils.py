@@ -105,3 +105,13 @@ def reference_run(tmp_path_factory) -> tuple[Path, Path, subprocess.CompletedPro
             proc = train(root, corpora, "--trainer.steps_per_eval", "4")
             done.write_text(json.dumps([proc.returncode, proc.stdout, proc.stderr]))
     return corpora, root, subprocess.CompletedProcess(["qkvflow", "train"], *json.loads(done.read_text()))
+
+
+def initialize_without_writes(config, before_writes=lambda: None) -> None:
+    """A stand-in for `qkvflow.training.session._initialize` in in-process tests: the device checks and
+    the verb's checks before the run's first write (`before_writes`), without JAX's distributed start-up,
+    the run lock or Levanter's trackers."""
+    from qkvflow.training import preflight
+
+    preflight.check_devices(config.trainer)
+    before_writes()

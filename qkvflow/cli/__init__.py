@@ -12,12 +12,14 @@ import contextlib
 import importlib
 import sys
 
+from qkvflow.cli.bench import MODES as BENCH_MODES
 from qkvflow.configfile import (  # noqa: F401  (re-exported: `qkvflow.cli.parse` is how verbs read configs)
     COMPONENTS,
     CONFIG_PATH,
     FLAG_VERBS,
     FLAGS,
     _user_cause,
+    blamed_flag,
     overrides,
     parse,
     split_config_path,
@@ -30,7 +32,7 @@ VERBS = {
     "export": ("qkvflow.cli.export", "a DiffEqFormer checkpoint as a Hugging Face model (--steps M layers) [+ --ode]"),
     "bench": (
         "qkvflow.cli.bench",
-        "speed | scaling | quality: throughput, memory scaling and Tiny Shakespeare benchmarks",
+        f"{' | '.join(BENCH_MODES)}: throughput, memory, quality, paired comparisons, early exits",
     ),
     "finetune": (
         "qkvflow.cli.finetune",
@@ -77,6 +79,18 @@ def _argparse_raises():
         argparse.ArgumentParser.error = original
 
 
+def quiet_checkpoint_warnings() -> None:
+    """For the verbs that only read a checkpoint (export, analyze, generate): Levanter's warnings while
+    it looks for and restores one are not the user's business, and the verb says what went wrong in
+    its own line. Its restore warns "Unknown leaf type <class 'NoneType'>" for each absent submodule
+    (e.g. a tied lm_head), and its search warns "No checkpoints found in [...]" just before the verb's
+    own error; errors still show."""
+    import logging
+
+    for name in ("levanter.tensorstore_serialization", "levanter.checkpoint"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def _config_path(argv: list[str]) -> str:
     for i, arg in enumerate(argv):
         if arg.startswith("--config_path="):
@@ -115,7 +129,11 @@ def main(argv: list[str] | None = None) -> int:
         message = str(e)
     except (draccus.utils.DecodingError, draccus.utils.ParsingError) as e:
         cause = _user_cause(e)
-        if cause is not None:
+        flag = blamed_flag(e, rest)
+        if flag is not None:  # a value given on the command line, not in the config file
+            what = cause if cause is not None else e if isinstance(e, draccus.utils.DecodingError) else e.__cause__ or e
+            message = f"command line ({flag}): {what}"
+        elif cause is not None:
             message = f"{where}: {cause}"
         elif isinstance(e, draccus.utils.DecodingError):
             message = f"{where}: {e}"

@@ -6,15 +6,19 @@
 
 Further `--dotted.key value` arguments override the config as in `qkvflow train` (for example
 `--corpus.root`). Each analysis writes PNG figures (and for lyapunov an HTML page) under --output
-and prints a JSON summary with the numbers and the paths written. Bad input raises UserError,
-which the CLI prints as one line.
+and prints a JSON summary with the numbers and the paths written. --output follows the rules of
+every other verb's output folder (qkvflow.outputs): it is written whole and swapped in at the end,
+and only an absent or empty folder or an earlier output of the same analysis is replaced. Bad input
+raises UserError, which the CLI prints as one line.
 """
 
 import argparse
 import json
+import os
 
+from qkvflow import outputs
+from qkvflow.cli import quiet_checkpoint_warnings
 from qkvflow.errors import UserError
-from qkvflow.outputs import check_writable
 
 DEFAULT_OUTPUT = "runs/analysis/{analysis}"
 
@@ -96,10 +100,34 @@ def clusters(args, overrides: list[str]) -> dict:
 ANALYSES = {"spectra": spectra, "lyapunov": lyapunov, "clusters": clusters}
 
 
+def _output_rules(args) -> dict:
+    """How --output may be replaced: by an earlier output of the same analysis only, never the
+    checkpoint or config being read."""
+    protect = [(f"--{k}", getattr(args, k, None)) for k in ("checkpoint", "config_path")]
+    return {"kind": f"{args.analysis} analysis", "key": "--output", "protect": protect}
+
+
+def _moved(value, folder: str, output: str):
+    """`value` (the analysis summary) with paths inside the temporary `folder` made paths in `output`."""
+    if isinstance(value, dict):
+        return {k: _moved(v, folder, output) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_moved(v, folder, output) for v in value]
+    if isinstance(value, str) and value.startswith(folder + os.sep):
+        return os.path.join(output, os.path.relpath(value, folder))
+    return value
+
+
 def main(argv: list[str]) -> int:
     args, overrides = _parser().parse_known_args(argv)
     if args.output is None:
         args.output = DEFAULT_OUTPUT.format(analysis=args.analysis)
-    check_writable(args.output, "--output")  # before loading a model or running an analysis
-    print(json.dumps(ANALYSES[args.analysis](args, overrides), indent=2))
+    quiet_checkpoint_warnings()
+    rules = _output_rules(args)
+    outputs.check_replaceable(args.output, **rules)  # before loading a model or running an analysis
+    outputs.check_writable(args.output, "--output", beside=True)
+    with outputs.replacing(args.output, **rules) as folder:  # swapped in only when complete
+        output, args.output = args.output, folder
+        summary = _moved(ANALYSES[args.analysis](args, overrides), folder, output)
+    print(json.dumps(summary, indent=2))
     return 0

@@ -19,6 +19,7 @@ import json
 import os
 
 from qkvflow import outputs
+from qkvflow.cli import quiet_checkpoint_warnings
 from qkvflow.errors import UserError
 
 KIND = "hf_export"
@@ -76,6 +77,7 @@ def export(args, overrides: list[str]) -> dict:
     from qkvflow.export.ode import save_ode_export
     from qkvflow.training.checkpoints import load_model
 
+    quiet_checkpoint_warnings()
     model, tokenizer = load_model(config, args.checkpoint)
     steps = args.steps or config.model.ode.num_steps
     discrete = discretise(model, steps, args.solver)

@@ -22,6 +22,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from qkvflow.cli import quiet_checkpoint_warnings
 from qkvflow.errors import UserError
 from qkvflow.training.config import TrainConfig
 from qkvflow.training.finetune import FinetuneConfig, is_finetune_config
@@ -153,14 +154,6 @@ def tokenizer_of(config):
     return tokenizer.as_hf_tokenizer() if hasattr(tokenizer, "as_hf_tokenizer") else tokenizer
 
 
-def quiet_restore_warnings() -> None:
-    """Levanter's checkpoint restore warns "Unknown leaf type <class 'NoneType'>" for each absent
-    submodule (e.g. a tied lm_head); they are expected here, and stdout/stderr stay the completions' and errors'."""
-    import logging
-
-    logging.getLogger("levanter.tensorstore_serialization").setLevel(logging.ERROR)
-
-
 def run(config) -> list:
     from qkvflow.inference.generate import EngineSizes, encode_prompts, generate
 
@@ -176,7 +169,7 @@ def run(config) -> list:
     context = config.model.max_seq_len if config.model is not None else None
     if context is not None:
         encode_prompts(tokenizer_of(config), prompts, context, options.max_new_tokens)
-    quiet_restore_warnings()
+    quiet_checkpoint_warnings()  # stdout and stderr stay the completions' and errors'
     model, tokenizer = load(config)
     stream = None
     if config.stream:

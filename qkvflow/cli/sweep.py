@@ -188,6 +188,7 @@ def sweep(config, depths: list[int], methods: list[str]) -> dict:
 
     if not config.trainer.id:
         raise UserError("trainer.id is missing: the sweep names its runs <trainer.id>-<method>-M<depth>")
+    preflight.check_run_id(config.trainer.id)
     out_dir = config.sweep.out_dir or os.path.join("sweeps", config.trainer.id)
     outputs.check_replaceable(out_dir, **_out_dir_rules(config))
     outputs.check_writable(out_dir, "sweep.out_dir", beside=True)

@@ -44,13 +44,18 @@ def train(config: TrainConfig) -> dict:
 
 def _train(config: TrainConfig, preemption: faults.Preemption, cleanup: contextlib.ExitStack) -> dict:
     preflight.check_outputs(config)  # before the corpus, the tokenizer and Levanter start
-    config, tokenizer, inject, Vocab = session.start(config, cleanup)
+    model_key = jrandom.split(jrandom.PRNGKey(config.trainer.seed), 4)[2]
+
+    def prepare(config, tokenizer, Vocab):  # before the run writes anything (session.start)
+        # a halting phase (qkvflow.training.halting_phase): the model comes from the aligned checkpoint and
+        # only its halting head trains; its own checkpoints hold only the head, so check_resume does not apply
+        config, model, is_trainable = halting_phase.prepare(config, Vocab, model_key)
+        resume_from = None if model is not None else preflight.check_resume(config, Vocab)
+        return (config, model, is_trainable, resume_from), config.model.max_Pos
+
+    _, tokenizer, inject, Vocab, tokens, prepared = session.start(config, cleanup, prepare)
+    config, model, is_trainable, resume_from = prepared
     t = config.trainer
-    model_key = jrandom.split(jrandom.PRNGKey(t.seed), 4)[2]
-    # a halting phase (qkvflow.training.halting_phase): the model comes from the aligned checkpoint and
-    # only its halting head trains; its own checkpoints hold only the head, so check_resume does not apply
-    config, model, is_trainable = halting_phase.prepare(config, Vocab, model_key)
-    resume_from = None if model is not None else preflight.check_resume(config, Vocab)
     Pos = config.model.max_Pos
     run = loop.Run(
         config,
@@ -62,7 +67,7 @@ def _train(config: TrainConfig, preemption: faults.Preemption, cleanup: contextl
         flops_per_token=config.model.flops_per_token(len(tokenizer), Pos.size),
     )
     loss_fn = functools.partial(lm_loss, z_loss_weight=config.z_loss_weight)
-    summary, _ = loop.train_run(run, loss_fn, tokenizer, preemption, inject, resume_from)
+    summary, _ = loop.train_run(run, loss_fn, tokenizer, preemption, tokens, inject, resume_from)
 
     jsonl = loop.jsonl_tracker(t)
     if jsonl is not None and jax.process_index() == 0 and "run_id" in summary:

@@ -188,6 +188,19 @@ def _jsonl_documents(path: str, text_key: str) -> Iterator[str]:
         raise UserError(f"--files: {path!r} holds no text (every {text_key!r} field is empty or whitespace)")
 
 
+def _more_documents(files: Sequence[str]) -> str:
+    """Advice for files that hold too few documents: a smaller --chunk_chars helps only where a .txt
+    file has line ends to cut at."""
+    cuttable = False
+    for path in files:
+        if not path.endswith(".jsonl"):
+            with open(path, "rb") as f:
+                cuttable = cuttable or b"\n" in f.read().strip()
+    if cuttable:
+        return "more text, or a smaller --chunk_chars (a .txt file is cut into documents at line ends)"
+    return "or more text (a .txt file is cut into documents only at line ends, and these hold one line each)"
+
+
 def documents(files: Sequence[str], *, text_key: str = "text", chunk_chars: int = CHUNK_CHARS) -> Iterator[str]:
     """The documents of ``files`` in order (see the module docstring), checked as they are read:
     bad input raises ``UserError`` naming the file (and line and byte offset)."""
@@ -342,7 +355,7 @@ def build_tokenizer_folder(
     if len(held_out) >= len(keys):
         raise UserError(
             f"--validation_fraction {validation_fraction} leaves no training text: the files hold {len(keys)} "
-            f"document{'s' if len(keys) != 1 else ''}; pass --validation_fraction 0, more text, or a smaller --chunk_chars"
+            f"document{'s' if len(keys) != 1 else ''}; pass --validation_fraction 0, {_more_documents(files)}"
         )
     train_docs = lambda: (d for i, d in enumerate(docs()) if i not in held_out)  # noqa: E731
     described = "byte-level BPE" if kind == "bpe" else "character-level"

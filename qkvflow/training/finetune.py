@@ -415,21 +415,21 @@ def _finetune(config: FinetuneConfig, preemption: faults.Preemption, cleanup: co
     check_values(config)
     pretrained = load_pretrained_config(config)
     check_pretrained_checkpoint(config, pretrained)
-    config, tokenizer, inject, Vocab = session.start(config, cleanup)
-    t = config.trainer
 
-    base = load_base(config, pretrained, tokenizer, Vocab)
-    lora = config.finetune == "lora"
-    if lora:
+    def prepare(config, tokenizer, Vocab):  # before the run writes anything (session.start)
+        base = load_base(config, pretrained, tokenizer, Vocab)
+        if config.finetune != "lora":
+            return (base, base, True), base.config.max_Pos
         model = haliax.named_jit(lambda m: add_lora(m, config.lora, config.lora_seed))(base)
         if not any(isinstance(x, eqx.Module) and type(x).__name__ == "LoraLinear" for x in _modules(model)):
             raise UserError(
                 f"lora.target_modules={config.lora.target_modules!r} matches no linear projection of the "
                 "model to fine-tune"
             )
-        is_trainable = _frozen(model)
-    else:
-        model, is_trainable = base, True
+        return (base, model, _frozen(model)), base.config.max_Pos
+
+    config, tokenizer, inject, Vocab, tokens, (base, model, is_trainable) = session.start(config, cleanup, prepare)
+    t = config.trainer
     model_config = base.config
     Pos = model_config.max_Pos
     flops = model_config.flops_per_token(len(tokenizer), Pos.size) if hasattr(model_config, "flops_per_token") else None
@@ -447,7 +447,7 @@ def _finetune(config: FinetuneConfig, preemption: faults.Preemption, cleanup: co
     what = f"the {depth}-step ODE model as" if _is_ode_config(pretrained.model) else f"the {type(base).__name__} of"
     print(f"fine-tuning ({config.finetune}) {what} {config.steps} layers", flush=True)
     loss_fn = functools.partial(lm_loss, z_loss_weight=config.z_loss_weight)
-    summary, state = loop.train_run(run, loss_fn, tokenizer, preemption, inject)
+    summary, state = loop.train_run(run, loss_fn, tokenizer, preemption, tokens, inject)
     summary = {
         "method": config.finetune,
         "steps_M": config.steps,

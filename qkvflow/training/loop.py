@@ -36,7 +36,7 @@ from levanter.utils.jax_utils import parameter_count
 from levanter.utils.tree_utils import inference_mode
 
 from qkvflow.errors import UserError
-from qkvflow.training import faults, preflight, weight_decay
+from qkvflow.training import faults, weight_decay
 from qkvflow.training.checkpoints import restore_error
 from qkvflow.training.tracking import JsonlTrackerConfig, drop_steps_from, metrics_file
 
@@ -65,31 +65,6 @@ def drop_replayed_metrics(trainer_config, run_id: str, start: int) -> None:
         dropped = drop_steps_from(metrics_file(jsonl.path, run_id), start)
         if dropped:
             logger.info(f"Dropped {dropped} metric records of the steps after step {start}: they are trained again")
-
-
-def build_caches(data) -> dict:
-    """Tokenize into Levanter's caches before reading them. Every process calls Levanter's
-    `build_or_load_cache` at the same time: with several processes, its own coordination has process 0
-    build while the others take part in its status broadcasts, then load what it wrote (the cache folder
-    must be shared, as Levanter requires). The barrier first lines the processes up, so that all of them
-    find the cache missing or all find it complete: a process that stood aside while process 0 built (as
-    qkvflow did on Levanter 1.2) would leave process 0 waiting on that broadcast forever.
-
-    Returns the number of tokens of each split that has data."""
-    say(f"preparing the token cache in {data.cache_dir} (the first run tokenizes the data) ...")
-    start = time.perf_counter()
-    tokens: dict = {}
-
-    def build():
-        for split in ("train", "validation"):
-            caches = data.build_caches(split)
-            if caches:
-                tokens[split] = sum(cache.flat_field_length("input_ids") for cache in caches.values())
-
-    faults.barrier("qkvflow_build_caches")
-    build()
-    say(f"token cache ready ({time.perf_counter() - start:.0f} s)")
-    return tokens
 
 
 def eval_losses(mp):
@@ -136,6 +111,13 @@ def evaluate(evaluator, model, step: int, summary: dict, prefix: str = "eval") -
     return loss
 
 
+def completed(info: StepInfo) -> int:
+    """The number of optimizer updates done when `info` is reported: the trainer state's `step`
+    (Levanter's `StepInfo.next_step`), one more than `StepInfo.step`, the 0-based index of the update
+    just made. qkvflow numbers checkpoints, progress and eval lines by it; metrics keep Levanter's index."""
+    return int(info.next_step)
+
+
 def progress_hook(summary: dict, total_steps: int, log_every: int, tokens_per_step: int):
     """Log train/perplexity every step; print `step k/total loss ppl tokens/s ETA` every `log_every`
     (on every process, as Levanter 1.2's qkvflow did)."""
@@ -146,7 +128,7 @@ def progress_hook(summary: dict, total_steps: int, log_every: int, tokens_per_st
         perplexity = math.exp(min(loss, 80.0))
         levanter.tracker.log({"train/perplexity": perplexity}, step=info.step)
         summary.update(train_loss=loss, train_perplexity=perplexity)
-        step = int(info.step) + 1
+        step = completed(info)
         if step == last["step"]:
             return  # the forced hook run after the last step
         if step % log_every == 0 or step == total_steps:
@@ -190,10 +172,11 @@ class Run:
 
 
 def train_run(
-    run: Run, loss_fn, tokenizer, preemption: faults.Preemption, inject=None, resume_from=None
+    run: Run, loss_fn, tokenizer, preemption: faults.Preemption, tokens: dict, inject=None, resume_from=None
 ) -> tuple[dict, object]:
-    """Train `run` to `trainer.num_train_steps` (or `stop_after`, or a preemption). Returns the summary
-    and the final trainer state (None if no state exists, e.g. stopped before the first step)."""
+    """Train `run` to `trainer.num_train_steps` (or `stop_after`, or a preemption) on the token caches
+    `session.start` built (`session.build_caches`; `tokens`: tokens of each split). Returns the summary and the final trainer
+    state (None if no state exists, e.g. stopped before the first step)."""
     config, t = run.config, run.config.trainer
     t = dataclasses.replace(t, crash_on_nan=False, crash_on_inf=False)  # the guard decides, after the step
     optimizer_config = weight_decay.with_decay_mask(config.optimizer, config.model)
@@ -207,15 +190,13 @@ def train_run(
         data_key = jrandom.PRNGKey(config.data_seed)
 
     with trainer:
-        try:  # before tokenizing, so that a checkpoint that cannot be restored fails fast
+        try:  # missing or damaged arrays of a checkpoint that check_resume passed
             state = trainer.initial_state(training_key, run.model, run.init, is_trainable=run.is_trainable)
         except (ValueError, FileNotFoundError) as e:  # missing or damaged arrays: one line, not Levanter's list
             error = restore_error(resume_from, e) if resume_from else None
             if error is None:
                 raise
             raise error from None
-    tokens = build_caches(config.data)
-    preflight.check_data_size(tokens, run.Pos.size)
     train_set = config.data.train_set(run.Pos, t.batch_schedule, key=data_key)
     eval_sets = config.data.tagged_eval_sets(run.Pos) if t.max_eval_batches != 0 else []
     evaluator = make_evaluator(trainer, config, eval_sets, tokenizer) if eval_sets else None
@@ -254,7 +235,10 @@ def train_run(
         last_eval = {"step": None}
 
         def save(info: StepInfo, force: bool = False):
-            checkpointer.on_step(tree=info.state.saveable_state, step=info.step, force=force)
+            # numbered by completed steps (the state's own count), as the progress, eval and resume lines
+            # are: step-N holds the state after N updates. Levanter's `info.step` is the 0-based index of
+            # the update just made (N - 1); folders named by it (qkvflow 0.2) still load: only the name differs.
+            checkpointer.on_step(tree=info.state.saveable_state, step=completed(info), force=force)
 
         def eval_hook(info: StepInfo):
             if preemption.requested:
@@ -288,7 +272,7 @@ def train_run(
                 guard.check(info)
                 step_info(info)
                 progress(info)
-                if evaluator is not None and (info.step + 1) % t.steps_per_eval == 0:
+                if evaluator is not None and completed(info) % t.steps_per_eval == 0:
                     eval_hook(info)
         except faults.NonFiniteError:
             checkpointer.wait_until_finished()  # writes already started hold finite states
@@ -306,7 +290,7 @@ def train_run(
             )
         trainer.run_hooks(info, force=True)
         checkpointer.wait_until_finished()
-        summary["steps"] = int(info.step) + 1
+        summary["steps"] = completed(info)
         if guard.skipped_steps:
             summary["skipped_steps"] = list(guard.skipped_steps)
         if preemption.requested:

@@ -293,14 +293,28 @@ def _positive(key: str, value, *, allow_none=False, minimum=1) -> None:
         raise UserError(f"{key}={value!r} is invalid: expected {expected}")
 
 
+def check_run_id(run_id) -> None:
+    """`trainer.id` names the run's folders (checkpoints/<id>, runs/<id>): a plain name, not a path
+    (no separator, not `.` or `..`, not empty, no spaces or control characters)."""
+    if run_id is None:
+        return
+    if (
+        not isinstance(run_id, str)
+        or run_id in ("", ".", "..")
+        or any(c in run_id for c in "/\\ ")
+        or not run_id.isprintable()
+    ):
+        raise UserError(
+            f"trainer.id={run_id!r} is invalid: expected a plain name without '/', '\\', spaces, "
+            "and not '.' or '..' (it names the run's folders)"
+        )
+
+
 def check_values(config) -> None:
     from qkvflow.training.faults import NONFINITE_MODES
 
     t = config.trainer
-    if t.id is not None and (not t.id or any(c in t.id for c in "/\\") or t.id != t.id.strip() or " " in t.id):
-        raise UserError(
-            f"trainer.id={t.id!r} is invalid: expected a name without '/', '\\' or spaces (it names folders)"
-        )
+    check_run_id(t.id)
     _positive("trainer.num_train_steps", t.num_train_steps)
     if isinstance(t.train_batch_size, int):
         _positive("trainer.train_batch_size", t.train_batch_size)
@@ -474,6 +488,7 @@ def check_outputs(config) -> None:
     from qkvflow.training.tracking import JsonlTrackerConfig
 
     t = config.trainer
+    check_run_id(t.id)  # a path-like id would put the run's files elsewhere
     check_writable(t.checkpointer.base_path, "trainer.checkpointer.base_path")
     trackers = _trackers(t)
     for i, tracker in enumerate(trackers):

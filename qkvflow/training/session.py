@@ -11,7 +11,9 @@ import contextlib
 import dataclasses
 import logging
 import os
-from typing import NamedTuple, Optional
+import time
+import warnings
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import levanter
@@ -61,10 +63,11 @@ def announce_corpus(config) -> None:
         )
 
 
-def _initialize(config: TrainConfig) -> Optional[RunLock]:
+def _initialize(config: TrainConfig, before_writes: Callable[[], None] = lambda: None) -> Optional[RunLock]:
     """Levanter's initialisation, with the device-dependent checks between `jax.distributed` and
-    Levanter's own validation (which would fail with a traceback on the same problems). Takes the
-    run lock (returned; process 0 only) before Levanter opens the run's trackers."""
+    Levanter's own validation (which would fail with a traceback on the same problems). Then
+    `before_writes` (the checks that need devices but write nothing of the run), then the run lock
+    (returned; process 0 only), then Levanter opens the run's trackers."""
     t = config.trainer
     for key, value in t.jax_config.items():  # e.g. jax_cpu_collectives_implementation before distributed
         jax.config.update(key, value)
@@ -76,12 +79,15 @@ def _initialize(config: TrainConfig) -> Optional[RunLock]:
             f"{jax.device_count()} in all",
             flush=True,
         )
+    preflight.check_devices(t)
+    before_writes()  # a refusal here leaves no run folder, lock file or metrics.jsonl behind
     lock = _lock_run(t) if t.id is not None else None
     try:
-        preflight.check_devices(t)
         log_dir = str(t.log_dir)
         before = set(os.listdir(log_dir)) if os.path.isdir(log_dir) else set()
-        levanter.initialize(config)
+        with warnings.catch_warnings():  # a process that trains several runs (sweep) sets it once per run
+            warnings.filterwarnings("ignore", message="Global tracker is already set")
+            levanter.initialize(config)
         _fix_log_file_name(log_dir, before)
         quiet_console(getattr(config, "verbose", False))
         return lock or _lock_run(t)  # or the id Levanter chose (RUN_ID, wandb's, a random one)
@@ -149,9 +155,9 @@ def _lock_run(trainer_config) -> Optional[RunLock]:
     return RunLock(trainer_config.checkpointer.expanded_path(trainer_config.id)).acquire()
 
 
-def initialize(config: TrainConfig, cleanup: contextlib.ExitStack) -> None:
+def initialize(config: TrainConfig, cleanup: contextlib.ExitStack, before_writes=lambda: None) -> None:
     """`_initialize`, holding the run lock until `cleanup` closes."""
-    lock = _initialize(config)
+    lock = _initialize(config, before_writes)
     if lock is not None:
         cleanup.callback(lock.release)
 
@@ -164,13 +170,52 @@ class Started(NamedTuple):
     """`faults.Injection` from the environment (test-only fault injection; None when unset)."""
     Vocab: Axis
     """The vocabulary axis, rounded up for the parameter mapping."""
+    tokens: dict
+    """Tokens of each split with data (`build_caches`)."""
+    prepared: object
+    """What the verb's `prepare` returned."""
 
 
-def start(config: TrainConfig, cleanup: contextlib.ExitStack) -> Started:
+def _say(message: str) -> None:
+    """A progress line on stdout from process 0 (as `qkvflow.training.loop.say`)."""
+    if jax.process_index() == 0:
+        print(message, flush=True)
+
+
+def build_caches(data) -> dict:
+    """Tokenize into Levanter's caches before reading them. Every process calls Levanter's
+    `build_or_load_cache` at the same time: with several processes, its own coordination has process 0
+    build while the others take part in its status broadcasts, then load what it wrote (the cache folder
+    must be shared, as Levanter requires). The barrier first lines the processes up, so that all of them
+    find the cache missing or all find it complete: a process that stood aside while process 0 built (as
+    qkvflow did on Levanter 1.2) would leave process 0 waiting on that broadcast forever.
+
+    Returns the number of tokens of each split that has data."""
+    from qkvflow.training import faults
+
+    _say(f"preparing the token cache in {data.cache_dir} (the first run tokenizes the data) ...")
+    start = time.perf_counter()
+    tokens: dict = {}
+    faults.barrier("qkvflow_build_caches")
+    for split in ("train", "validation"):
+        caches = data.build_caches(split)
+        if caches:
+            tokens[split] = sum(cache.flat_field_length("input_ids") for cache in caches.values())
+    _say(f"token cache ready ({time.perf_counter() - start:.0f} s)")
+    return tokens
+
+
+def start(config: TrainConfig, cleanup: contextlib.ExitStack, prepare: Optional[Callable] = None) -> Started:
     """What every training verb does after its own checks and before building a model: prepare the corpus,
     run the config checks, load the tokenizer, read the fault-injection spec, initialise (processes, Levanter,
     the run lock held until `cleanup` closes), and, for a run in its own folder, drop the checkpoint writes a
-    kill interrupted."""
+    kill interrupted.
+
+    Between connecting the processes and the first write of the run (its lock file, Levanter's trackers),
+    `prepare(config, tokenizer, Vocab)` runs the verb's own checks that need devices (a checkpoint that does not fit,
+    a pretrained model of the wrong shape) and returns (anything, the model's position axis); then the
+    token caches are built and every split must hold one sequence of that axis. So a refused run leaves
+    no trace: no empty checkpoints/<id>, no metrics.jsonl, no hparams appended to an existing run's."""
     from haliax.partitioning import round_axis_for_partitioning, set_mesh
 
     from qkvflow.training import faults
@@ -183,11 +228,22 @@ def start(config: TrainConfig, cleanup: contextlib.ExitStack) -> Started:
         injection = faults.Injection.from_env()
     except ValueError as e:
         raise UserError(str(e)) from None
-    initialize(config, cleanup)
     t = config.trainer
-    with set_mesh(t.device_mesh):
-        Vocab = round_axis_for_partitioning(Axis("vocab", len(tokenizer)), t.parameter_axis_mapping)
+    found: dict = {}
+
+    def before_writes():
+        if t.load_checkpoint_path is None and t.id is not None:  # an unreadable checkpoint: refused here
+            faults.incomplete_checkpoints(
+                t.checkpointer.expanded_path(t.id), t.checkpointer.delete_old_temp_checkpoints
+            )
+        with set_mesh(t.device_mesh):
+            found["Vocab"] = round_axis_for_partitioning(Axis("vocab", len(tokenizer)), t.parameter_axis_mapping)
+        found["prepared"], Pos = prepare(config, tokenizer, found["Vocab"]) if prepare else (None, config.model.max_Pos)
+        found["tokens"] = build_caches(config.data)
+        preflight.check_data_size(found["tokens"], Pos.size)
+
+    initialize(config, cleanup, before_writes)
     if t.load_checkpoint_path is None:  # this run's own folder: drop writes a kill interrupted
         checkpointer = t.checkpointer
         faults.remove_incomplete_checkpoints(checkpointer.expanded_path(t.id), checkpointer.delete_old_temp_checkpoints)
-    return Started(config, tokenizer, injection, Vocab)
+    return Started(config, tokenizer, injection, found["Vocab"], found["tokens"], found["prepared"])

@@ -262,6 +262,7 @@ def _bad_files(tmp: Path) -> dict:
     (tmp / "notes.md").write_text("# notes\n")
     (tmp / "good.txt").write_text("some good text\n" * 20)
     (tmp / "one.txt").write_text("one line\n")
+    (tmp / "two.txt").write_text("two short\nlines\n")  # one document at the default --chunk_chars
     return {n: str(tmp / n) for n in os.listdir(tmp)}
 
 
@@ -281,7 +282,8 @@ BAD = [  # (files, extra args, the one line after "qkvflow tokenizer: error: ")
     (["good.txt"], ["--kind", "char", "--vocab_size", "9", "--validation_fraction", "0"], "--vocab_size 9 is too small for a character-level tokenizer: the text has 10 distinct characters (with ' '), so it needs 11 tokens with <|endoftext|>; pass at least that or leave --vocab_size out"),
     (["good.txt"], ["--kind", "word"], "--kind 'word' is invalid: expected one of bpe, char"),
     (["good.txt"], ["--validation_fraction", "1"], "--validation_fraction 1.0 is invalid: expected a number in [0, 1)"),
-    (["one.txt"], [], "--validation_fraction 0.05 leaves no training text: the files hold 1 document; pass --validation_fraction 0, more text, or a smaller --chunk_chars"),
+    (["one.txt"], [], "--validation_fraction 0.05 leaves no training text: the files hold 1 document; pass --validation_fraction 0, or more text (a .txt file is cut into documents only at line ends, and these hold one line each)"),
+    (["two.txt"], [], "--validation_fraction 0.05 leaves no training text: the files hold 1 document; pass --validation_fraction 0, more text, or a smaller --chunk_chars (a .txt file is cut into documents at line ends)"),
     ([], [], "--files is empty: expected one or more .txt or .jsonl files"),
 ]  # fmt: skip
 

@@ -8,38 +8,39 @@ and the feed-forward's output projection. Every projection is an `haliax.nn.Line
 
 Attention is computed as in `qkvflow.models.fields.common.self_attention` (Levanter's
 `dot_product_attention`, scale 1/sqrt(head_size), Levanter's half-split rotary for Llama).
+
+Every `config` here is a `qkvflow.models.discrete.model.ParallelConfig`; it is annotated as Levanter's
+`LmConfig` so that the layers do not import the model module that builds them from these layers.
 """
 
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import equinox as eqx
 import haliax.nn as hnn
 import jax.random as jrandom
 from haliax import NamedArray
 from levanter.layers.attention import AttentionMask
+from levanter.models.lm_model import LmConfig
 
 from qkvflow.models.fields.common import attend
 
 from .schemes import STAGES, RkGate, init_scheme_parameters, rk_step, stage_list
 
-if TYPE_CHECKING:  # annotations only: the config lives beside the model, which imports these layers
-    from .model import ParallelConfig
 
-
-def make_norm(config: "ParallelConfig", weight=None, bias=None) -> hnn.LayerNorm | hnn.RmsNorm:
+def make_norm(config: LmConfig, weight=None, bias=None) -> hnn.LayerNorm | hnn.RmsNorm:
     """The flavour's pre-norm: LayerNorm (GPT-2) or float32 RMSNorm (Llama), as the ODE fields use."""
     return config.flavour_spec.norm(config.Embed, config.layer_norm_epsilon, weight, bias)
 
 
 class ParallelAttention(eqx.Module):
-    config: "ParallelConfig" = eqx.field(static=True)
+    config: LmConfig = eqx.field(static=True)
     q_proj: hnn.Linear  # embed -> (heads, head_size)
     k_proj: hnn.Linear
     v_proj: hnn.Linear
     o_proj: hnn.Linear  # (heads, head_size) -> embed
 
     @staticmethod
-    def init(config: "ParallelConfig", *, key) -> "ParallelAttention":
+    def init(config: LmConfig, *, key) -> "ParallelAttention":
         Embed, Qkv, bias = config.Embed, (config.Heads, config.HeadSize), config.has_attention_bias
         kq, kk, kv, ko = jrandom.split(key, 4)
         q = hnn.Linear.init(Embed, Qkv, key=kq, use_bias=bias)
@@ -67,7 +68,7 @@ class Gpt2Mlp(eqx.Module):
     act: Callable = eqx.field(static=True)
 
     @staticmethod
-    def init(config: "ParallelConfig", *, key) -> "Gpt2Mlp":
+    def init(config: LmConfig, *, key) -> "Gpt2Mlp":
         k_up, k_down = jrandom.split(key)
         bias = config.has_mlp_bias
         up = hnn.Linear.init(config.Embed, config.Mlp, key=k_up, use_bias=bias)
@@ -86,7 +87,7 @@ class SwiGluMlp(eqx.Module):
     down_proj: hnn.Linear
 
     @staticmethod
-    def init(config: "ParallelConfig", *, key) -> "SwiGluMlp":
+    def init(config: LmConfig, *, key) -> "SwiGluMlp":
         kg, ku, kd = jrandom.split(key, 3)
         bias = config.has_mlp_bias
         gate = hnn.Linear.init(config.Embed, config.Mlp, key=kg, use_bias=bias)
@@ -98,12 +99,12 @@ class SwiGluMlp(eqx.Module):
         return self.down_proj(hnn.silu(self.gate_proj(m)) * self.up_proj(m))
 
 
-def mlp_class(config: "ParallelConfig") -> type:
+def mlp_class(config: LmConfig) -> type:
     """The flavour's feed-forward module: SwiGLU when it is gated, act(up) down otherwise."""
     return SwiGluMlp if config.flavour_spec.gated_mlp else Gpt2Mlp
 
 
-def make_mlp(config: "ParallelConfig", projections: dict) -> "Gpt2Mlp | SwiGluMlp":
+def make_mlp(config: LmConfig, projections: dict) -> "Gpt2Mlp | SwiGluMlp":
     """The feed-forward module holding `projections` ({module name: hnn.Linear}, e.g. up_proj, down_proj)."""
     if config.flavour_spec.gated_mlp:
         return SwiGluMlp(**projections)
@@ -127,7 +128,7 @@ class ParallelBlock(eqx.Module):
     gate: Optional[RkGate] = None
 
     @staticmethod
-    def init(config: "ParallelConfig", *, key) -> "ParallelBlock":
+    def init(config: LmConfig, *, key) -> "ParallelBlock":
         k_attn, k_mlp, k_scheme = jrandom.split(key, 3)
         attn = ParallelAttention.init(config, key=k_attn)
         mlp = mlp_class(config).init(config, key=k_mlp)
