@@ -21,7 +21,9 @@ vector-field evaluations), into DIR (qkvflow.outputs: an absent or empty folder,
 `qkvflow eval` output with --overwrite). --tasks runs lm-evaluation-harness tasks through Levanter's
 harness (qkvflow.evaluation.harness; `pip install 'qkvflow[eval]'`) on the model of every row: at
 each grid of --steps/--solver/--tolerances, printed as a second table with one row per grid, task and
-metric (`lm_eval` in depth.json, a list in the order of the rows).
+metric (`lm_eval` in depth.json, a list in the order of the rows). --per_sequence adds, for every
+--tolerances row, the distribution (mean, min, 10/50/90% quantiles, max) of the vector-field
+evaluations of each sequence solved alone (`nfe_per_sequence`; qkvflow.evaluation.depth).
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ class EvalOptions:
     """lm-eval's `limit`: at most this many examples per task."""
     log_samples: bool = False
     """With --tasks and --output: also keep lm-eval's per-document requests and scores (`samples` in depth.json)."""
+    per_sequence: bool = False
+    """With --tolerances: also solve every sequence alone (vmap) and report the distribution of its vector-field evaluations."""
 
 
 @dataclass
@@ -108,6 +112,10 @@ def check(config: EvalConfig, config_path: Optional[str]) -> None:
             raise UserError(
                 f"{' and '.join(given)}: model.type={kind} has a fixed depth; solver grids apply to DiffEqFormer checkpoints"
             )
+    if config.per_sequence and config.tolerances is None:
+        raise UserError(
+            "--per_sequence: needs --tolerances (a fixed grid takes the same evaluations for every sequence)"
+        )
     if config.output is not None:
         outputs.check_replaceable(config.output, **_output_rules(config, config_path))
         outputs.check_writable(config.output, "--output", beside=True)
@@ -185,6 +193,8 @@ def evaluate(config: EvalConfig, config_path: Optional[str] = None) -> dict:
                            steps=None if point.adaptive else point.ode.num_steps, trained=depth.same_solve(point.ode, config.model.ode))  # fmt: skip
                 if point.adaptive:
                     row["nfe"], row["nfe_min"], row["nfe_max"] = depth.measured_evaluations(m, evaluator, t.mp)
+                    if config.per_sequence:
+                        row["nfe_per_sequence"] = depth.distribution(depth.per_sequence_evaluations(m, evaluator, t.mp))
                 else:
                     row["nfe"] = depth.fixed_evaluations(point.ode)
             row.update(scored.as_dict())
@@ -207,6 +217,8 @@ def write(result: dict, config: EvalConfig, config_path: Optional[str]) -> list[
     with outputs.replacing(config.output, **_output_rules(config, config_path)) as folder:
         with open(os.path.join(folder, "depth.md"), "w") as f:
             f.write(depth.markdown_table(result["rows"]) + "\n")
+            if config.per_sequence:
+                f.write("\n" + depth.per_sequence_table(result["rows"]) + "\n")
         with open(os.path.join(folder, "depth.json"), "w") as f:
             json.dump(result, f, indent=1, default=str)
         title = f"{os.path.basename(os.path.normpath(config.checkpoint))}: depth at inference"
@@ -263,6 +275,8 @@ def main(argv: list[str]) -> int:
     quiet_logging(config.verbose)
     result = evaluate(config, config_path)
     print(depth.markdown_table(result["rows"]))
+    if config.per_sequence:
+        print(depth.per_sequence_table(result["rows"]))
     if "lm_eval" in result:
         from qkvflow.evaluation import harness
 

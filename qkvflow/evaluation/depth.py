@@ -11,7 +11,10 @@ for first-same-as-last methods), the count `OdeStats.nfe` reports; for an adapti
 steps depends on the input, so it is measured: `OdeStats.nfe` of `model.flow` on every evaluated batch
 (diffrax's `stats["num_steps"]`, rejected steps included, turned into evaluations by the same
 function), averaged over batches. An adaptive controller picks one step size for a whole batch, so
-this count depends on the eval batch size too.
+this count depends on the eval batch size too. `per_sequence_evaluations` solves every sequence
+alone instead (`hax.vmap` of the forward solve over the batch axis: diffrax then keeps a step size
+and a step count per sequence) and gives their distribution (`distribution`): the depth each input
+needs by itself, independent of the batch it came in.
 
 Adaptive rows use rtol = tolerance and atol = tolerance x (model.ode.atol / model.ode.rtol) (1/10 with
 the defaults), and the config's `max_steps`.
@@ -162,6 +165,52 @@ def measured_evaluations(model, evaluator, mp) -> tuple[float, int, int]:
 
     counts = [int(nfe(model, batch)) for batch, _tags in evaluator.loader]
     return float(np.mean(counts)), min(counts), max(counts)
+
+
+def per_sequence_evaluations(model, evaluator, mp) -> np.ndarray:
+    """Vector-field evaluations of the forward solve of every evaluated sequence solved alone (a
+    vmap over the batch axis); sequences with no loss weight (a loader's padding) are left out."""
+    import haliax as hax
+    from levanter.utils.tree_utils import inference_mode
+
+    @hax.named_jit(axis_resources=evaluator.axis_mapping)
+    def nfe(model, batch):
+        model = mp.cast_to_compute(inference_mode(model, True))
+        (Batch,) = [a for a in batch.tokens.axes if a.name != model.Pos.name]
+        counts = hax.vmap(lambda tokens, mask: model.flow(tokens, mask)[2].nfe, Batch)(batch.tokens, batch.attn_mask)
+        return counts, hax.sum(batch.loss_weight, model.Pos.name).array > 0
+
+    out = []
+    for batch, _tags in evaluator.loader:
+        counts, real = nfe(model, batch)
+        out.append(np.asarray(counts)[np.asarray(real)])
+    return np.concatenate(out)
+
+
+QUANTILES = (0.1, 0.5, 0.9)
+
+
+def distribution(counts) -> dict:
+    """mean, min, the QUANTILES (numpy's linear interpolation, keys q10 q50 q90) and max of `counts`."""
+    counts = np.asarray(counts, dtype=np.float64)
+    out = {"sequences": int(counts.size), "mean": float(counts.mean()), "min": int(counts.min())}
+    out |= {f"q{round(q * 100)}": float(np.quantile(counts, q)) for q in QUANTILES}
+    return out | {"max": int(counts.max())}
+
+
+def per_sequence_table(rows: list[dict]) -> str:
+    """Markdown: the per-sequence distribution of the adaptive rows that have one."""
+    lines = [
+        "| solver | tolerance | sequences | mean | min | q10 | q50 | q90 | max |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        d = r.get("nfe_per_sequence")
+        if d:
+            cells = [r["solver"], r["grid"], d["sequences"], f"{d['mean']:.1f}", d["min"]]
+            cells += [f"{d[k]:g}" for k in ("q10", "q50", "q90")] + [d["max"]]
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
 
 
 COLUMNS = ("solver", "steps or tolerance", "vector-field evaluations", "loss", "perplexity", "bpb")

@@ -15,10 +15,11 @@ things are added around it:
   an unreachable dataset would hang for half an hour; here it fails at once in one line. A path
   ending in .yaml/.yml is read as a task definition (lm-eval's YAML keys, e.g. `dataset_path: json`
   with `dataset_kwargs: {data_files: ...}`); its local data files must exist.
-* Only `loglikelihood` and `multiple_choice` tasks run. Levanter's `loglikelihood_rolling` raises
-  NotImplementedError (checked in tests/evaluation/test_harness.py) and its `generate_until` needs a
-  KV-cache decoder that the DiffEqFormer does not have: such tasks are refused in one line.
-  Perplexity of a whole corpus is `qkvflow eval` without --tasks.
+* `loglikelihood_rolling` (wikitext-style perplexity tasks), which Levanter's harness raises on
+  (checked in tests/evaluation/test_harness.py), runs with lm-eval's window rules
+  (qkvflow.evaluation.rolling). `generate_until` needs a KV-cache decoder inside Levanter's harness
+  that the DiffEqFormer does not have there: such tasks are refused in one line. Perplexity of a
+  whole corpus is `qkvflow eval` without --tasks.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 from qkvflow.errors import UserError
 
 INSTALL = "pip install 'qkvflow[eval]'"
-SUPPORTED = ("loglikelihood", "multiple_choice")
+SUPPORTED = ("loglikelihood", "multiple_choice", "loglikelihood_rolling")
 
 
 def check_installed() -> None:
@@ -150,13 +151,16 @@ def run(model, config, spec: list, max_examples: Optional[int] = None, *, log_sa
     Call `preload(spec)` first (qkvflow eval does, before loading the model)."""
     from levanter.eval_harness import LmEvalHarnessConfig, run_lm_eval_harness
 
+    from qkvflow.evaluation import rolling
+
     t = config.trainer
     harness_config = LmEvalHarnessConfig(task_spec=spec, max_examples=max_examples, log_samples=log_samples)
     with hax.partitioning.set_mesh(t.device_mesh), hax.axis_mapping(t.parameter_axis_mapping):
         model = hax.shard(SegmentPositions(model), t.parameter_axis_mapping)  # onto the trainer's mesh
-        return run_lm_eval_harness(
-            harness_config, model, config.data.the_tokenizer, t.EvalBatch, t.compute_axis_mapping, t.mp
-        )
+        with rolling.enabled():
+            return run_lm_eval_harness(
+                harness_config, model, config.data.the_tokenizer, t.EvalBatch, t.compute_axis_mapping, t.mp
+            )
 
 
 def summary_table(runs: list[dict]) -> str:

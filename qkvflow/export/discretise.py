@@ -22,7 +22,7 @@ from haliax.nn.scan import ScanCheckpointPolicy, Stacked
 
 from qkvflow.errors import UserError
 from qkvflow.integrate.config import OdeConfig
-from qkvflow.integrate.weight_source import evaluation_times, generate_batched
+from qkvflow.integrate.weight_source import evaluation_times, generate_batched, weight_times
 from qkvflow.models import registry
 from qkvflow.models.diffeqformer import DiffEqFormerConfig
 from qkvflow.models.discrete.layers import ParallelAttention, ParallelBlock, make_mlp, make_norm
@@ -103,7 +103,8 @@ def discretise(model, steps: int, solver: str = "euler") -> ParallelLMHeadModel:
         raise UserError(
             f"solver={solver!r} is invalid: expected one of {list(SOLVERS)} (only an Euler step is one residual block)"
         )
-    weights = generate_batched(model.generator, jnp.asarray(step_times(steps)))
+    euler = OdeConfig(num_steps=steps, solver="euler")
+    weights = generate_batched(model.generator, jnp.asarray(weight_times(model.generator, euler)))
     weights = {name: w.rename({"ode_time": "layers"}) for name, w in weights.items()}
     config = discrete_config(model.config, steps, weights)
     policy = ScanCheckpointPolicy.from_bool_or_str(config.gradient_checkpointing)

@@ -26,7 +26,7 @@ from haliax import Axis, NamedArray
 from levanter.layers.kv_cache import ListCache
 
 from qkvflow.errors import UserError
-from qkvflow.integrate.weight_source import evaluation_times, generate_batched
+from qkvflow.integrate.weight_source import generate_batched, weight_times
 from qkvflow.models.adaptive import AdaptiveLMHeadModel
 from qkvflow.models.diffeqformer import DiffEqFormerLMHeadModel
 from qkvflow.models.discrete.model import ParallelLMHeadModel
@@ -79,7 +79,7 @@ class OdeDecoder(_Decoder):
             ode = dataclasses.replace(ode, num_steps=steps)
             model = dataclasses.replace(model, _config=dataclasses.replace(model.config, ode=ode))
         plan = schedule(ode)  # refuses an adaptive solver
-        table = generate_batched(model.generator, jax.numpy.asarray(evaluation_times(ode)))
+        table = generate_batched(model.generator, jax.numpy.asarray(weight_times(model.generator, ode)))
         return OdeDecoder(model, table, plan)
 
     def initial_cache(self, spec, *, dtype) -> ListCache:

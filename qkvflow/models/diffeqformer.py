@@ -44,6 +44,7 @@ from qkvflow.integrate.weight_source import WeightSource
 from qkvflow.models.depth_dial import DepthDialConfig
 from qkvflow.models.flavour import GPT2, LLAMA, Flavour
 from qkvflow.models.generator import HyperGenerator, SharedGenerator
+from qkvflow.models.official import OfficialGenerator
 from qkvflow.models.registry import register
 
 EXITS = ("none", "aligned")
@@ -84,6 +85,12 @@ class DiffEqFormerConfig(LmConfig):
     time_embed_norm: bool = False
     """Divide silu(MLP(s(t))) by its RMS before Proj, so Proj's share of an Adam step on W(t) is about
     0.8 lr instead of about 0.15 lr (qkvflow.nn.time_dependent; benchmarks/README.md, "Quality")."""
+
+    variant: str = "qkvflow"
+    """"official": the hypernetworks of the authors' code (SDML-KU/qkvflow; qkvflow.models.official), GPT-2 flavour."""
+    time_grid: Optional[str] = None
+    """W of Euler step k at t_k = k/N ("left") or (k+1)/N ("right", the official code's loop; variant official only).
+    None: the variant's (left for qkvflow, right for official)."""
 
     ode: OdeConfig = dataclasses.field(default_factory=OdeConfig)
     kinetic_weight: float = 0.0
@@ -147,6 +154,27 @@ class DiffEqFormerConfig(LmConfig):
             )
         _check(self.matrix_init in ("normal", "fan_in"), "matrix_init", self.matrix_init, "'normal' or 'fan_in'")
         _check(self.initializer_range > 0, "initializer_range", self.initializer_range, "a positive float")
+        self._check_variant()
+
+    def _check_variant(self):
+        _check(self.variant in ("qkvflow", "official"), "variant", self.variant, "'qkvflow' or 'official'")
+        grids = ("left", "right") if self.variant == "official" else ("left",)
+        _check(self.time_grid in (None, *grids), "time_grid", self.time_grid, f"null or one of {list(grids)}")
+        if self.variant == "official":
+            why = "the official code's hypernetworks are implemented for the GPT-2 flavour's DiffEqFormer only"
+            _check(self.flavour == "gpt2" and self.generator == "hyper", "variant", self.variant, f"'qkvflow' ({why})")
+            for key in ("shared_time_mlp", "time_embed_norm", "exits"):
+                _check(getattr(self, key) in (False, "none"), key, getattr(self, key), "off with variant: official")
+            _check(
+                not (self.ode.is_adaptive and self.resolved_time_grid == "right"),
+                "time_grid",
+                self.resolved_time_grid,
+                "'left' with an adaptive solver (the right grid shifts W by one fixed step, 1/N)",
+            )
+
+    @property
+    def resolved_time_grid(self) -> str:
+        return self.time_grid or ("right" if self.variant == "official" else "left")
 
     # --- flavour-dependent defaults -------------------------------------------------------------
     @property
@@ -248,7 +276,8 @@ class DiffEqFormerLMHeadModel(LmHeadModel[DiffEqFormerConfig]):
         if flavour.learned_positions:
             positions = hnn.Embedding.init(config.max_Pos, Embed, key=k_pos, initializer_range=std / 2)
         specs = flavour.field.weight_specs(config)
-        generator = GENERATORS[config.generator].init(specs, config, key=k_gen)
+        make = OfficialGenerator if config.variant == "official" else GENERATORS[config.generator]
+        generator = make.init(specs, config, key=k_gen)
         final_norm = flavour.init_norm(Embed, config.layer_norm_epsilon)
         lm_head = None if config.tied_embeddings else hax.random.normal(k_head, (Embed, Vocab)) * std
         return cls(config, Vocab, tokens, positions, generator, final_norm, lm_head)

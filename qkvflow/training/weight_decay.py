@@ -42,6 +42,8 @@ def decay_regex(model_config) -> Optional[str]:
     matrices = "|".join(sorted(re.escape(name) for name, spec in specs.items() if spec.kind == "matrix"))
     if model_config.generator == "shared":
         generated = rf"generator\.constants\.({matrices})"
+    elif getattr(model_config, "variant", "qkvflow") == "official":  # q, k, v share the module q_k_v
+        generated = rf"generator\.modules\.({matrices}|q_k_v)\.(weight\.weight|mlp\.lin\d+\.weight)"
     else:
         generated = rf"generator\.weights\.({matrices})\.(proj|mlp\.lin\d+\.weight)"
     return rf"^({generated}|lm_head)$"

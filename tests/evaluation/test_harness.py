@@ -94,8 +94,8 @@ def test_packed_requests_restart_their_positions():
 
 
 def test_levanter_still_lacks_loglikelihood_rolling():
-    """qkvflow refuses rolling tasks because Levanter's harness raises on them; when Levanter
-    implements it, this fails and the refusal in qkvflow.evaluation.harness should go."""
+    """qkvflow adds rolling log-likelihood because Levanter's harness raises on it; when Levanter
+    implements it, this fails and qkvflow.evaluation.rolling should go."""
     from levanter.eval_harness import LevanterHarnessLM
 
     with pytest.raises(NotImplementedError):
@@ -142,12 +142,81 @@ def test_cli_tasks_at_several_grids_and_one_line_refusals(run, tmp_path, capfd, 
     assert cli_main([*base, "--tasks", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
     assert "data_files 'missing.jsonl' does not exist" in err and len(err.splitlines()) == 1
-    rolling = tmp_path / "rolling.yaml"
-    rolling.write_text(open(task).read().replace("multiple_choice", "loglikelihood_rolling"))
-    assert cli_main([*base, "--tasks", str(rolling)]) == 2
+    generate = tmp_path / "generate.yaml"
+    generate.write_text(open(task).read().replace("multiple_choice", "generate_until"))
+    assert cli_main([*base, "--tasks", str(generate)]) == 2
     err = capsys.readouterr().err.strip()
-    assert "needs loglikelihood_rolling" in err and len(err.splitlines()) == 1
+    assert "needs generate_until" in err and len(err.splitlines()) == 1
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if not installed
     assert cli_main([*base, "--tasks", task]) == 2
     err = capsys.readouterr().err.strip()
     assert err.endswith("pip install 'qkvflow[eval]'") and len(err.splitlines()) == 1
+
+
+DOCS = [
+    "The for statement in Python differs a bit from what you may be used to in C or Pascal. Rather than "
+    "always iterating over an arithmetic progression of numbers, or giving the user the ability to define "
+    "both the iteration step and halting condition, the for statement iterates over the items of any sequence.",
+    "A function definition defines a user-defined function object.",
+]
+
+
+def test_rolling_perplexity_task_from_windows_scored_alone(run, tmp_path):
+    """A wikitext-style task (output_type loglikelihood_rolling) on a local file: the document longer
+    than the context is cut into lm-eval's windows (built here with lm-eval's own functions, with the
+    window of Levanter's scorer: context - 1 predicted tokens), each window is scored alone from the
+    logits, and the task's word and byte perplexities and bits per byte follow as lm-eval defines them:
+    exp(-sum ll / sum words), exp(-sum ll / sum bytes), -sum ll / sum bytes / ln 2."""
+    import math
+    import re
+
+    import equinox as eqx
+    import haliax as hax
+    import jax
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    from qkvflow.evaluation import harness
+
+    config, model, tokenizer, _ = run
+    window = model.Pos.size - 1
+    owners, seqs, starts = [], [], []  # every window alone, padded to the context (positions after it are unused)
+    for i, text in enumerate(DOCS):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        windows = [
+            make_disjoint_window(w)
+            for w in get_rolling_token_windows(ids, tokenizer.eos_token_id, max_seq_len=window, context_len=1)
+        ]
+        assert sum(len(pred) for _, pred in windows) == len(ids)
+        for context, pred in windows:
+            owners.append(i)
+            seqs.append(context + pred + [0] * (model.Pos.size - len(context) - len(pred)))
+            starts.append((len(context), len(context) + len(pred)))
+    Batch = hax.Axis("batch", len(seqs))
+    logits = eqx.filter_jit(lambda m, x: m(x))(model, hax.named(np.asarray(seqs, np.int32), (Batch, model.Pos)))
+    logp = np.asarray(jax.nn.log_softmax(np.asarray(logits.array, np.float64), axis=-1))
+    reference = [0.0] * len(DOCS)
+    for b, (owner, (lo, hi)) in enumerate(zip(owners, starts)):
+        reference[owner] += sum(logp[b, j - 1, seqs[b][j]] for j in range(lo, hi))
+    n_windows = [owners.count(i) for i in range(len(DOCS))]
+    assert n_windows[0] >= 3 and n_windows[1] == 1  # the first document is longer than two contexts
+
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in DOCS))
+    task = tmp_path / "tiny_rolling.yaml"
+    task.write_text(
+        "task: qkvflow_tiny_rolling\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: docs.jsonl\n"
+        "output_type: loglikelihood_rolling\ntest_split: test\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+        "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n"
+    )
+    spec = harness.task_spec(str(task))
+    harness.preload(spec)
+    out = harness.run(model, config, spec, log_samples=True)
+    scored = {s["doc_id"]: s["resps"][0][0] for s in out["samples"]["qkvflow_tiny_rolling"]}
+    # float32 forward passes of the packed and the single windows: sums of ~60 log-probs of ~7.6 nats
+    np.testing.assert_allclose([scored[i] for i in range(len(DOCS))], reference, rtol=0, atol=5e-4)
+    ll = sum(reference)
+    words = sum(len(re.split(r"\s+", t)) for t in DOCS)
+    nbytes = sum(len(t.encode("utf-8")) for t in DOCS)
+    got = out["results"]["qkvflow_tiny_rolling"]
+    np.testing.assert_allclose(got["word_perplexity,none"], math.exp(-ll / words), rtol=1e-5)
+    np.testing.assert_allclose(got["byte_perplexity,none"], math.exp(-ll / nbytes), rtol=1e-5)
+    np.testing.assert_allclose(got["bits_per_byte,none"], -ll / nbytes / math.log(2), rtol=1e-5)

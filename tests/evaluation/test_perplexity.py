@@ -52,7 +52,7 @@ def depth_run(shared, tmp_path_factory):
     with contextlib.redirect_stdout(stdout):
         rc = cli_main([
             "eval", "--config_path", TINY_TRAIN, "--corpus.root", str(corpora), "--checkpoint", str(pretrained),
-            "--steps", "N/2,N", "--tolerances", "1e-2", "--output", str(out_dir),
+            "--steps", "N/2,N", "--tolerances", "1e-2", "--per_sequence", "true", "--output", str(out_dir),
         ])  # fmt: skip
     assert rc == 0
     return out_dir, json.loads((out_dir / "depth.json").read_text()), stdout.getvalue()
@@ -193,13 +193,18 @@ def test_adaptive_rows_count_the_evaluations_the_field_received(shared, depth_ru
     assert row["nfe"] == pytest.approx(np.mean(counts), rel=1e-12)
     assert min(counts) >= 7
     assert math.isfinite(row["loss"])
+    # --per_sequence: every evaluated sequence solved alone (tests/evaluation/test_per_sequence.py checks the counts)
+    spread = row["nfe_per_sequence"]
+    assert spread["sequences"] == depth_run[1]["eval_examples"]
+    assert spread["min"] <= spread["q10"] <= spread["q50"] <= spread["q90"] <= spread["max"]
 
 
 def test_outputs_table_plot_and_overwrite_rules(shared, depth_run, capsys):
     out_dir, result, stdout = depth_run
     assert sorted(p.name for p in out_dir.iterdir()) == ["depth.json", "depth.md", "depth.png", "qkvflow_output.json"]
-    table = _rows(stdout)
+    table, spread = _rows(stdout)[:3], _rows(stdout)[3:]
     assert [r[:2] for r in table] == [["euler", "N=1"], ["euler", "N=2 (trained)"], ["tsit5", "tol=0.01"]]
+    assert [r[:3] for r in spread] == [["tsit5", "tol=0.01", str(result["eval_examples"])]]  # the per-sequence table
     assert table[1][4] == f"{result['rows'][1]['perplexity']:.2f}"
     assert (out_dir / "depth.md").read_text().strip() == "\n".join(
         line for line in stdout.splitlines() if line.startswith("|")
@@ -223,6 +228,7 @@ def test_outputs_table_plot_and_overwrite_rules(shared, depth_run, capsys):
         (["--steps", "N/3"], "--steps N/3 is invalid with the trained N=2: 1 x 2 / 3 is not a whole number"),
         (["--solver", "rk5"], "--solver rk5 is invalid"),
         (["--tolerances", "1e-2", "--adaptive_solver", "euler"], "--adaptive_solver euler is invalid"),
+        (["--per_sequence", "true"], "--per_sequence: needs --tolerances"),
     ],
 )
 def test_bad_grids_are_refused_in_one_line(shared, capsys, args, message):

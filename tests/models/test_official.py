@@ -1,0 +1,135 @@
+"""`variant: official` against a float64 numpy reference written from the official code's equations.
+
+Source: SDML-KU/qkvflow (commit a3f1547), qkvflow/nn/dynamic.py and time_embed.py. Nothing of qkvflow's
+generator or field is used for the reference, only the parameters, read by name:
+
+    s(t)   = [t, sin(1000 t w), cos(1000 t w)],  w_i = exp(-ln(1e4) i / F)           (SinusoidalPosEmb)
+    e_m(t) = L2_m(silu(L1_m(s(t))))          one MLP per module m, no activation after L2
+    linear module m:  W_m(t) = e_m P_m + P0_m,   b_m(t) = e_m B_m          (TemporalLinear; c_attn = q,k,v)
+    norm module m:    LN(x) * (e_m S_m + 1) + e_m H_m                       (TemporalLayerNorm)
+    block:  F(t, x) = c_proj(Attn(c_attn(LN_a(x)))) + c_proj'(gelu_tanh(c_fc(LN_m(x))))
+    Euler:  x_{k+1} = x_k + F(t_k, x_k) / N,  t_k = (k + 1) / N (the official loop) or k / N
+    logits = LN_f(x_N) E^T (tied), x_0 = E[ids] + P[positions]
+"""
+
+import math
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+
+from qkvflow.export.discretise import discretise
+from qkvflow.integrate.config import OdeConfig
+from tests.helpers import random_tokens, tiny_config, tiny_model
+from tests.models.test_field_reference import gelu_tanh, layer_norm, silu
+
+
+def _np(named, *axes):
+    return np.asarray(named.rearrange(axes).array, dtype=np.float64)
+
+
+def _mlp(module, s):
+    lin1, lin2 = module.mlp.lin1, module.mlp.lin2
+    h = s @ _np(lin1.weight, "time_feature", "time_hidden") + _np(lin1.bias, "time_hidden")
+    return silu(h) @ _np(lin2.weight, "time_hidden", "time_embed") + _np(lin2.bias, "time_embed")
+
+
+def official_weights(gen, t, num_frequencies):
+    """The official modules' weights at t, from their parameters (laid out in, out)."""
+    w = np.exp(-math.log(1e4) * np.arange(num_frequencies) / num_frequencies)
+    s = np.concatenate([[t], np.sin(1000 * t * w), np.cos(1000 * t * w)])
+    m = gen.modules
+    out = {}
+    e = _mlp(m["q_k_v"], s)
+    lin = m["q_k_v"].weight
+    wqkv = np.einsum("d,dejhc->ejhc", e, _np(lin.weight, "time_embed", "embed", "qkv", "heads", "head_size"))
+    wqkv = wqkv + _np(lin.bias, "embed", "qkv", "heads", "head_size")
+    bqkv = np.einsum("d,djhc->jhc", e, _np(m["q_k_v"].bias, "time_embed", "qkv", "heads", "head_size"))
+    for j, name in enumerate("qkv"):
+        out[name], out[f"{name}_bias"] = wqkv[:, j], bqkv[j]
+    for name, axes in {"o": ("heads", "head_size", "embed"), "w1": ("embed", "mlp"), "w2": ("mlp", "embed")}.items():
+        e = _mlp(m[name], s)
+        lin = m[name].weight
+        out[name] = np.tensordot(e, _np(lin.weight, "time_embed", *axes), 1) + _np(lin.bias, *axes)
+        out[f"{name}_bias"] = e @ _np(m[name].bias, "time_embed", axes[-1])
+    for name in ("attn_norm", "mlp_norm"):
+        e = _mlp(m[name], s)
+        out[name] = e @ _np(m[name].weight, "time_embed", "embed") + 1.0
+        out[f"{name}_bias"] = e @ _np(m[name].bias, "time_embed", "embed")
+    return out
+
+
+def official_logits(model, ids, grid):
+    c = model.config
+    n, eps, tokens = c.ode.num_steps, c.layer_norm_epsilon, np.asarray(ids.array)
+    x = _np(model.token_embeddings.weight, "vocab", "embed")[tokens]
+    x = x + _np(model.position_embeddings.weight, "position", "embed")[: len(tokens)]
+    causal = np.tril(np.ones((len(tokens), len(tokens)), bool))
+    for k in range(n):
+        w = official_weights(model.generator, (k + 1) / n if grid == "right" else k / n, c.num_frequencies)
+        h = layer_norm(x, w["attn_norm"], w["attn_norm_bias"], eps)
+        q, kk, v = (np.einsum("pe,ehd->phd", h, w[a]) + w[f"{a}_bias"] for a in "qkv")
+        scores = np.where(causal, np.einsum("phd,shd->hps", q, kk) / math.sqrt(q.shape[-1]), -np.inf)
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        attn = np.einsum("hps,shd->phd", p / p.sum(-1, keepdims=True), v)
+        attn = np.einsum("phd,hde->pe", attn, w["o"]) + w["o_bias"]
+        m = layer_norm(x, w["mlp_norm"], w["mlp_norm_bias"], eps)
+        ff = gelu_tanh(m @ w["w1"] + w["w1_bias"]) @ w["w2"] + w["w2_bias"]
+        x = x + (attn + ff) / n
+    norm = model.final_norm
+    x = layer_norm(x, _np(norm.weight, "embed"), _np(norm.bias, "embed"), eps)
+    return x @ _np(model.token_embeddings.weight, "vocab", "embed").T
+
+
+def official_model(n, grid, seed=0):
+    """A tiny official-variant GPT-2 DiffEqFormer whose generator parameters are all random (the official
+    initialisation zeroes the norms' maps and makes the biases' maps tiny, which would hide them)."""
+    config = tiny_config("gpt2", ode=OdeConfig(num_steps=n), variant="official", time_grid=grid)
+    model = tiny_model(config, seed)
+    leaves, tree = jax.tree_util.tree_flatten(model.generator)
+    keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
+    leaves = [jax.random.normal(k, x.shape) * 0.3 if eqx.is_inexact_array(x) else x for k, x in zip(keys, leaves)]
+    return eqx.tree_at(lambda m: m.generator, model, jax.tree_util.tree_unflatten(tree, leaves))
+
+
+@pytest.mark.parametrize("grid", ["left", "right"])
+@pytest.mark.parametrize("n", [1, 4])
+def test_logits_equal_the_official_equations_and_discretise_exactly(n, grid):
+    model = official_model(n, grid)
+    assert model.config.resolved_time_grid == grid and set(model.generator.modules) == {
+        "q_k_v", "o", "w1", "w2", "attn_norm", "mlp_norm"
+    }  # fmt: skip
+    ids = random_tokens(model.config)["batch", 0]
+    logits = eqx.filter_jit(lambda m, x: m(x))
+    ours = np.asarray(logits(model, ids).rearrange(("position", "vocab")).array, np.float64)
+    ref = official_logits(model, ids, grid)
+    # float32 round-off: the sinusoids' arguments reach 1000 rad (time scale 1000 at t = 1), whose float32
+    # rounding (~6e-5 rad) moves every W(t); measured 2.3e-5 of the logits' scale at N = 1 on the right grid
+    tol = 1e-4 * np.abs(ref).max()
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=tol)
+    other = official_logits(model, ids, "left" if grid == "right" else "right")
+    assert np.abs(other - ref).max() > 100 * tol  # the grid convention matters at this size
+    discrete = np.asarray(logits(discretise(model, n), ids).rearrange(("position", "vocab")).array, np.float64)
+    np.testing.assert_allclose(discrete, ours, rtol=0, atol=tol)
+
+
+def test_default_variant_and_grid_are_pinned():
+    config = tiny_config("gpt2")
+    assert config.variant == "qkvflow" and config.resolved_time_grid == "left"
+    assert tiny_config("gpt2", variant="official").resolved_time_grid == "right"
+
+
+@pytest.mark.parametrize(
+    "flavour, overrides, message",
+    [
+        ("llama", {"variant": "official"}, "GPT-2 flavour"),
+        ("gpt2", {"time_grid": "right"}, "time_grid"),
+        ("gpt2", {"variant": "official", "shared_time_mlp": True}, "shared_time_mlp"),
+        ("gpt2", {"variant": "official", "ode": OdeConfig(solver="tsit5")}, "adaptive"),
+    ],
+)
+def test_what_the_variant_does_not_do_is_refused_in_one_line(flavour, overrides, message):
+    with pytest.raises(Exception) as info:
+        tiny_config(flavour, **overrides)
+    assert message in str(info.value) and len(str(info.value).splitlines()) == 1
