@@ -9,6 +9,7 @@ the 2 x 2 grid of tests/test_sweep.py (slow) runs both methods at both depths.
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -245,6 +246,19 @@ def test_a_baseline_checkpoint_is_refused(tmp_path, shared, baseline, capsys):
     _, checkpoint = baseline
     err = _fails(capsys, ["finetune", *base_args(tmp_path, corpora, checkpoint)], "does not hold a DiffEqFormer model")
     assert "pretrained.checkpoint=" in err
+
+
+def test_a_pretrained_model_of_another_shape_is_refused_without_a_trace(tmp_path, shared, capsys):
+    """pretrained.config_path describes a wider model than the checkpoint holds: refused in one line
+    naming the array, before the run writes anything (no checkpoints/<id>, no runs/<id>/metrics.jsonl)."""
+    from tests.finetune_utils import TINY_TRAIN
+
+    corpora, pretrained = shared
+    wider = tmp_path / "wider.yaml"
+    wider.write_text(Path(TINY_TRAIN).read_text().replace("hidden_dim: 32", "hidden_dim: 64", 1))
+    args = [*base_args(tmp_path, corpora, pretrained), "--pretrained.config_path", str(wider)]
+    _fails(capsys, ["finetune", *args], "pretrained.checkpoint")
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "runs").exists()
 
 
 BASELINE = {
