@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything qkvflow checks on an accelerator, in one command: install with the accelerator's jax,
 # train the quickstart, run the gpu-marked tests, and time the DiffEqFormer against the GPT-2 of the
-# same shape at two sizes (tokens/s, MFU, peak memory). Results go to --out; summary.md sums them up.
+# same shape at two sizes and several batches up to the largest that fits (tokens/s, MFU, peak memory),
+# and Levanter's own train_lm on GPT-2 small as a reference. Results go to --out; summary.md sums them up.
 # --no-install uses the JAX already installed (NVIDIA's JAX containers, a machine without network);
 # --cpu-dry-run runs the same steps at tiny sizes on the CPU with the current environment (no install).
 set -euo pipefail
@@ -11,6 +12,8 @@ OUT=""
 EXTRA=""
 DRY_RUN=0
 NO_INSTALL=0
+BATCHES=8,32,max
+MAX_BATCH=64
 STEPS=""
 CORPORA=""
 PYTHON=${PYTHON:-python3}
@@ -19,29 +22,36 @@ SHAPES=(small medium)
 usage() {
     cat <<USAGE
 usage: $(basename "$0") [--out DIR] [--extra gpu|tpu] [--steps LIST] [--corpora DIR] [--no-install]
-       [--cpu-dry-run]
+       [--batches LIST] [--max-batch N] [--cpu-dry-run]
 
 Runs, from the repository root, each step below; a failing step is recorded and the others still run
 (exit status 1 if any failed). Each step's output is in DIR/<step>.log, DIR/status.tsv lists them.
   install     \$PYTHON -m pip install -e '.[EXTRA,test]' (EXTRA: gpu when nvidia-smi lists a GPU,
               tpu on a TPU VM (/dev/accel0 or /dev/vfio), else --extra)
   quickstart  qkvflow train --config_path configs/quickstart.yaml, outputs under DIR
-  tests       pytest -m gpu tests/test_gpu.py (1 vs 2 devices, ODE == discretised, HF export == JAX)
+  tests       pytest -m gpu tests/test_gpu.py tests/nn/test_attention.py (1 vs 2 devices, ODE ==
+              discretised, HF export == JAX, cuDNN attention == the equation)
   speed       qkvflow bench speed --dtype bf16 at benchmarks/configs/accelerator_{small,medium}.yaml,
               the DiffEqFormer and its same-shape GPT-2 each in its own process (so that the
-              process's peak memory is that model's): DIR/speed_<shape>_<ode|baseline>.json
-  summary     DIR/summary.md and DIR/summary.json: tokens/s, MFU, peak memory per shape and model
+              process's peak memory is that model's), at each batch of --batches (max: the largest
+              that fits, halving from --max-batch on out-of-memory): DIR/speed_<shape>_<ode|baseline>.json
+  reference   Levanter's own levanter.main.train_lm on GPT-2 small (context 1024, bf16 compute, batch 32,
+              random tokens, no network; benchmarks/levanter_reference.py): DIR/levanter/summary.json
+  summary     DIR/summary.md and DIR/summary.json: tokens/s, MFU, peak memory per shape, batch, model
 
 options:
   --out DIR       results folder (default: accelerator-results-<UTC time>)
   --extra E       gpu or tpu: the pyproject extra to install (default: detected)
-  --steps LIST    comma-separated subset of: install,quickstart,tests,speed,summary (default: all;
+  --steps LIST    comma-separated subset of: install,quickstart,tests,speed,reference,summary (default: all;
                   with --no-install or --cpu-dry-run all but install)
   --corpora DIR   where the quickstart finds, or builds, its corpus (default: the config's
                   corpus.root; with --cpu-dry-run, DIR/corpora under --out)
   --no-install    no install step: run with the JAX (and qkvflow's dependencies) that \$PYTHON already
                   imports, e.g. an NVIDIA JAX container or a machine without network (checked first:
                   a \$PYTHON that cannot import jax stops the script in one line)
+  --batches LIST  bench speed's batches (default 8,32,max; 32 x 1024 tokens is the batch that fills an
+                  H100/H200 at the small shape)
+  --max-batch N   where max starts (default 64)
   --cpu-dry-run   tiny sizes on the CPU (JAX_PLATFORMS=cpu), current environment, no install, nothing
                   written outside DIR (and --corpora); for checking this script
                   (tests/test_accelerator_script.py)
@@ -60,13 +70,15 @@ die() {
 
 while [ $# -gt 0 ]; do
     case "$1" in
-        --out|--extra|--steps|--corpora)
+        --out|--extra|--steps|--corpora|--batches|--max-batch)
             [ $# -ge 2 ] || die "$1 needs a value"
             case "$1" in
                 --out) OUT=$2 ;;
                 --extra) EXTRA=$2 ;;
                 --steps) STEPS=$2 ;;
                 --corpora) CORPORA=$2 ;;
+                --batches) BATCHES=$2 ;;
+                --max-batch) MAX_BATCH=$2 ;;
             esac
             shift 2 ;;
         --cpu-dry-run) DRY_RUN=1; shift ;;
@@ -78,16 +90,16 @@ done
 
 if [ -z "$STEPS" ]; then
     if [ "$DRY_RUN" = 1 ] || [ "$NO_INSTALL" = 1 ]; then
-        STEPS=quickstart,tests,speed,summary
+        STEPS=quickstart,tests,speed,reference,summary
     else
-        STEPS=install,quickstart,tests,speed,summary
+        STEPS=install,quickstart,tests,speed,reference,summary
     fi
 fi
 IFS=, read -r -a STEP_LIST <<<"$STEPS"
 for step in "${STEP_LIST[@]}"; do
     case "$step" in
-        install|quickstart|tests|speed|summary) ;;
-        *) die "unknown step '$step' in --steps (expected install, quickstart, tests, speed, summary)" ;;
+        install|quickstart|tests|speed|reference|summary) ;;
+        *) die "unknown step '$step' in --steps (expected install, quickstart, tests, speed, reference, summary)" ;;
     esac
 done
 wants() {
@@ -170,14 +182,14 @@ if wants quickstart; then
 fi
 
 if wants tests; then
-    run tests "$PYTHON" -m pytest -m gpu tests/test_gpu.py --continue-on-collection-errors -p no:cacheprovider -rs --junitxml "$OUT/pytest_gpu.xml"
+    run tests "$PYTHON" -m pytest -m gpu tests/test_gpu.py tests/nn/test_attention.py --continue-on-collection-errors -p no:cacheprovider -rs --junitxml "$OUT/pytest_gpu.xml"
 fi
 
 if wants speed; then
-    SPEED=(--dtype bf16)
+    SPEED=(--dtype bf16 --batch "$BATCHES" --max_batch "$MAX_BATCH")
     if [ "$DRY_RUN" = 1 ]; then
         SHAPES=(dry_run)
-        SPEED=(--dtype f32 --repeats 2 --warmup 1 --no_peak)
+        SPEED=(--dtype f32 --repeats 2 --warmup 1 --no_peak --batch "1,max" --max_batch 2)
     fi
     for shape in "${SHAPES[@]}"; do
         for only in ode baseline; do
@@ -187,9 +199,16 @@ if wants speed; then
     done
 fi
 
+if wants reference; then
+    REFERENCE=(--out "$OUT/levanter" --batch 32 --steps 20)
+    if [ "$DRY_RUN" = 1 ]; then REFERENCE=(--out "$OUT/levanter" --batch 2 --steps 3 --dry-run); fi
+    run reference "$PYTHON" benchmarks/levanter_reference.py "${REFERENCE[@]}"
+fi
+
 if wants summary; then
     run summary "$PYTHON" - "$OUT" <<'PY'
-"""Sum up OUT/speed_<shape>_<model>.json: tokens/s, MFU, peak memory."""
+"""Sum up OUT/speed_<shape>_<model>.json (one run, or several under `runs`, one per batch) and Levanter's
+train_lm reference (OUT/levanter/summary.json): tokens/s, MFU, peak memory."""
 import glob, json, os, sys
 
 out = sys.argv[1]
@@ -199,38 +218,46 @@ NOMINAL = [("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 3
 rows = []
 for path in sorted(glob.glob(os.path.join(out, "speed_*_*.json"))):
     shape, model = os.path.basename(path)[len("speed_"):-len(".json")].rsplit("_", 1)
-    r = json.load(open(path))
-    m = r[model]
-    kind = r["device"]["kind"]
-    peak = next((f for name, f in NOMINAL if name.lower() in kind.lower()), None)
-    peak = peak if r["config"]["dtype"] == "bf16" else None  # the table holds bf16 peaks only
-    mfu, mfu_source = m.get("mfu"), (r.get("nominal_peak") or {}).get("source")  # bench speed's own, if it has one
-    if mfu is None and peak:
-        mfu, mfu_source = m["achieved_flops_per_s"] / peak, f"{peak:.3g} FLOP/s (this script's table)"
-    # bench speed's per-model device peak (after compile and warm-up), else the process's peak
-    mem = m.get("peak_device_memory") or {}
-    if mem.get("bytes") is None:
-        mem = r.get("process_peak_memory") or {}
-    rows.append({
-        "shape": shape, "model": m.get("model_type", r["config"]["model_type"]) if model == "baseline" else r["config"]["model_type"],
-        "role": model, "device": f"{r['device']['count']} x {kind}", "dtype": r["config"]["dtype"],
-        "tokens_per_step": r["config"]["tokens_per_step"], "parameters": m["parameter_count"],
-        "tokens_per_s": m["tokens_per_s"], "tokens_per_s_iqr": m["tokens_per_s_iqr"],
-        "mfu_nominal": mfu, "mfu_peak_source": mfu_source,
-        "fraction_of_matmul_peak": m.get("fraction_of_matmul_peak"),
-        "peak_memory_bytes": mem.get("bytes"), "peak_memory_kind": mem.get("kind") or mem.get("scope"),
-        "xla_total_bytes": (m.get("xla_memory") or {}).get("total_bytes"),
-    })
-json.dump(rows, open(os.path.join(out, "summary.json"), "w"), indent=1)
+    loaded = json.load(open(path))
+    for r in loaded.get("runs", [loaded]):
+        m = r[model]
+        kind = r["device"]["kind"]
+        peak = next((f for name, f in NOMINAL if name.lower() in kind.lower()), None)
+        peak = peak if r["config"]["dtype"] == "bf16" else None  # the table holds bf16 peaks only
+        mfu, mfu_source = m.get("mfu"), (r.get("nominal_peak") or {}).get("source")  # bench speed's own, if it has one
+        if mfu is None and peak:
+            mfu, mfu_source = m["achieved_flops_per_s"] / peak, f"{peak:.3g} FLOP/s (this script's table)"
+        # bench speed's per-model device peak (after compile and warm-up), else the process's peak
+        mem = m.get("peak_device_memory") or {}
+        if mem.get("bytes") is None:
+            mem = r.get("process_peak_memory") or {}
+        rows.append({
+            "shape": shape, "model": m.get("model_type", r["config"]["model_type"]) if model == "baseline" else r["config"]["model_type"],
+            "role": model, "device": f"{r['device']['count']} x {kind}", "dtype": r["config"]["dtype"],
+            "batch": r["config"]["batch"], "tokens_per_step": r["config"]["tokens_per_step"],
+            "parameters": m["parameter_count"], "attention": r["config"].get("attention", {}).get("kernel"),
+            "tokens_per_s": m["tokens_per_s"], "tokens_per_s_iqr": m["tokens_per_s_iqr"],
+            "mfu_nominal": mfu, "mfu_peak_source": mfu_source,
+            "fraction_of_matmul_peak": m.get("fraction_of_matmul_peak"),
+            "peak_memory_bytes": mem.get("bytes"), "peak_memory_kind": mem.get("kind") or mem.get("scope"),
+            "xla_total_bytes": (m.get("xla_memory") or {}).get("total_bytes"),
+        })
+reference = os.path.join(out, "levanter", "summary.json")
+reference = json.load(open(reference)) if os.path.exists(reference) else None
+json.dump({"speed": rows, "levanter_train_lm": reference}, open(os.path.join(out, "summary.json"), "w"), indent=1)
 pct = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"
 gib = lambda x: "n/a" if x is None else f"{x / 2**30:.2f} GiB" if x >= 2**30 else f"{x / 2**20:.1f} MiB"
-lines = ["| shape | model | device | tokens/s (IQR) | MFU (nominal) | of measured matmul | peak memory | XLA step total |",
-         "|---|---|---|---|---|---|---|---|"]
+lines = ["| shape | batch | model | device | attention | tokens/s (IQR) | MFU (nominal) | of measured matmul "
+         "| peak memory | XLA step total |", "|---|---|---|---|---|---|---|---|---|---|"]
 for w in rows:
     lo, hi = w["tokens_per_s_iqr"]
-    lines.append(f"| {w['shape']} | {w['model']} ({w['role']}) | {w['device']} | {w['tokens_per_s']:,.0f} ({lo:,.0f}-{hi:,.0f}) "
+    lines.append(f"| {w['shape']} | {w['batch']} | {w['model']} ({w['role']}) | {w['device']} | {w['attention']} "
+                 f"| {w['tokens_per_s']:,.0f} ({lo:,.0f}-{hi:,.0f}) "
                  f"| {pct(w['mfu_nominal'])} | {pct(w['fraction_of_matmul_peak'])} | {gib(w['peak_memory_bytes'])} "
                  f"| {gib(w['xla_total_bytes'])} |")
+if reference:
+    lines += ["", f"Levanter's own train_lm, GPT-2 small, batch {reference['batch']} ({reference['tokens_per_step']:,} "
+              f"tokens/step): {reference['tokens_per_s']:,.0f} tokens/s, MFU {pct(reference['mfu'])} ({reference['source']})"]
 status = open(os.path.join(out, "status.tsv")).read()
 text = "\n".join(lines) + "\n\nsteps (name, exit status, seconds):\n\n" + status
 open(os.path.join(out, "summary.md"), "w").write(text)

@@ -1,5 +1,6 @@
 """benchmarks/accelerator.sh: shellcheck-clean, its --help and refusals, and its --cpu-dry-run end to end
-(quickstart, `pytest -m gpu`, `bench speed` for the DiffEqFormer and its GPT-2, the summary) on the CPU."""
+(quickstart, `pytest -m gpu`, `bench speed` for the DiffEqFormer and its GPT-2 at a batch and at the largest
+that fits, Levanter's own train_lm, the summary) on the CPU."""
 
 import csv
 import json
@@ -32,7 +33,7 @@ def test_help_names_every_step_and_option():
     proc = script("--help")
     assert proc.returncode == 0, proc.stderr
     for word in ("install", "quickstart", "pytest -m gpu", "bench speed", "summary", "--out", "--extra", "--steps",
-"--corpora", "--no-install", "--cpu-dry-run", "accelerator_{small,medium}.yaml", "MFU", "peak memory"):  # fmt: skip
+"--corpora", "--no-install", "--batches", "--max-batch", "levanter.main.train_lm", "--cpu-dry-run", "accelerator_{small,medium}.yaml", "MFU", "peak memory"):  # fmt: skip
         assert word in proc.stdout, word
     for shape in ("small", "medium", "dry_run"):
         assert (ROOT / "benchmarks" / "configs" / f"accelerator_{shape}.yaml").is_file()
@@ -75,7 +76,7 @@ def test_the_cpu_dry_run_runs_every_step(tmp_path, corpus_root):
     assert proc.returncode == 0, log
     with open(out / "status.tsv") as f:
         status = [row for row in csv.reader(f, delimiter="\t")]
-    assert [row[0] for row in status] == ["quickstart", "tests", "speed", "speed", "summary"], status
+    assert [row[0] for row in status] == ["quickstart", "tests", "speed", "speed", "reference", "summary"], status
     assert all(row[1] == "0" for row in status), status
 
     metrics = out / "runs" / "accelerator_quickstart" / "metrics.jsonl"
@@ -83,13 +84,20 @@ def test_the_cpu_dry_run_runs_every_step(tmp_path, corpus_root):
     assert "skipped" in (out / "tests.log").read_text()  # the gpu tests skip on the CPU
     assert (out / "pytest_gpu.xml").is_file()
 
-    rows = json.loads((out / "summary.json").read_text())
-    assert [(r["shape"], r["role"]) for r in rows] == [("dry_run", "baseline"), ("dry_run", "ode")]
+    summary = json.loads((out / "summary.json").read_text())
+    rows = summary["speed"]
+    # --batch 1,max --max_batch 2: batch 1, then the largest that fits from 2 down (2, on the CPU)
+    assert [(r["shape"], r["role"], r["batch"]) for r in rows] == [
+        ("dry_run", "baseline", 1), ("dry_run", "baseline", 2), ("dry_run", "ode", 1), ("dry_run", "ode", 2)]  # fmt: skip
+    assert {r["attention"] for r in rows} == {"jax_flash"}  # auto on a CPU: one kernel for both models
     for r in rows:
         assert r["tokens_per_s"] > 0 and r["peak_memory_bytes"] > 0 and r["parameters"] > 0
         assert r["mfu_nominal"] is None  # no nominal peak for a CPU
-    assert rows[0]["model"] == "Gpt2Config" and rows[1]["model"].startswith("DiffEqFormer")
+    assert rows[0]["model"] == "Gpt2Config" and rows[2]["model"].startswith("DiffEqFormer")
+    reference = summary["levanter_train_lm"]
+    assert reference["tokens_per_s"] > 0 and reference["tokens_per_step"] == 2 * 32 and reference["mfu"] is None
     summary = (out / "summary.md").read_text()
-    assert "| dry_run | Gpt2Config (baseline) |" in summary and "tokens/s" in summary
+    assert "| dry_run | 2 | Gpt2Config (baseline) |" in summary and "tokens/s" in summary
+    assert "Levanter's own train_lm, GPT-2 small, batch 2" in summary
     assert not (ROOT / "accelerator_quickstart").exists()  # nothing written outside --out
     assert not (out / "corpora").exists()  # the quickstart used --corpora
