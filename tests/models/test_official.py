@@ -133,3 +133,21 @@ def test_what_the_variant_does_not_do_is_refused_in_one_line(flavour, overrides,
     with pytest.raises(Exception) as info:
         tiny_config(flavour, **overrides)
     assert message in str(info.value) and len(str(info.value).splitlines()) == 1
+
+
+def test_hugging_face_export_gives_the_jax_logits(tmp_path):
+    """The discretised official model written as a transformers folder: torch's logits are JAX's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from qkvflow.export.hf_folder import save_hf_folder
+    from tests.helpers import logit_tolerance
+
+    model = official_model(4, "right")
+    ids = random_tokens(model.config)
+    save_hf_folder(discretise(model, 4), str(tmp_path))
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), trust_remote_code=True).eval()
+    with torch.no_grad():
+        theirs = hf(torch.tensor(np.asarray(ids.array))).logits.numpy()
+    ours = np.asarray(eqx.filter_jit(lambda m, x: m(x))(model, ids).rearrange(("batch", "position", "vocab")).array)
+    assert np.abs(theirs - ours).max() / np.abs(ours).max() < logit_tolerance(4, model.config.hidden_dim)
