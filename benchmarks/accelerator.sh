@@ -189,7 +189,7 @@ if wants speed; then
     SPEED=(--dtype bf16 --batch "$BATCHES" --max_batch "$MAX_BATCH")
     if [ "$DRY_RUN" = 1 ]; then
         SHAPES=(dry_run)
-        SPEED=(--dtype f32 --repeats 2 --warmup 1 --no_peak --batch "1,max" --max_batch 2)
+        SPEED=(--dtype f32 --repeats 2 --warmup 1 --no_peak --batch max --max_batch 2)
     fi
     for shape in "${SHAPES[@]}"; do
         for only in ode baseline; do
