@@ -153,7 +153,7 @@ def _sums():
     import jax.numpy as jnp
 
     from qkvflow.evaluation import exits as ex
-    from qkvflow.models import halting as H
+    from qkvflow.models.related import halting as H
 
     @eqx.filter_jit
     def halting_sums(model, tokens, weight):

@@ -23,7 +23,7 @@ import numpy as np
 import optax
 
 from qkvflow.data.parity import parity_dataset
-from qkvflow.models.node_transformer import NodeTransformerConfig, init, loss_fn
+from qkvflow.models.related.node_transformer import NodeTransformerConfig, init, loss_fn
 
 
 def run(model, lr, seed, max_length, steps, lam, causal):

@@ -21,8 +21,8 @@ from levanter.optim import AdamConfig
 from levanter.trainer_state import TrainerState
 
 from qkvflow.errors import UserError
-from qkvflow.models.adaptive import AdaptiveGpt2Config
-from qkvflow.models.halting import HaltingConfig, HaltingGpt2Config, HaltingLMHeadModel
+from qkvflow.models.related.adaptive import AdaptiveGpt2Config
+from qkvflow.models.related.halting import HaltingConfig, HaltingGpt2Config, HaltingLMHeadModel
 from qkvflow.training import halting_phase
 from qkvflow.training.config import TrainConfig
 from tests.analysis.builders import filled

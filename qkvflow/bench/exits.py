@@ -5,7 +5,7 @@ from the checkpoints of a `qkvflow bench compare` study (benchmarks/compare/exit
 For every run in W (its configs/<run>.yaml and checkpoints/<run>):
 
 * a `parallel_gpt2` of n layers: its loss and accuracy on the `selection` and `test` halves;
-* an exits model (`adaptive_*`, qkvflow.models.adaptive): every exit's loss and accuracy (all tokens
+* an exits model (`adaptive_*`, qkvflow.models.related.adaptive): every exit's loss and accuracy (all tokens
   leave at exit n: the n-block truncation), and confidence-threshold exits with copy-up for each tau of
   the grid on both halves. The tau reported is chosen on `selection` alone: the one with the lowest
   average exit whose selection loss is at most (1 + tolerance) x the last exit's selection loss.
@@ -94,7 +94,7 @@ def _load(config_path: str, checkpoint: str):
 
 def evaluate_run(run: dict, data: dict, taus: list[float], checkpoint: str) -> dict:
     from qkvflow.evaluation import exits as ex
-    from qkvflow.models.adaptive import AdaptiveLMHeadModel
+    from qkvflow.models.related.adaptive import AdaptiveLMHeadModel
 
     model = _load(run["config_path"], checkpoint)
     out = {"run": run["run"], "seed": run["seed"], "num_layers": model.config.num_layers, "vocab": model.Vocab.size}
@@ -133,7 +133,7 @@ def _mean_sd(values: list[float]) -> tuple[float, float | None]:
 def report(results: list[dict], tolerance: float, flops_vocab: int) -> dict:
     """Rows (loss, accuracy, average exit, FLOPs per token at both vocabularies), means over seeds."""
     from qkvflow.evaluation import exits as ex
-    from qkvflow.models.adaptive import AdaptiveGpt2Config
+    from qkvflow.models.related.adaptive import AdaptiveGpt2Config
 
     rows: dict = {}
 
@@ -238,7 +238,7 @@ def plot(result: dict, path: Path) -> None:
                 ax.plot(*zip(*pts), style, label=label)
         for run, rows_t in curves:  # the whole tau grid on the test split (the chosen tau is starred)
             from qkvflow.evaluation import exits as ex
-            from qkvflow.models.adaptive import AdaptiveGpt2Config
+            from qkvflow.models.related.adaptive import AdaptiveGpt2Config
 
             shape = AdaptiveGpt2Config(hidden_dim=run["d"], num_heads=run["heads"], num_layers=run["num_layers"],
                                        max_seq_len=run["context"], intermediate_dim=run["mlp"])  # fmt: skip

@@ -137,7 +137,7 @@ def same_solve(a: OdeConfig, b: OdeConfig) -> bool:
 
 def with_ode(model, ode: OdeConfig):
     """`model` integrated with `ode` instead of its config's (same parameters). Evaluation reads the
-    output at t = 1 alone, so a model trained with `exits: aligned` (`qkvflow.models.ode_exits`) is
+    output at t = 1 alone, so a model trained with `exits: aligned` (`qkvflow.models.related.ode_exits`) is
     evaluated as one without: any grid applies, adaptive ones included."""
     changes = {"ode": ode}
     if getattr(model.config, "exits", "none") != "none":

@@ -1,5 +1,5 @@
 """Exits at evaluation: exit rules, per-exit and per-rule scores, and the FLOPs of an exit pattern
-(Elbayad et al., "Depth-Adaptive Transformer", ICLR 2020; the model: `qkvflow.models.adaptive`).
+(Elbayad et al., "Depth-Adaptive Transformer", ICLR 2020; the model: `qkvflow.models.related.adaptive`).
 
 Scores are over the weighted target tokens (Levanter's next-token weighting: `loss_weight`, never the
 last position), summed over batches and divided at the end:
@@ -39,7 +39,7 @@ from haliax import NamedArray
 
 
 def confidence_threshold(tau) -> Callable:
-    """The rule "exit at the first n with max_v p_n(v) > tau" (`qkvflow.models.adaptive.ExitRule`)."""
+    """The rule "exit at the first n with max_v p_n(v) > tau" (`qkvflow.models.related.adaptive.ExitRule`)."""
 
     def rule(n: int, x: NamedArray, logits: NamedArray) -> NamedArray:
         Vocab = logits.resolve_axis("vocab")

@@ -33,7 +33,7 @@ import numpy as np
 from levanter.utils.flop_utils import lm_flops_per_token
 
 from qkvflow.models.accounting import nominal_evaluations
-from qkvflow.models.ode_exits import exit_states, halting_flow, readout
+from qkvflow.models.related.ode_exits import exit_states, halting_flow, readout
 
 
 def _next_token_nll(logits, tokens, weight, Pos, Vocab):

@@ -27,10 +27,10 @@ from levanter.layers.kv_cache import ListCache
 
 from qkvflow.errors import UserError
 from qkvflow.integrate.weight_source import generate_batched, weight_times
-from qkvflow.models.adaptive import AdaptiveLMHeadModel
 from qkvflow.models.diffeqformer import DiffEqFormerLMHeadModel
 from qkvflow.models.discrete.model import ParallelLMHeadModel
 from qkvflow.models.discrete.schemes import STAGES
+from qkvflow.models.related.adaptive import AdaptiveLMHeadModel
 
 from .paged import PagedAttend, empty_cache
 from .schedule import Schedule, schedule

@@ -100,7 +100,7 @@ class DiffEqFormerConfig(LmConfig):
     regulariser; `qkvflow.models.depth_dial`); all off by default."""
     exits: str = "none"
     """"aligned": train on the mean next-token loss of N exits, norm(x(k/N)) @ unembedding for
-    k = 1..N (depth-adaptive exits in continuous depth, `qkvflow.models.ode_exits`); fixed grids only.
+    k = 1..N (depth-adaptive exits in continuous depth, `qkvflow.models.related.ode_exits`); fixed grids only.
     "none": the loss at t = 1 alone."""
 
     initializer_range: float = 0.02
@@ -302,7 +302,7 @@ class DiffEqFormerLMHeadModel(LmHeadModel[DiffEqFormerConfig]):
 
         A missing mask means causal: the model is a language model. With `ts` (increasing times in
         (0, 1], the last 1) the states x(t) at those times instead, on a leading `exit` axis
-        (`qkvflow.models.ode_exits`).
+        (`qkvflow.models.related.ode_exits`).
         """
         config = self._config
         if attn_mask is None:

@@ -1,4 +1,4 @@
-"""The halting phase of the Depth-Adaptive Transformer in `qkvflow train` (`qkvflow.models.halting`).
+"""The halting phase of the Depth-Adaptive Transformer in `qkvflow train` (`qkvflow.models.related.halting`).
 
 A `halting_gpt2` config with `halting.kind: geometric | multinomial` trains only its halting head on
 top of an aligned `adaptive_gpt2` model of the same shape:
@@ -23,7 +23,7 @@ import numpy as np
 from haliax import NamedArray
 
 from qkvflow.errors import UserError, check
-from qkvflow.models.halting import HaltingGpt2Config, HaltingLMHeadModel
+from qkvflow.models.related.halting import HaltingGpt2Config, HaltingLMHeadModel
 
 
 def is_halting_phase(model_config) -> bool:

@@ -5,7 +5,7 @@ penalty lambda/2 * E (when lambda > 0) and returns the solver's statistics as me
 trainer logs as `train/ode_*`. Both give `flow(tokens, mask) -> (x, E, OdeStats)`; the DiffEqFormer's x
 still goes through its final norm, the N-ODE's is already the readout's hidden layer. With a
 DiffEqFormer's `exits: aligned` the loss is the mean over the N grid-time exits
-(`qkvflow.models.ode_exits`), each exit's loss logged as `train/ode_exit_loss_k`.
+(`qkvflow.models.related.ode_exits`), each exit's loss logged as `train/ode_exit_loss_k`.
 With a DiffEqFormer's `dial` recipes on, a training step (one given a key) solves on the grid they draw
 and adds their terms (`qkvflow.training.dial_loss`); evaluation solves on the config's grid.
 Other models (Levanter's GPT-2/Llama baselines) go through their own `compute_next_token_loss`.
@@ -17,8 +17,8 @@ from levanter.models.lm_model import LmExample, LmHeadModel
 from levanter.models.loss import maybe_fused_next_token_loss
 
 from qkvflow.models.diffeqformer import DiffEqFormerLMHeadModel
-from qkvflow.models.node_lm import NodeTransformerLMHeadModel
-from qkvflow.models.ode_exits import aligned_loss
+from qkvflow.models.related.node_lm import NodeTransformerLMHeadModel
+from qkvflow.models.related.ode_exits import aligned_loss
 from qkvflow.training.dial_loss import dial_flow
 
 

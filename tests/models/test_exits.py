@@ -1,4 +1,4 @@
-"""The Depth-Adaptive Transformer's exits (qkvflow.models.adaptive, qkvflow.evaluation.exits) against a
+"""The Depth-Adaptive Transformer's exits (qkvflow.models.related.adaptive, qkvflow.evaluation.exits) against a
 float64 numpy reference written here from the equations and the parameter arrays:
 
     x_0 = E[tok] + P[pos];   x_n = x_{n-1} + O Attn(LN_a x_{n-1}) + W2 gelu(W1 LN_m x_{n-1} + b1) + b2
@@ -17,8 +17,8 @@ from levanter.models.lm_model import LmExample
 from qkvflow.errors import UserError
 from qkvflow.evaluation import exits as ex
 from qkvflow.models import registry
-from qkvflow.models.adaptive import AdaptiveGpt2Config, AdaptiveLMHeadModel
 from qkvflow.models.discrete.model import ParallelGpt2Config
+from qkvflow.models.related.adaptive import AdaptiveGpt2Config, AdaptiveLMHeadModel
 
 V, N, SEQ = 11, 3, 8
 Vocab, Batch = Axis("vocab", V), Axis("batch", 2)

@@ -1,4 +1,4 @@
-"""Halting of the Depth-Adaptive Transformer (Elbayad et al., 2020): `qkvflow.models.halting`.
+"""Halting of the Depth-Adaptive Transformer (Elbayad et al., 2020): `qkvflow.models.related.halting`.
 
 References are written here from the paper's equations (numpy loops over exits and positions) or by
 hand; what is under test is the module's vectorised haliax version.
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from qkvflow.errors import UserError
-from qkvflow.models import halting as H
+from qkvflow.models.related import halting as H
 
 Exit = hax.Axis("exit", 4)
 Pos = hax.Axis("position", 5)

@@ -17,7 +17,7 @@ from levanter.models.lm_model import LmExample
 
 from qkvflow.errors import UserError
 from qkvflow.models import registry
-from qkvflow.models.node_lm import NodeTransformerLmConfig, NodeTransformerLMHeadModel
+from qkvflow.models.related.node_lm import NodeTransformerLmConfig, NodeTransformerLMHeadModel
 from qkvflow.training.loss import lm_loss
 
 D, N, V = 8, 8, 11

@@ -10,7 +10,7 @@ import pytest
 from qkvflow.data.parity import PAD, SOS, parity_dataset
 from qkvflow.errors import UserError
 from qkvflow.integrate.solve import integrate
-from qkvflow.models.node_transformer import NodeTransformerConfig, field, forward, init, masks, real_rows_rms
+from qkvflow.models.related.node_transformer import NodeTransformerConfig, field, forward, init, masks, real_rows_rms
 
 D = 8
 

@@ -1,4 +1,4 @@
-"""Depth-adaptive exits of the DiffEqFormer (qkvflow.models.ode_exits) against references written here.
+"""Depth-adaptive exits of the DiffEqFormer (qkvflow.models.related.ode_exits) against references written here.
 
 The references are float64 numpy Euler loops over the GPT-2 field of tests/models/test_field_reference.py
 (written from the equations, not from the model's field code), with the model's parameters and W(t_k):
@@ -21,7 +21,7 @@ from levanter.models.loss import maybe_fused_next_token_loss
 from qkvflow.errors import UserError
 from qkvflow.evaluation import ode_halting
 from qkvflow.integrate.config import OdeConfig
-from qkvflow.models.ode_exits import exit_states, halting_flow, readout
+from qkvflow.models.related.ode_exits import exit_states, halting_flow, readout
 from qkvflow.training.loss import lm_loss
 from tests.helpers import Vocab, random_tokens, tiny_config, tiny_model
 from tests.models.test_field_reference import _np, generated_weights, gpt2_field, layer_norm

@@ -1,4 +1,4 @@
-"""TransEvolve (Dutta et al., 2021; qkvflow.models.transevolve) against its equations.
+"""TransEvolve (Dutta et al., 2021; qkvflow.models.related.transevolve) against its equations.
 
 The references are written here in numpy float64 from the paper's equations: the attention logits
 with all four terms of Eq. 6, A0 + A1 T + T A2 + A3 (T, T), computed from the model's own parameter
@@ -21,7 +21,7 @@ from levanter.layers.attention import AttentionMask
 
 from qkvflow.errors import ConfigError, UserError
 from qkvflow.models import accounting, registry
-from qkvflow.models.transevolve import TransEvolveConfig, random_factors
+from qkvflow.models.related.transevolve import TransEvolveConfig, random_factors
 from tests.helpers import Vocab
 
 EPS32 = float(np.finfo(np.float32).eps)

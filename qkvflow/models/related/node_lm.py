@@ -1,7 +1,7 @@
 """The N-ODE Transformer (Baier-Reinio & De Sterck, 2020) as a causal language model: `model: {type:
 node_transformer}`, trained by `qkvflow train` and scored by `qkvflow eval` like every other family.
 
-The field, the blocks and the readout are `qkvflow.models.node_transformer`'s (the PARITY model's),
+The field, the blocks and the readout are `qkvflow.models.related.node_transformer`'s (the PARITY model's),
 applied to each sequence of the batch separately (`jax.vmap`, so solver steps and NFE are per sequence):
 
     X_1(0) = E[tokens] + P                                  (embedding + sinusoidal positions)
@@ -43,8 +43,8 @@ from levanter.models.lm_model import LmConfig, LmHeadModel
 from qkvflow.errors import check
 from qkvflow.integrate.solve import OdeStats
 from qkvflow.models.flavour import GPT2
-from qkvflow.models.node_transformer import NodeTransformerConfig, embed, encode, head_hidden, init
 from qkvflow.models.registry import register
+from qkvflow.models.related.node_transformer import NodeTransformerConfig, embed, encode, head_hidden, init
 
 
 @register("node_transformer", flavour=GPT2, ode=False)

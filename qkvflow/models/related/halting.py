@@ -56,9 +56,9 @@ from levanter.models.lm_model import LmExample
 from levanter.models.loss import next_token_loss
 
 from qkvflow.errors import check
-from qkvflow.models.adaptive import AdaptiveGpt2Config, AdaptiveLMHeadModel, ExitOutput
 from qkvflow.models.flavour import GPT2
 from qkvflow.models.registry import register
+from qkvflow.models.related.adaptive import AdaptiveGpt2Config, AdaptiveLMHeadModel, ExitOutput
 
 KINDS = ("none", "geometric", "multinomial")
 ORACLES = ("likelihood", "correctness")
@@ -232,7 +232,7 @@ class HaltingHead(eqx.Module):
 @register("halting_gpt2", flavour=GPT2, ode=False)
 @dataclass(frozen=True)
 class HaltingGpt2Config(AdaptiveGpt2Config):
-    """The exits model of `qkvflow.models.adaptive` with a halting head (`halting:`, module docstring).
+    """The exits model of `qkvflow.models.related.adaptive` with a halting head (`halting:`, module docstring).
 
     With `halting.kind: none` it is `adaptive_gpt2`. Otherwise `qkvflow train` runs the halting phase:
     `trainer.initialize_from` names the aligned `adaptive_gpt2` checkpoint of the same shape, whose
@@ -293,7 +293,7 @@ class HaltingLMHeadModel(AdaptiveLMHeadModel):
         )
 
     def halting_rule(self, input_ids: NamedArray, attn_mask=None, *, pos_ids=None):
-        """The head's exit rule for `exit_forward` (`qkvflow.models.adaptive.ExitRule`): geometric, chi_n > tau
+        """The head's exit rule for `exit_forward` (`qkvflow.models.related.adaptive.ExitRule`): geometric, chi_n > tau
         on the copy-up state; multinomial, n = argmax q from h_1 (which copy-up does not change: no
         token has left before block 1), computed here from `input_ids`."""
         h = self.config.halting
