@@ -24,6 +24,7 @@ import importlib
 import inspect
 import math
 import os
+import sys
 
 import haliax as hax
 import jax
@@ -165,9 +166,15 @@ def _wrap(original):
 
 
 def install() -> None:
-    """Route `attn_backend` cudnn/xla in Levanter's models here (idempotent)."""
+    """Route `attn_backend` cudnn/xla in Levanter's models here (idempotent).
+
+    Only modules already imported are wrapped: one imported later takes the wrapped function from
+    `levanter.layers.attention` by name, and importing `levanter.models.gpt2` here would undo the parse
+    shortcut (`qkvflow.models.registry.only_named_types`)."""
     for name in MODULES:
-        module = importlib.import_module(name)
+        module = sys.modules.get(name) or (importlib.import_module(name) if name == MODULES[0] else None)
+        if module is None:
+            continue
         current = module.dot_product_attention
         if not hasattr(current, "__qkvflow_original__"):
             module.dot_product_attention = _wrap(current)
