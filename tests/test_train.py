@@ -221,8 +221,8 @@ def test_load_model_reads_the_trained_weights(reference, corpus_root):
     from haliax import Axis
 
     from qkvflow.errors import UserError
-    from qkvflow.training.checkpoints import load_model
     from qkvflow.training.config import TrainConfig
+    from qkvflow.training.run_model import load_model
     from tests.train_utils import TINY
 
     workdir, _ = reference
