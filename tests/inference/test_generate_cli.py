@@ -116,7 +116,8 @@ def test_stream_honours_stop_and_is_a_bare_flag(capfd, trained, tmp_path):
     expected = text[: text.find(stop)]
 
     out = tmp_path / "out.jsonl"
-    assert cli.main([*argv, "--stop", stop, "--stream", "--output_jsonl", str(out)]) == 0
+    escaped = stop.replace("\n", "\\n").replace("\t", "\\t")  # as a shell user writes it (`\n`: a newline)
+    assert cli.main([*argv, "--stop", escaped, "--stream", "--output_jsonl", str(out)]) == 0
     streamed = capfd.readouterr().out
     assert json.loads(out.read_text())["completion"] == expected
     assert streamed == expected + "\n"
