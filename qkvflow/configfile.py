@@ -122,8 +122,8 @@ def model_types(path: str | None, args: list[str]) -> set | None:
 
 
 # Verbs whose config is a TrainConfig (with its `verbose` flag), parsed by draccus from the command line.
-FLAG_VERBS = ("train", "finetune", "sweep", "describe", "eval")
-FLAGS = ("--verbose", "--overwrite")
+FLAG_VERBS = ("train", "finetune", "sweep", "describe", "eval", "generate")
+FLAGS = ("--verbose", "--overwrite", "--stream")
 """Boolean config fields that may be given bare (`--verbose` for `--verbose true`)."""
 
 COMPONENTS = "--data.components"

@@ -628,14 +628,14 @@ def _remove_the_generator(step: Path) -> str:
     "damage", [_truncate_a_data_file, _remove_the_generator], ids=["truncated-data-file", "missing-arrays"]
 )
 def test_damaged_checkpoint_is_named_in_one_short_line(world, corpus_root, tmp_path, damage):
-    """Reading a damaged checkpoint back (qkvflow.training.checkpoints.load_model, as export and analyze do):
+    """Reading a damaged checkpoint back (qkvflow.training.run_model.load_model, as export and analyze do):
     one line naming the checkpoint and the damaged file or the missing arrays (at most three names, not
     Levanter's list)."""
     import draccus
 
     from qkvflow.errors import UserError
-    from qkvflow.training.checkpoints import load_model
     from qkvflow.training.config import TrainConfig
+    from qkvflow.training.run_model import load_model
 
     run, intact = tmp_path / "tiny", tmp_path / "intact" / "tiny"
     shutil.copytree(world / "checkpoints" / "tiny", run)

@@ -295,9 +295,9 @@ def test_a_baseline_is_fine_tuned_as_it_is_at_its_own_depth(tmp_path, shared, ba
     import jax.numpy as jnp
     from levanter.adaptor.lora import partition_lora_params
 
-    from qkvflow.training.checkpoints import load_model
     from qkvflow.training.config import TrainConfig
     from qkvflow.training.finetune import FinetuneConfig, finetune
+    from qkvflow.training.run_model import load_model
 
     corpora, _ = shared
     config_path, checkpoint = baseline

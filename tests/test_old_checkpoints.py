@@ -3,7 +3,7 @@
 tests/fixtures/levanter_1_2 holds `step-1` of a tiny DiffEqFormer run trained by the old version
 and the logits that version computed from its model (README.md there). Here the new stack reads it:
 
-* the model, through qkvflow's own loading path (`qkvflow.training.checkpoints.load_model`, as `qkvflow export`,
+* the model, through qkvflow's own loading path (`qkvflow.training.run_model.load_model`, as `qkvflow export`,
   `analyze` and the benchmarks read checkpoints), computes the same logits;
 * the whole trainer state (model, Adam state, step) restores with Levanter's `load_checkpoint` into
   the shapes of a fresh `TrainerState` of that config and optimizer;
@@ -47,7 +47,7 @@ def _train_config(model=None):
 
 @pytest.fixture(scope="module")
 def loaded():
-    from qkvflow.training.checkpoints import load_model
+    from qkvflow.training.run_model import load_model
 
     return load_model(_train_config(), str(STEP))
 
@@ -90,7 +90,7 @@ def test_the_old_model_computes_the_old_logits(loaded, expected):
 
 
 def test_a_run_folder_loads_its_newest_step(loaded, expected):
-    from qkvflow.training.checkpoints import load_model
+    from qkvflow.training.run_model import load_model
 
     model, _ = load_model(_train_config(), str(FIXTURE))  # the folder that holds step-1
     for a, b in zip(jax.tree_util.tree_leaves(model), jax.tree_util.tree_leaves(loaded[0]), strict=True):
@@ -146,7 +146,7 @@ def test_the_whole_trainer_state_restores_into_a_fresh_states_shapes(loaded):
 def test_a_config_that_does_not_describe_it_gets_one_line(model, vocab, says):
     from qkvflow.errors import UserError
     from qkvflow.models.diffeqformer import DiffEqFormerLlamaConfig
-    from qkvflow.training.checkpoints import load_model
+    from qkvflow.training.run_model import load_model
 
     if model == "llama":
         fields = dict(max_seq_len=32, hidden_dim=16, num_heads=2, time_embed_dim=4, num_frequencies=4)
@@ -170,7 +170,8 @@ def test_damage_to_an_old_checkpoint_is_named_in_one_line(tmp_path):
     from levanter.trainer_state import TrainerState
 
     from qkvflow.errors import UserError
-    from qkvflow.training.checkpoints import load_model, restore_error
+    from qkvflow.training.checkpoints import restore_error
+    from qkvflow.training.run_model import load_model
 
     cut = tmp_path / "cut" / "step-1"
     shutil.copytree(STEP, cut)

@@ -181,8 +181,18 @@ def four_device_runs(tmp_path_factory, corpus_root):
     locked = tmp_path_factory.mktemp("locked")
     (locked / "checkpoints" / "tiny" / "step-3" / "model").mkdir(parents=True)
     cases["locked"] = train_args(locked, corpus_root)[3:]
-    hold = "import sys\nfrom qkvflow.training.runlock import RunLock\nRunLock(sys.argv[1]).acquire()\nprint('held', flush=True)\nsys.stdin.read()\n"
-    holder = subprocess.Popen([sys.executable, "-c", hold, str(locked / "checkpoints" / "tiny")],
+    # the issue-31 case: another checkpoint base path, but the holder's tracker folder (its metrics and plot)
+    shared = tmp_path_factory.mktemp("locked-tracker")
+    (shared / "runs" / "tiny").mkdir(parents=True)
+    (shared / "runs" / "tiny" / "metrics.jsonl").write_text('{"event": "log", "step": 0, "metrics": {}}\n')
+    cases["locked-tracker"] = train_args(
+        shared, corpus_root, "--trainer.checkpointer.base_path", str(shared / "other")
+    )[3:]
+    hold = (
+        "import sys\nfrom qkvflow.training.runlock import RunLock\n[RunLock(p).acquire() for p in sys.argv[1:]]\n"
+        "print('held', flush=True)\nsys.stdin.read()\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(locked / "checkpoints" / "tiny"), str(shared / "runs" / "tiny")],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
         assert holder.stdout.readline() == "held\n"
@@ -191,6 +201,7 @@ def four_device_runs(tmp_path_factory, corpus_root):
         holder.stdin.close()
         holder.wait(timeout=60)
     before["locked"] = (locked, holder.pid)
+    before["locked-tracker"] = (shared, holder.pid)
     return {case: (before[case][0], *results[case], before[case][1]) for case in cases}
 
 
@@ -210,8 +221,8 @@ def test_load_model_reads_the_trained_weights(reference, corpus_root):
     from haliax import Axis
 
     from qkvflow.errors import UserError
-    from qkvflow.training.checkpoints import load_model
     from qkvflow.training.config import TrainConfig
+    from qkvflow.training.run_model import load_model
     from tests.train_utils import TINY
 
     workdir, _ = reference
@@ -245,7 +256,9 @@ def test_run_lock_refuses_a_second_holder_and_recovers_a_stale_one(tmp_path):
     assert not (run / LOCK_FILE).exists()  # released and removed on exit
     with RunLock(str(run)):
         pass
+    assert not (tmp_path / "checkpoints").exists()  # the folders it created, left empty: removed too
     # a lock file left by a process that died (flock ends with its process): taken over
+    run.mkdir(parents=True)
     (run / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": 2**22 + 7, "started": "x"}))
     with RunLock(str(run)):
         assert json.loads((run / LOCK_FILE).read_text())["pid"] == os.getpid()
@@ -296,3 +309,48 @@ def test_second_train_of_the_same_run_is_refused_in_one_line(four_device_runs):
     assert err[-1].startswith(f"qkvflow train: error: run folder {run} is in use by process {holder_pid} on host "), err
     assert "Traceback" not in stderr
     assert (run / "step-3" / "model").is_dir() and not (workdir / "runs" / "tiny" / "metrics.jsonl").exists()
+
+
+def test_a_run_sharing_another_runs_tracker_folder_is_refused(four_device_runs):
+    """Issue 31: the lock covers everything a run writes, not only its checkpoint folder. A run with the held
+    run's id and tracker path but another checkpoint base path would rewrite that run's metrics.jsonl and
+    loss curve: it exits 2 in one line naming the tracker folder, and the holder's metrics are untouched."""
+    workdir, code, _, stderr, holder_pid = four_device_runs["locked-tracker"]
+    folder = workdir / "runs" / "tiny"
+    assert code == 2, stderr[-3000:]
+    err = stderr.strip().splitlines()
+    assert err[-1].startswith(f"qkvflow train: error: run folder {folder} is in use by process {holder_pid} "), err
+    assert "Traceback" not in stderr
+    assert (folder / "metrics.jsonl").read_text() == '{"event": "log", "step": 0, "metrics": {}}\n'
+    assert not (workdir / "other").exists()  # its checkpoint folder's lock, taken first, released and removed
+
+
+def test_the_run_locks_cover_checkpoints_tracker_folders_and_the_log_file(tmp_path):
+    """`session.run_locks` of a run: its checkpoint folder, each jsonl tracker's folder, its log file; a
+    second holder of any one is refused, and a refused acquisition releases what it had taken."""
+    import draccus
+
+    from qkvflow.errors import UserError
+    from qkvflow.training import session
+    from qkvflow.training.config import TrainConfig
+    from qkvflow.training.runlock import RunLock
+    from tests.train_utils import TINY
+
+    args = ["--trainer.checkpointer.base_path", str(tmp_path / "ck"), "--trainer.log_dir", str(tmp_path / "logs"),
+            "--trainer.tracker", f"[{{type: jsonl, path: {tmp_path / 'a'}}}, {{type: jsonl, path: {tmp_path / 'b'}}}]"]  # fmt: skip
+    t = draccus.parse(TrainConfig, config_path=TINY, args=args).trainer
+    locks = session.run_locks(t, "tiny")
+    assert [lock.path for lock in locks.locks] == [
+        str(tmp_path / p)
+        for p in ("ck/tiny/.qkvflow.lock", "a/tiny/.qkvflow.lock", "b/tiny/.qkvflow.lock", "logs/tiny.log.lock")
+    ]
+    for lock in locks.locks:
+        with RunLock(lock.run_path, lock.lock_file):
+            with pytest.raises(UserError, match="is in use by process"):
+                session.run_locks(t, "tiny").acquire()
+            others = [other.path for other in locks.locks if other.path != lock.path]
+            assert not any(os.path.exists(path) for path in others)  # what the refused run took is released
+    with locks:
+        assert all(os.path.exists(lock.path) for lock in locks.locks)
+    assert not any(os.path.exists(lock.path) for lock in locks.locks)
+    assert sorted(os.listdir(tmp_path)) == []  # the folders the locks created, empty, are removed with them

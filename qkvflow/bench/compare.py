@@ -1,21 +1,25 @@
 """`qkvflow bench compare STUDY.yaml`: models x learning rates x seeds, chosen on one split, reported on another.
 
-A study file (benchmarks/compare/*.yaml) names a base `qkvflow train` config (corpus, data, trainer,
+A study file (benchmarks/compare/*.yaml) names a base `qkvflow train` config (a bundled `corpus:`, or a
+`data:` section reading your own jsonl files and tokenizer, e.g. a `qkvflow tokenizer` folder; trainer,
 optimizer), a budget (`iters`), peak `learning_rates`, `seeds`, a `baseline` and the `models`, each a
 YAML overlay merged into the base (a `model:` section, and optionally `optimizer:` keys) with, where
 one grid does not fit every model, its own `learning_rates` (`--learning_rates` overrides all). Then:
 
 1. every (model, learning rate, seed) trains through `qkvflow train` (trainer.seed = data_seed =
-   seed), evaluating on the corpus's `selection` half of the held-out documents
-   (`corpus.eval_split`, qkvflow.data.corpora): its last eval loss is its selection loss;
+   seed), evaluating on the `selection` half of the held-out documents (a corpus's `corpus.eval_split`,
+   qkvflow.data.corpora; for a `data:` section the halves are made from its validation documents by
+   the same rule, qkvflow.bench.halves): its last eval loss is its selection loss;
 2. per model, the learning rate with the lowest mean selection loss over the seeds is chosen;
-3. the chosen runs alone are evaluated on the `test` half (`qkvflow eval --corpus.eval_split test`);
+3. the chosen runs alone are evaluated on the `test` half (`qkvflow eval`);
 4. per model: mean and standard deviation of the test loss over seeds, and the paired 95% interval
    of its difference to the baseline (qkvflow.bench.stats), with the parameter count and the
    training FLOPs (3 x forward: qkvflow.models.accounting, Levanter's `flops_per_token`).
 
-The report goes to `--out_dir` as <name>.json, a markdown table <name>.md and a figure <name>.png
-(each model's test loss per seed, and mean +- sd).
+The report is <name>.json, a markdown table <name>.md and a figure <name>.png (each model's test loss
+per seed, and mean +- sd), written into the work folder's `report/`, or into `--out_dir`: a folder for this report
+alone, checked and replaced as every qkvflow output is (qkvflow.outputs: absent, empty, or an earlier
+report). The paths written are printed. The base config is checked before the work folder is claimed.
 
 It is resumable: a finished run leaves `results/<run>.json` and is not trained again; an
 interrupted run resumes from its checkpoint (the same `trainer.id`, qkvflow's exact resume); more
@@ -39,21 +43,23 @@ from typing import Optional
 
 import yaml
 
-from qkvflow.bench import depth_curves, stats
+from qkvflow import outputs
+from qkvflow.bench import depth_curves, halves, stats
 from qkvflow.errors import UserError
 from qkvflow.outputs import check_writable
 from qkvflow.training.tracking import metrics_file, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 STUDY_KEYS = {"base", "baseline", "iters", "learning_rates", "seeds", "models", "title", "depth"}
+REPORT_KIND = "bench compare report"
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qkvflow bench compare", description=__doc__.split("\n\n")[0])
     p.add_argument("study", help="study YAML (e.g. benchmarks/compare/tinyshakespeare.yaml)")
     p.add_argument("--workdir", required=True, help="where runs, checkpoints and partial results live (resumable)")
-    p.add_argument("--out_dir", default=str(ROOT / "benchmarks" / "results"))
-    p.add_argument("--name", default=None, help="output files OUT_DIR/NAME.{json,md} (default: the study's name)")
+    p.add_argument("--out_dir", default=None, help="a folder for the report alone (default: WORKDIR/report)")
+    p.add_argument("--name", default=None, help="the report's files NAME.{json,md,png} (default: the study's name)")
     p.add_argument("--iters", type=int, default=None, help="override the study's budget (training steps per run)")
     p.add_argument("--seeds", default=None, help="override the seeds, comma-separated")
     p.add_argument("--learning_rates", default=None, help="override the peak learning rates, comma-separated")
@@ -124,7 +130,27 @@ def load_study(path: str, args) -> dict:
     study["name"] = Path(path).stem
     if "depth" in study:  # every chosen ODE run also evaluated at these grids (qkvflow.bench.depth_curves)
         study["depth"] = depth_curves.check(study["depth"], path)
+    study["base_config"] = check_base(str(base))
     return study
+
+
+def check_base(path: str) -> dict:
+    """The base config, checked: a bundled `corpus:` with a known name, or a `data:` section whose
+    selection/test halves can be made (qkvflow.bench.halves; its local paths made absolute)."""
+    from qkvflow.data.corpora import NAMES
+
+    try:
+        config = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as e:
+        raise UserError(f"bench compare: base {path} is not valid YAML: {e}".replace("\n", " ")) from None
+    if not isinstance(config, dict):
+        raise UserError(f"bench compare: base {path}: expected a `qkvflow train` config (a mapping)")
+    corpus = config.get("corpus")
+    if corpus is None:
+        return halves.check(path, config)
+    if not isinstance(corpus, dict) or corpus.get("name") not in NAMES:
+        raise UserError(f"bench compare: base {path}: corpus.name: expected one of {', '.join(NAMES)}")
+    return config
 
 
 def _valid_rates(lrs) -> bool:
@@ -156,14 +182,15 @@ def run_id(model: str, lr: float, seed: int) -> str:
     return f"{model}-lr{lr:g}-s{seed}"
 
 
-def run_config(study: dict, model: str, lr: float, seed: int, workdir: Path, corpus_root: str) -> dict:
-    """The full `qkvflow train` config of one run."""
-    config = merge(yaml.safe_load(Path(study["base"]).read_text()), _overlay(study, model))
-    if "corpus" not in config:
-        raise UserError(
-            f"bench compare: base {study['base']}: expected a `corpus:` section (its selection/test halves)"
-        )
-    config["corpus"] = {**config["corpus"], "root": corpus_root, "eval_split": "selection"}
+def run_config(
+    study: dict, model: str, lr: float, seed: int, workdir: Path, corpus_root: str, half: str = "selection"
+) -> dict:
+    """The full `qkvflow train` config of one run, evaluating on `half` (selection or test)."""
+    config = merge(study["base_config"], _overlay(study, model))
+    if "corpus" in config:
+        config["corpus"] = {**config["corpus"], "root": corpus_root, "eval_split": half}
+    else:
+        config = halves.point_at(config, workdir, half)
     config["data_seed"] = seed
     config["loss_curve"] = None
     t = config.setdefault("trainer", {})
@@ -280,8 +307,13 @@ def test_loss(study: dict, model: str, lr: float, seed: int, workdir: Path, args
         )
     out = workdir / "test" / rid
     shutil.rmtree(out, ignore_errors=True)  # a partial output of this study's own earlier attempt
-    cmd = [sys.executable, "-m", "qkvflow", "eval", "--config_path", str(workdir / "configs" / f"{rid}.yaml"),
-           "--checkpoint", str(workdir / "checkpoints" / rid), "--corpus.eval_split", "test", "--output", str(out)]  # fmt: skip
+    config_path, split = workdir / "configs" / f"{rid}.yaml", ["--corpus.eval_split", "test"]
+    if "corpus" not in study["base_config"]:  # own data: the run's config reading the test half instead
+        config_path, split = workdir / "configs" / f"{rid}.test.yaml", []
+        config = run_config(study, model, lr, seed, workdir, args.corpus_root, half="test")
+        config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    cmd = [sys.executable, "-m", "qkvflow", "eval", "--config_path", str(config_path),
+           "--checkpoint", str(workdir / "checkpoints" / rid), *split, "--output", str(out)]  # fmt: skip
     if _is_ode(study, model):
         cmd += depth_curves.eval_args(study.get("depth"))
     print(f"bench compare: evaluating {rid} on the test split", flush=True)
@@ -318,10 +350,14 @@ def training_flops(config_path: Path, iters: int) -> Optional[float]:
 
     from qkvflow.data.corpora import corpus_vocab_size
     from qkvflow.models import accounting, registry
+    from qkvflow.training import preflight
     from qkvflow.training.config import TrainConfig
 
     config = draccus.parse(TrainConfig, config_path=str(config_path), args=[])
-    vocab = corpus_vocab_size(config.corpus.name, vocab_size=config.corpus.vocab_size)
+    if config.corpus is not None:
+        vocab = corpus_vocab_size(config.corpus.name, vocab_size=config.corpus.vocab_size)
+    else:
+        vocab = len(preflight.load_tokenizer(config.data))
     seq = config.model.max_seq_len
     per_token = config.model.flops_per_token(vocab, seq)
     if per_token is None:
@@ -443,10 +479,15 @@ def main(argv: list[str]) -> int:
     study = load_study(args.study, args)
     check_attention(study, args)
     workdir = Path(args.workdir).resolve()
+    report_rules = {"kind": REPORT_KIND, "key": "--out_dir", "protect": [("--workdir", str(workdir))]}
+    if args.out_dir is not None:  # before any work, as every output
+        outputs.check_replaceable(args.out_dir, **report_rules)
+        check_writable(args.out_dir, "--out_dir", beside=True)
     claim_workdir(workdir, study)
-    check_writable(args.out_dir, "--out_dir")
     for sub in ("configs", "results", "logs", "test"):
         (workdir / sub).mkdir(exist_ok=True)
+    if "corpus" not in study["base_config"]:
+        halves.write(study["base_config"], workdir)
     runs, tests, flops, chosen = [], {}, {}, {}
     for model in study["models"]:
         grid = learning_rates(study, model)
@@ -466,18 +507,39 @@ def main(argv: list[str]) -> int:
                 )
     result = report(study, runs, tests, flops)
     result["attention"] = args.attention
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    curves = depth_report(study, chosen, workdir) if "depth" in study else None
     name = args.name or study["name"]
-    (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     table = markdown(result)
-    (out / f"{name}.md").write_text(table)
-    plot(result, out / f"{name}.png")
+    if args.out_dir is None:
+        (workdir / "report").mkdir(exist_ok=True)
+        written = write_report(workdir / "report", name, result, table, curves)
+    else:
+        with outputs.replacing(args.out_dir, **report_rules) as folder:
+            written = [Path(args.out_dir) / p.name for p in write_report(Path(folder), name, result, table, curves)]
     print(table)
-    if "depth" in study:
-        curves = depth_report(study, chosen, workdir)
-        (out / f"{name}_depth.json").write_text(json.dumps(curves, indent=1) + "\n")
-        (out / f"{name}_depth.md").write_text(depth_curves.markdown(curves))
-        depth_curves.plot(curves, out / f"{name}_depth.png")
+    if curves is not None:
         print(depth_curves.markdown(curves))
+    for path in written:
+        print(f"bench compare: wrote {path}", flush=True)
     return 0
+
+
+def write_report(folder: Path, name: str, result: dict, table: str, curves: Optional[dict] = None) -> list[Path]:
+    """NAME.json, NAME.md and NAME.png in `folder`, each written whole (a temporary file, then renamed),
+    and with `curves` (a study's `depth:` section) NAME_depth.json, .md and .png beside them."""
+    paths = _write_three(folder, name, result, table, plot)
+    if curves is not None:
+        paths += _write_three(folder, f"{name}_depth", curves, depth_curves.markdown(curves), depth_curves.plot)
+    return paths
+
+
+def _write_three(folder: Path, name: str, data: dict, table: str, plot_fn) -> list[Path]:
+    paths = [folder / f"{name}.{ext}" for ext in ("json", "md", "png")]
+    _write_json(paths[0], data)
+    tmp = paths[1].with_suffix(".md.tmp")
+    tmp.write_text(table)
+    os.replace(tmp, paths[1])
+    tmp = folder / f".{name}.tmp.png"
+    plot_fn(data, tmp)
+    os.replace(tmp, paths[2])
+    return paths

@@ -85,8 +85,8 @@ def _batches(config_path: str, split: str):
 def _load(config_path: str, checkpoint: str):
     import draccus
 
-    from qkvflow.training.checkpoints import load_model
     from qkvflow.training.config import TrainConfig
+    from qkvflow.training.run_model import load_model
 
     model, _ = load_model(draccus.parse(TrainConfig, config_path=config_path, args=[]), checkpoint)
     return model

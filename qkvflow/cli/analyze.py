@@ -67,7 +67,7 @@ def _require_ode_model(config, analysis: str, path: str) -> None:
 
 def spectra(args, overrides: list[str]) -> dict:
     from qkvflow.analysis.spectra import analyze_spectra
-    from qkvflow.training.checkpoints import load_model
+    from qkvflow.training.run_model import load_model
 
     if args.num_times < 2:
         raise UserError(f"spectra: --num_times {args.num_times} is invalid: expected an integer >= 2")
@@ -77,7 +77,7 @@ def spectra(args, overrides: list[str]) -> dict:
 
 def lyapunov(args, overrides: list[str]) -> dict:
     from qkvflow.analysis.lyapunov import analyze_lyapunov, encode_prompt
-    from qkvflow.training.checkpoints import load_model
+    from qkvflow.training.run_model import load_model
     from qkvflow.training.session import with_corpus
 
     config = _train_config(args.config_path, overrides)

@@ -95,14 +95,11 @@ def _output_rules(config: EvalConfig, config_path: Optional[str]) -> dict:
 
 def check(config: EvalConfig, config_path: Optional[str]) -> None:
     """Bad options and outputs, before any work."""
-    import levanter.checkpoint
+    from qkvflow.training.run_model import newest_step
 
     if not config.checkpoint:
         raise UserError("--checkpoint is missing: expected the run's checkpoint folder (checkpoints/<run_id>)")
-    if levanter.checkpoint.discover_latest_checkpoint(config.checkpoint) is None:
-        raise UserError(
-            f"--checkpoint {config.checkpoint!r}: no checkpoint found (expected checkpoints/<run_id>[/step-N])"
-        )
+    newest_step(config.checkpoint, name="--checkpoint")  # also refuses a step with unreadable metadata, as train does
     if not isinstance(config, FinetuneConfig) and not is_ode(config.model):
         given = [f"--{k}" for k in ("steps", "solver", "tolerances") if getattr(config, k) is not None]
         if given:
@@ -142,7 +139,7 @@ def evaluate(config: EvalConfig, config_path: Optional[str] = None) -> dict:
     import haliax.partitioning
 
     from qkvflow.evaluation import depth, perplexity
-    from qkvflow.training.finetune import load_run_model
+    from qkvflow.training.run_model import load_run_model
     from qkvflow.training.session import announce_corpus, with_corpus
 
     check(config, config_path)

@@ -75,7 +75,7 @@ def export(args, overrides: list[str]) -> dict:
 
     from qkvflow.export.hf_folder import save_hf_folder
     from qkvflow.export.ode import save_ode_export
-    from qkvflow.training.checkpoints import load_model
+    from qkvflow.training.run_model import load_model
 
     quiet_checkpoint_warnings()
     model, tokenizer = load_model(config, args.checkpoint)

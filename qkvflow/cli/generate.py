@@ -140,7 +140,7 @@ def check_solver(config) -> None:
 
 def load(config):
     """(model, tokenizer) of the checkpoint: the trained model, or the fine-tuned one with LoRA merged."""
-    from qkvflow.training.finetune import load_run_model
+    from qkvflow.training.run_model import load_run_model
 
     return load_run_model(config, config.checkpoint)
 

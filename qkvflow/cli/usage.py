@@ -11,7 +11,7 @@ import textwrap
 import typing
 
 HELP_ALL = "--help-all"
-FLAGS = ("verbose", "overwrite")
+FLAGS = ("verbose", "overwrite", "stream")
 """Boolean options listed bare (`--verbose`): qkvflow.cli.overrides gives them the value draccus needs."""
 
 SECTIONS = {

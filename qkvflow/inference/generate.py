@@ -18,7 +18,8 @@ What each option does:
   returns tokens (every `max_rounds` decode rounds).
 
 The engine holds `max_seqs` sequences at once; more prompts are decoded in successive batches.
-Prompt + max_new_tokens must fit the model's context (`max_seq_len`): a longer one is refused.
+Prompts are framed as training framed documents (`frame_prompt`: the tokenizer's bos, then the text).
+Prompt (with its bos) + max_new_tokens must fit the model's context (`max_seq_len`): a longer one is refused.
 """
 
 import dataclasses
@@ -82,10 +83,21 @@ class EngineSizes:
     """Stop sequences the engine checks on device; longer or further ones are found in the text only."""
 
 
+def frame_prompt(tokenizer, text: str) -> list[int]:
+    """The ids of a prompt framed as training framed every document: Levanter's `BatchTokenizer` encodes a
+    document as ``[bos] + encode(text + " " + eos)`` (bos when the tokenizer has one), so a prompt, the start
+    of a document, is ``[bos] + encode(text)`` (no end marker). The tokenizer `qkvflow export` writes
+    (`qkvflow.export.hf_folder.prompt_tokenizer`) gives the same ids for ``tokenizer(text)``."""
+    ids = list(map(int, tokenizer(text, add_special_tokens=False)["input_ids"])) if text else []
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return ([int(bos)] if bos is not None and ids else []) + ids
+
+
 def encode_prompts(tokenizer, prompts: Sequence[str], context: int, max_new_tokens: int) -> list[list[int]]:
+    """Each prompt's ids (`frame_prompt`); a prompt that is empty or too long for the context is refused."""
     ids = []
     for i, prompt in enumerate(prompts):
-        tokens = tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else []
+        tokens = frame_prompt(tokenizer, prompt)
         if not tokens:
             raise UserError(f"prompt {i + 1} is empty: expected text of at least one token")
         if len(tokens) + max_new_tokens > context:
@@ -93,7 +105,7 @@ def encode_prompts(tokenizer, prompts: Sequence[str], context: int, max_new_toke
                 f"prompt {i + 1} has {len(tokens)} tokens and max_new_tokens={max_new_tokens}: together more than the "
                 f"model's context max_seq_len={context}; shorten the prompt or lower max_new_tokens"
             )
-        ids.append(list(map(int, tokens)))
+        ids.append(tokens)
     return ids
 
 
@@ -192,7 +204,7 @@ def generate(
             )
             for i in batch
         ]
-        callback = _streamer(engine, tokenizer, batch, stream) if stream is not None else None
+        callback = _streamer(engine, tokenizer, batch, stream, options) if stream is not None else None
         result = engine.generate(requests, step_callback=callback)
         for i, tokens in zip(batch, result.tokens):
             tokens = [t for t in tokens if t != INVALID][: options.max_new_tokens]
@@ -205,17 +217,31 @@ def generate(
 
 class _streamer:
     """Engine `step_callback`: before each decode call, pass on the text decoded since the last one.
-    It reads `engine.results` (the engine's per-request token lists, filled as tokens arrive)."""
+    It reads `engine.results` (the engine's per-request token lists, filled as tokens arrive). What it
+    passes on is always a prefix of the final completion: the text is cut at a stop token or stop string
+    as `finish` cuts it, and an ending that could still become a stop string is held back until it does
+    not (or the completion ends)."""
 
-    def __init__(self, engine, tokenizer, batch, stream):
+    def __init__(self, engine, tokenizer, batch, stream, options: SamplingOptions):
         self.engine, self.tokenizer, self.stream = engine, tokenizer, stream
+        self.stop_ids, self.stops = set(options.stop_token_ids), options.stop
         self.sent = {i: "" for i in batch}
 
     def __call__(self, iteration: int) -> None:
         for i in self.sent:
             result = self.engine.results.get(i, {}).get(0)
             if result is not None:
-                self._send(i, self.tokenizer.decode(result.token_list, skip_special_tokens=False))
+                tokens = list(result.token_list)
+                tokens = tokens[: next((k for k, t in enumerate(tokens) if t in self.stop_ids), len(tokens))]
+                self._send(i, self._settled(self.tokenizer.decode(tokens, skip_special_tokens=False)))
+
+    def _settled(self, text: str) -> str:
+        """`text` up to its first stop string, less an ending that is the start of a stop string."""
+        cut = [text.find(s) for s in self.stops if s in text]
+        if cut:
+            return text[: min(cut)]
+        held = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        return text[: len(text) - held]
 
     def _send(self, i: int, text: str) -> None:
         if text.startswith(self.sent[i]) and len(text) > len(self.sent[i]):
@@ -223,5 +249,5 @@ class _streamer:
             self.sent[i] = text
 
     def flush(self, i: int, final: str) -> None:
-        """The rest of the final (stop-trimmed) text; text already streamed past a stop string stays sent."""
+        """The rest of the final (stop-trimmed) text."""
         self._send(i, final)

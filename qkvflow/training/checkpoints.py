@@ -1,11 +1,14 @@
-"""Read a trained model back from a `qkvflow train` checkpoint (for analysis, export, benchmarks).
+"""A checkpoint of a `qkvflow train` run: which step folder a checkpoint argument means (`newest_step`),
+its model read back (`load_model`), and one-line messages for a checkpoint Levanter cannot restore:
+which arrays are missing, which file is damaged, and what to do (`restore_error`, also for resuming runs).
 
-Levanter checkpoints hold the whole trainer state; this loads only its `model` subtree into the
-shape that the run's config builds, on the local devices.
+The verbs load a run's model through `qkvflow.training.run_model` (which adds fine-tuning runs);
+fine-tuning loads its pretrained run from here.
 """
 
 import os
 import re
+import sys
 
 import equinox as eqx
 import jax
@@ -18,8 +21,40 @@ from qkvflow.errors import UserError
 from qkvflow.training.config import TrainConfig
 
 
+def newest_step(checkpoint: str, name: str = "checkpoint") -> str:
+    """The folder to load: `checkpoint` itself when it is a step (it holds `metadata.json`), else the newest
+    complete step of the run folder `checkpoint` (Levanter's `discover_latest_checkpoint`). UserError if
+    there is none, and `faults.UnreadableCheckpoint` (with `train`'s message) when `checkpoint` or any
+    folder in it has a `metadata.json` that cannot be read: Levanter would log a traceback and pass over it.
+    `name` is how messages call the argument (e.g. "--checkpoint")."""
+    import fsspec
+
+    from qkvflow.training.faults import UnreadableCheckpoint, _read_metadata, _resume_hint
+
+    checkpoint = str(checkpoint)
+    fs, root = fsspec.core.url_to_fs(checkpoint)
+    protocol = checkpoint.split("://", 1)[0] + "://" if "://" in checkpoint else ""
+    candidates = [root] + (sorted(e for e in fs.ls(root, detail=False) if fs.isdir(e)) if fs.isdir(root) else [])
+    for folder in candidates:
+        try:
+            _read_metadata(fs, folder)
+        except UnreadableCheckpoint as e:
+            raise _resume_hint(e, folder, protocol) from None
+    path = levanter.checkpoint.discover_latest_checkpoint(checkpoint)
+    if path is None:
+        raise UserError(f"{name} {checkpoint!r}: no checkpoint found (expected checkpoints/<run_id>[/step-N])")
+    return path
+
+
+def loaded(path: str) -> None:
+    """Say which step folder a verb loaded (stderr: stdout is the verb's own output)."""
+    print(f"loaded checkpoint {path}", file=sys.stderr, flush=True)
+
+
 def load_model(config: TrainConfig, checkpoint: str, *, vocab_size: int | None = None):
-    """(model, tokenizer) from `checkpoint`: a `step-N` folder, or a run folder (its newest step).
+    """(model, tokenizer) of a `qkvflow train` checkpoint of `config`'s run (`newest_step(checkpoint)`):
+    only the `model` subtree of the trainer state, in the shape that the run's config builds, on the local
+    devices.
 
     The tokenizer is the Hugging Face one (Levanter loads a `MarinTokenizer`; exports and prompts need
     the transformers API). The vocabulary size comes from it unless `vocab_size` is given.
@@ -30,9 +65,7 @@ def load_model(config: TrainConfig, checkpoint: str, *, vocab_size: int | None =
     tokenizer = config.data.the_tokenizer
     if hasattr(tokenizer, "as_hf_tokenizer"):
         tokenizer = tokenizer.as_hf_tokenizer()
-    path = levanter.checkpoint.discover_latest_checkpoint(checkpoint)
-    if path is None:
-        raise UserError(f"checkpoint {checkpoint!r}: no checkpoint found (expected checkpoints/<run_id>[/step-N])")
+    path = newest_step(checkpoint)
     Vocab = Axis("vocab", vocab_size or len(tokenizer))
     shape = eqx.filter_eval_shape(config.model.build, Vocab, key=jrandom.PRNGKey(0))
     # Levanter's restore places every array on a mesh (it needs one active); unmapped axes: replicated.
@@ -54,6 +87,7 @@ def load_model(config: TrainConfig, checkpoint: str, *, vocab_size: int | None =
             f"checkpoint {path!r} does not hold a {type(config.model).__name__} model with vocabulary "
             f"{Vocab.size} as the config describes ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
         ) from e
+    loaded(path)
     return model, tokenizer
 
 

@@ -45,7 +45,6 @@ import jax.random as jrandom
 import levanter
 import levanter.checkpoint
 import levanter.tracker
-import numpy as np
 from haliax import Axis
 from levanter.adaptor.lora import LoraConfig, lora_trainable_params_filter, loraize, merge_lora_modules
 from levanter.models.lm_model import LmConfig
@@ -283,53 +282,6 @@ def is_finetune_config(path: Optional[str]) -> bool:
     return isinstance(loaded, dict) and "pretrained" in loaded
 
 
-def load_finetuned(config: FinetuneConfig, checkpoint: str):
-    """(model, Hugging Face tokenizer) of a `qkvflow finetune` checkpoint of `config`'s run: the
-    discretised base (`load_base`), LoRA added as fine-tuning added it, the checkpoint's trainable
-    parameters restored into that shape, the adapters merged (`merged_model`). With `finetune: full`
-    every parameter comes from the checkpoint. The model is a `steps`-layer parallel transformer."""
-    from levanter.trainer_state import make_floating_point_trainable_filter
-
-    from qkvflow.training.checkpoints import missing_arrays, name_some, restore_error
-    from qkvflow.training.session import with_corpus
-
-    check_values(config)
-    pretrained = load_pretrained_config(config)
-    check_pretrained_checkpoint(config, pretrained)
-    config = with_corpus(config)
-    tokenizer = preflight.load_tokenizer(config.data)
-    if hasattr(tokenizer, "as_hf_tokenizer"):
-        tokenizer = tokenizer.as_hf_tokenizer()
-    base = load_base(config, pretrained, tokenizer, Axis("vocab", len(tokenizer)))
-    model, is_trainable = base, True
-    if config.finetune == "lora":
-        model = add_lora(base, config.lora, config.lora_seed)
-        is_trainable = _frozen(model)
-    # the trainer saves only the trainable parameters (Levanter's `saveable_training_mask`): restore
-    # those, keep the rest (the discretised base) from the pretrained checkpoint
-    trainable, frozen = eqx.partition(model, make_floating_point_trainable_filter(is_trainable))
-    path = levanter.checkpoint.discover_latest_checkpoint(checkpoint)
-    if path is None:
-        raise UserError(f"checkpoint {checkpoint!r}: no checkpoint found (expected checkpoints/<run_id>[/step-N])")
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
-    try:
-        with jax.set_mesh(mesh):
-            shape = eqx.filter_eval_shape(lambda: trainable)
-            trainable = levanter.checkpoint.load_checkpoint(shape, path, subpath="model", mesh=mesh)
-    except (KeyError, ValueError, FileNotFoundError) as e:
-        what = f"checkpoint {path!r} does not hold the model that {config.finetune} fine-tuning of this config trains"
-        absent = missing_arrays(path, e)
-        if absent:  # e.g. the checkpoint of a full run for a LoRA config: name the arrays, not resume options
-            raise UserError(
-                f"{what}: it lacks {len(absent)} of its arrays ({name_some(absent)}); expected a checkpoint of this config's run"
-            ) from None
-        raise restore_error(path, e, advice="use an earlier step-N folder of the run") or UserError(
-            f"{what} ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
-        ) from None
-    model = eqx.combine(trainable, frozen)
-    return merged_model(model, base, config.lora, config.lora_seed), tokenizer
-
-
 # --- the run ------------------------------------------------------------------------------------------
 
 
@@ -394,7 +346,7 @@ def add_lora(model, lora: LoraConfig, seed: int = 0):
     return jax.tree_util.tree_map(zero_b, model, is_leaf=lambda n: isinstance(n, LowRankLinear))
 
 
-def _frozen(model):
+def frozen_base(model):
     """A filter that freezes everything except LoRA adapters, or None for full fine-tuning."""
     return lora_trainable_params_filter(model)
 
@@ -426,7 +378,7 @@ def _finetune(config: FinetuneConfig, preemption: faults.Preemption, cleanup: co
                 f"lora.target_modules={config.lora.target_modules!r} matches no linear projection of the "
                 "model to fine-tune"
             )
-        return (base, model, _frozen(model)), base.config.max_Pos
+        return (base, model, frozen_base(model)), base.config.max_Pos
 
     config, tokenizer, inject, Vocab, tokens, (base, model, is_trainable) = session.start(config, cleanup, prepare)
     t = config.trainer
@@ -560,7 +512,7 @@ def export(config: FinetuneConfig, model, base, tokenizer, run_id: str, summary:
 
     e = config.export
     # Levanter loads a MarinTokenizer; the transformers folder and the PEFT adapter are saved with the
-    # Hugging Face tokenizer it wraps (as qkvflow.training.checkpoints.load_model hands to `qkvflow export`).
+    # Hugging Face tokenizer it wraps (as qkvflow.training.run_model.load_model hands to `qkvflow export`).
     if hasattr(tokenizer, "as_hf_tokenizer"):
         tokenizer = tokenizer.as_hf_tokenizer()
     ode_steps = summary.get("pretrained_steps_N")
@@ -597,15 +549,3 @@ def export(config: FinetuneConfig, model, base, tokenizer, run_id: str, summary:
             save_peft_pretrained(model, lora, base_path, folder, prompt_tokenizer(tokenizer), prefix=PEFT_PREFIX)
         summary["peft_dir"] = path
         print(f"wrote the LoRA adapter (PEFT) to {path}", flush=True)
-
-
-def load_run_model(config, checkpoint: str):
-    """(model, Hugging Face tokenizer) of a checkpoint of `qkvflow train` (`config` a TrainConfig:
-    `qkvflow.training.checkpoints.load_model`) or of `qkvflow finetune` (a FinetuneConfig: the
-    discretised model with its fine-tuned parameters, LoRA merged, `load_finetuned`). What
-    `qkvflow generate` and `qkvflow eval` decode and score."""
-    from qkvflow.training.checkpoints import load_model
-
-    if isinstance(config, FinetuneConfig):
-        return load_finetuned(config, checkpoint)
-    return load_model(config, checkpoint)

@@ -1,14 +1,17 @@
-"""One process per run: an advisory lock on `<checkpointer base_path>/<run_id>/.qkvflow.lock`.
+"""One process per run: an advisory lock on every place a run writes to.
 
-Two processes started with the same `trainer.id` would both write the same checkpoint folders and
-the same metrics.jsonl (and the second would remove the first's checkpoint writes in progress as
-"incomplete"). `qkvflow train` and `qkvflow finetune` therefore take this lock before any of that,
-and refuse to start, in one line naming the holder, when another process holds it.
+Two processes started with the same `trainer.id` would both write the same checkpoint folders, the
+same metrics.jsonl and loss curve, and the same log file (and the second would remove the first's
+checkpoint writes in progress as "incomplete"), even with different checkpoint base paths when they
+share the tracker folder. `qkvflow train` and `qkvflow finetune` therefore lock, before any of that
+(`RunLocks`), `<checkpointer base_path>/<run_id>/.qkvflow.lock`, `<jsonl tracker path>/<run_id>/.qkvflow.lock`
+(metrics and plots) and `<log_dir>/<run_id>.log.lock`, and refuse to start, in one line naming the
+holder, when another process holds any of them.
 
 * The lock is `fcntl.flock` on the file, so the kernel releases it when its process ends in any
   way (SIGKILL included): a file left by a dead process is stale by construction and is simply
   taken over. The file holds JSON {host, pid, started} of the holder, for the message only; a run
-  that ends removes it.
+  that ends removes it, and the folders the lock created if they are still empty.
 * With several processes of one run (`jax.distributed`), process 0 alone takes it.
 * flock works between processes of one machine (and on local file systems); on a remote base path
   (gs://, s3://) no lock is taken, with a log line saying so.
@@ -31,12 +34,16 @@ LOCK_FILE = ".qkvflow.lock"
 
 
 class RunLock:
-    """The lock of the run folder `run_path`; `acquire()` raises UserError when another process holds it."""
+    """The lock of the run folder `run_path` (the file `lock_file` in it; `what` names the locked thing in
+    the refusal); `acquire()` raises UserError when another process holds it."""
 
-    def __init__(self, run_path: str):
+    def __init__(self, run_path: str, lock_file: str = LOCK_FILE, what: Optional[str] = None):
         self.run_path = str(run_path)
-        self.path = os.path.join(self.run_path, LOCK_FILE)
+        self.lock_file = lock_file
+        self.path = os.path.join(self.run_path, lock_file)
+        self.what = what or f"run folder {self.run_path}"
         self._fd: Optional[int] = None
+        self._created: list[str] = []
 
     def acquire(self) -> "RunLock":
         import fcntl
@@ -45,7 +52,11 @@ class RunLock:
             logger.info(f"{self.run_path} is remote: no run lock (two runs with this id would share its folders)")
             return self
         if self.run_path.startswith("file://"):
-            self.path = os.path.join(self.run_path[len("file://") :], LOCK_FILE)
+            self.path = os.path.join(self.run_path[len("file://") :], self.lock_file)
+        folder, self._created = os.path.dirname(self.path), []
+        while folder and not os.path.isdir(folder):  # the folders this lock creates, deepest first
+            self._created.append(folder)
+            folder = os.path.dirname(folder)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -55,7 +66,7 @@ class RunLock:
                 holder = _describe(fd)
                 os.close(fd)
                 raise UserError(
-                    f"run folder {self.run_path} is in use by {holder} (lock file {self.path}): "
+                    f"{self.what} is in use by {holder} (lock file {self.path}): "
                     "wait for that run to end, or give this one another trainer.id"
                 ) from None
             except BaseException:
@@ -83,8 +94,46 @@ class RunLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+            for folder in self._created:  # those the run left empty (e.g. it was refused): not left behind
+                try:
+                    os.rmdir(folder)
+                except OSError:
+                    break
 
     def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class RunLocks:
+    """Several `RunLock`s taken together (in the order given, the same folder once) and released together;
+    when one is refused, those already taken are released before the UserError propagates."""
+
+    def __init__(self, locks: list[RunLock]):
+        seen, self.locks = set(), []
+        for lock in locks:
+            key = os.path.normpath(os.path.abspath(lock.path)) if "://" not in lock.path else lock.path
+            if key not in seen:
+                seen.add(key)
+                self.locks.append(lock)
+        self._held: list[RunLock] = []
+
+    def acquire(self) -> "RunLocks":
+        try:
+            for lock in self.locks:
+                self._held.append(lock.acquire())
+        except BaseException:
+            self.release()
+            raise
+        return self
+
+    def release(self) -> None:
+        while self._held:
+            self._held.pop().release()
+
+    def __enter__(self) -> "RunLocks":
         return self.acquire()
 
     def __exit__(self, *exc) -> None:

@@ -22,7 +22,7 @@ from haliax import Axis
 from qkvflow.errors import UserError
 from qkvflow.training import distributed, preflight
 from qkvflow.training.config import TrainConfig
-from qkvflow.training.runlock import RunLock
+from qkvflow.training.runlock import RunLock, RunLocks
 
 
 def check_corpus(c) -> None:
@@ -63,7 +63,7 @@ def announce_corpus(config) -> None:
         )
 
 
-def _initialize(config: TrainConfig, before_writes: Callable[[], None] = lambda: None) -> Optional[RunLock]:
+def _initialize(config: TrainConfig, before_writes: Callable[[], None] = lambda: None) -> Optional[RunLocks]:
     """Levanter's initialisation, with the device-dependent checks between `jax.distributed` and
     Levanter's own validation (which would fail with a traceback on the same problems). Then
     `before_writes` (the checks that need devices but write nothing of the run), then the run lock
@@ -148,11 +148,25 @@ def _fix_log_file_name(log_dir: str, before: set) -> None:
         root.addHandler(fixed)
 
 
-def _lock_run(trainer_config) -> Optional[RunLock]:
-    """The run's lock (qkvflow.training.runlock), taken by process 0 of a run (after `jax.distributed`)."""
+def run_locks(trainer_config, run_id: str) -> RunLocks:
+    """The locks of everything run `run_id` writes (qkvflow.training.runlock): its checkpoint folder, the
+    folder of each jsonl tracker (metrics.jsonl, the loss curve) and its log file in `trainer.log_dir`."""
+    from qkvflow.training.tracking import JsonlTrackerConfig
+
+    t = trainer_config
+    locks = [RunLock(t.checkpointer.expanded_path(run_id))]
+    trackers = t.tracker if isinstance(t.tracker, (list, tuple)) else [t.tracker]
+    locks += [RunLock(os.path.join(k.path, run_id)) for k in trackers if isinstance(k, JsonlTrackerConfig)]
+    log = os.path.join(str(t.log_dir), f"{run_id}.log")
+    locks.append(RunLock(str(t.log_dir), lock_file=f"{run_id}.log.lock", what=f"log file {log}"))
+    return RunLocks(locks)
+
+
+def _lock_run(trainer_config) -> Optional[RunLocks]:
+    """The run's locks (`run_locks`), taken by process 0 of a run (after `jax.distributed`)."""
     if jax.process_index() != 0:
         return None
-    return RunLock(trainer_config.checkpointer.expanded_path(trainer_config.id)).acquire()
+    return run_locks(trainer_config, trainer_config.id).acquire()
 
 
 def initialize(config: TrainConfig, cleanup: contextlib.ExitStack, before_writes=lambda: None) -> None:

@@ -52,8 +52,8 @@ def test_spectra_of_a_levanter_gpt2_checkpoint_runs_over_layers(gpt2_run, tmp_pa
 
 def test_lyapunov_of_a_checkpoint_writes_page_and_figures(diffeqformer_run, tmp_path, capsys):
     from qkvflow.analysis.lyapunov import token_lyapunov
-    from qkvflow.training.checkpoints import load_model
     from qkvflow.training.config import TrainConfig
+    from qkvflow.training.run_model import load_model
 
     config, checkpoint = diffeqformer_run
     run = ("--config_path", config, "--checkpoint", checkpoint)

@@ -277,6 +277,126 @@ def test_a_real_run_trains_on_selection_and_is_evaluated_on_test(tmp_path, corpu
     assert not (tmp_path / "work" / "checkpoints" / "tiny-lr0.001-s0").exists()
 
 
+def test_the_report_goes_to_the_work_folder_and_an_out_dir_is_checked_like_every_output(study, monkeypatch, capsys):
+    """Issue 31: the report is written into --workdir (never into the repository's benchmarks/results
+    implicitly) and its paths are printed; an --out_dir that holds files qkvflow did not write (as the
+    shipped benchmarks/results does) is refused in one line before the work folder is claimed or any
+    run trains, and its files survive."""
+    results = compare.ROOT / "benchmarks" / "results"
+    shipped = {p.name: p.stat().st_mtime_ns for p in results.iterdir()} if results.is_dir() else {}
+    monkeypatch.setattr(compare, "_subprocess", FakeRuns())
+    monkeypatch.setattr(compare, "training_flops", lambda path, iters: 1.0e9 * iters)
+    work = study / "work"
+    assert compare.main([str(study / "study.yaml"), "--workdir", str(work), "--models", "gpt2"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-3:] == [f"bench compare: wrote {work / 'report' / f'study.{ext}'}" for ext in ("json", "md", "png")]
+    assert (work / "report" / "study.md").read_text().startswith("study: 5 steps")
+    assert "models" in json.loads((work / "study.json").read_text())  # the work folder's marker, not the report
+    if results.is_dir():
+        assert {p.name: p.stat().st_mtime_ns for p in results.iterdir()} == shipped
+
+    theirs = study / "theirs"
+    theirs.mkdir()
+    (theirs / "compare_x.md").write_text("shipped")
+    fake = FakeRuns()
+    with pytest.raises(UserError, match="--out_dir=.* is not empty and was not written by qkvflow") as e:
+        _main(study, monkeypatch, fake, "--out_dir", str(theirs), "--workdir", str(study / "fresh"))
+    assert "\n" not in str(e.value) and fake.calls == [] and not (study / "fresh").exists()
+    assert (theirs / "compare_x.md").read_text() == "shipped"
+
+
+# --- a study on the user's own corpus -----------------------------------------------------------------
+
+
+def _own_corpus(folder: Path) -> None:
+    """A tiny corpus as `qkvflow tokenizer` makes it (a 300-token byte-level BPE, train/validation jsonl)."""
+    from qkvflow.data.tokenizer import build_tokenizer_folder
+
+    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly boxers".split()
+    docs = [" ".join(words[(i * 7 + j) % len(words)] for j in range(40)) for i in range(60)]
+    source = folder / "mytext.jsonl"
+    source.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    build_tokenizer_folder([str(source)], str(folder / "cache" / "own"), vocab_size=300, validation_fraction=0.2)
+
+
+OWN_BASE = """data:
+  tokenizer: cache/own
+  cache_dir: cache/own/levanter_cache
+  shuffle: false
+  components:
+    own:
+      source:
+        type: url
+        train_urls: [cache/own/train.jsonl]
+        validation_urls: [cache/own/validation.jsonl]
+trainer:
+  train_batch_size: 4
+  per_device_eval_parallelism: 4
+  max_eval_batches: 2
+  mp: p=f32,c=f32
+  require_accelerator: false
+  log_jaxprs: false
+  log_xla_hlo: false
+  watch: {interval: 0}
+"""
+
+
+def test_a_study_on_the_users_own_corpus_end_to_end(tmp_path, monkeypatch):
+    """Issue 31: a base config with a `data:` section (a corpus made by `qkvflow tokenizer`, paths relative
+    to the folder the study starts in): the selection and test halves are the validation documents at even
+    and odd positions (built here from the file), the run trains evaluating on the first and is tested on
+    the second, and the report is written. A tiny GPT-2, one seed, three steps."""
+    monkeypatch.chdir(tmp_path)
+    _own_corpus(tmp_path)
+    (tmp_path / "base.yaml").write_text(OWN_BASE)
+    spec = {"base": "base.yaml", "baseline": "tiny", "iters": 3, "learning_rates": [1e-3], "seeds": [0],
+            "models": {"tiny": {"model": {"type": "gpt2", "max_seq_len": 32, "hidden_dim": 32, "num_heads": 2,
+                                          "num_layers": 1}}}}  # fmt: skip
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump(spec))
+    work = tmp_path / "work"
+    assert compare.main([str(tmp_path / "study.yaml"), "--workdir", str(work)]) == 0
+    validation = [line for line in (tmp_path / "cache" / "own" / "validation.jsonl").read_text().splitlines() if line]
+    assert len(validation) >= 4
+    assert (work / "data" / "own.selection.jsonl").read_text().splitlines() == validation[0::2]
+    assert (work / "data" / "own.test.jsonl").read_text().splitlines() == validation[1::2]
+    train = yaml.safe_load((work / "configs" / "tiny-lr0.001-s0.yaml").read_text())
+    test = yaml.safe_load((work / "configs" / "tiny-lr0.001-s0.test.yaml").read_text())
+    assert train["data"]["components"]["own"]["source"]["validation_urls"] == [
+        str(work / "data" / "own.selection.jsonl")
+    ]
+    assert test["data"]["components"]["own"]["source"]["validation_urls"] == [str(work / "data" / "own.test.jsonl")]
+    assert train["data"]["tokenizer"] == str(tmp_path / "cache" / "own")  # relative to where the study started
+    run = json.loads((work / "results" / "tiny-lr0.001-s0.json").read_text())
+    tested = json.loads((work / "results" / "tiny-lr0.001-s0.test.json").read_text())["test_loss"]
+    assert 0 < run["selection_loss"] < 9 and 0 < tested < 9 and run["selection_loss"] != tested  # two halves
+    result = json.loads((work / "report" / "study.json").read_text())
+    assert result["models"]["tiny"]["test"]["per_seed"] == {"0": tested}
+
+
+@pytest.mark.parametrize(
+    "base, message",
+    [
+        ("model: {type: gpt2}\n", "expected a `corpus:` section or a `data:` section with `components`"),
+        ("corpus: {name: mine}\n", "corpus.name: expected one of"),
+        (OWN_BASE.replace("validation_urls: [cache/own/validation.jsonl]", "validation_urls: []"),
+         "data.components.own.source.validation_urls is empty"),
+        (OWN_BASE.replace("cache/own/validation.jsonl", "cache/own/missing.jsonl"), "'cache/own/missing.jsonl' is not a local .jsonl file"),
+    ],
+)  # fmt: skip
+def test_a_bad_base_config_is_refused_before_the_work_folder_is_claimed(tmp_path, monkeypatch, base, message):
+    monkeypatch.chdir(tmp_path)
+    _own_corpus(tmp_path)
+    (tmp_path / "base.yaml").write_text(base)
+    spec = {"base": "base.yaml", "baseline": "a", "iters": 3, "learning_rates": [1e-3], "seeds": [0],
+            "models": {"a": {"model": {"type": "gpt2"}}}}  # fmt: skip
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump(spec))
+    monkeypatch.setattr(compare, "_subprocess", FakeRuns())
+    with pytest.raises(UserError) as e:
+        compare.main([str(tmp_path / "study.yaml"), "--workdir", str(tmp_path / "work")])
+    assert message in str(e.value) and "\n" not in str(e.value) and str(tmp_path / "base.yaml") in str(e.value)
+    assert not (tmp_path / "work").exists()
+
+
 # --- the shipped studies ----------------------------------------------------------------------------
 
 

@@ -111,7 +111,7 @@ def test_each_row_is_the_models_loss_at_its_grid_from_its_own_logits(shared, dep
     from qkvflow.cli.eval import EvalConfig
     from qkvflow.evaluation.depth import with_ode
     from qkvflow.evaluation.perplexity import make_evaluator
-    from qkvflow.training.checkpoints import load_model
+    from qkvflow.training.run_model import load_model
     from qkvflow.training.session import with_corpus
 
     corpora, pretrained = shared
@@ -157,7 +157,7 @@ def test_adaptive_rows_count_the_evaluations_the_field_received(shared, depth_ru
     from qkvflow.cli.eval import EvalConfig
     from qkvflow.evaluation.depth import with_ode
     from qkvflow.evaluation.perplexity import make_evaluator
-    from qkvflow.training.checkpoints import load_model
+    from qkvflow.training.run_model import load_model
     from qkvflow.training.session import with_corpus
 
     adaptive = [r for r in depth_run[1]["rows"] if r["tolerance"] is not None]

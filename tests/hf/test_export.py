@@ -254,6 +254,37 @@ def test_generate_from_a_prompt_continues_as_jax_greedy_decoding(runs, exported,
     assert generated[0, len(prompt_ids) :].tolist() == reference
 
 
+def test_qkvflow_generate_and_transformers_generate_agree_on_the_same_prompt_text(runs, exported, tmp_path, capsys):
+    """Issue 31: `qkvflow generate` on the run and transformers' `generate` on its export, both from the same
+    prompt text: the same prompt ids (framed as training framed a document's start, by Levanter's own
+    document tokenizer, without its end marker) and the same greedy tokens."""
+    import torch
+    from levanter.data.text._batch_tokenizer import BatchTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qkvflow.cli import main
+
+    config_path, checkpoint, _ = runs["diffeqformer_gpt2"]
+    folder = exported["diffeqformer_gpt2"][0]
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    prompt = "A list is"
+    inputs = tokenizer(prompt, return_tensors="pt")
+    framed = BatchTokenizer(tokenizer, enforce_eos=False)([{"text": prompt}])[0]["input_ids"]
+    assert inputs["input_ids"][0].tolist() == framed and framed[0] == tokenizer.bos_token_id
+    new = 12 - len(framed)  # fill the context (max_seq_len 12)
+    out = tmp_path / "out.jsonl"
+    argv = ["generate", "--config_path", config_path, "--checkpoint", checkpoint, "--prompt", prompt,
+            "--max_new_tokens", str(new), "--output_jsonl", str(out)]  # fmt: skip
+    assert main(argv) == 0, capsys.readouterr().err
+    ours = json.loads(out.read_text())["tokens"]
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=True).eval()
+    eos = hf.generation_config.eos_token_id
+    with torch.no_grad():
+        generated = hf.generate(**inputs, max_new_tokens=new, do_sample=False)[0, len(framed) :].tolist()
+    assert eos not in generated and len(ours) == new  # else one would rightly stop early
+    assert ours == generated
+
+
 def test_register_loads_without_remote_code_and_the_tokenizer_is_there(runs, exported):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -333,6 +364,40 @@ def test_bad_input_is_refused_with_one_line(runs, tmp_path, capsys, corpus_root)
     assert not any((tmp_path / name).exists() for name in "abcd")
 
 
+def test_a_step_with_garbage_metadata_is_refused_by_every_loading_verb_as_train_refuses_it(runs, tmp_path, capsys):
+    """Issue 31: a run folder whose newest step has a garbage metadata.json. `train` refuses it (exit 2, one
+    line: qkvflow.training.faults); export, eval and generate refuse it with the same line instead of
+    passing over it to the older step. With the step moved aside, the verb says which step it loaded."""
+    import shutil
+
+    from qkvflow.cli import main
+    from qkvflow.errors import UserError
+    from qkvflow.training import faults
+
+    config_path, checkpoint, _ = runs["diffeqformer_gpt2"]
+    run = tmp_path / "run"
+    shutil.copytree(checkpoint, run)
+    (run / "step-1").mkdir()
+    (run / "step-1" / "metadata.json").write_text("{garbage")
+    with pytest.raises(UserError) as train_refusal:
+        faults.incomplete_checkpoints(str(run))  # what `qkvflow train` runs on its run folder before anything
+    expected = str(train_refusal.value)
+    assert "step-1: its metadata.json is not valid JSON" in expected
+    common = ["--config_path", config_path, "--checkpoint", str(run)]
+    for verb, extra in [
+        ("export", ["--output", str(tmp_path / "out")]),
+        ("eval", []),
+        ("generate", ["--prompt", "A", "--max_new_tokens", "4"]),
+    ]:
+        assert main([verb, *common, *extra]) == 2, verb
+        err = capsys.readouterr().err
+        assert err == f"qkvflow {verb}: error: {expected}\n", (verb, err)
+    assert not (tmp_path / "out").exists()
+    shutil.move(run / "step-1", tmp_path / "aside")
+    assert main(["export", *common, "--output", str(tmp_path / "out")]) == 0
+    assert capsys.readouterr().err == f"loaded checkpoint {run / 'step-0'}\n"
+
+
 def test_a_damaged_checkpoint_is_named_in_one_line(runs, tmp_path, capsys):
     """marin-levanter writes a checkpoint as one OCDBT database (step-N/manifest.ocdbt, step-N/d/*), so a
     damaged file may hold a chunk of any array or a node of the database's index: each is one line naming
@@ -385,7 +450,7 @@ def test_overwrite_never_replaces_what_export_did_not_write(runs, tmp_path, caps
     (work / "theirs").mkdir()
     (work / "theirs" / "thesis.tex").write_text("years of work")
     monkeypatch.chdir(work / "here")
-    monkeypatch.setattr(qkvflow.training.checkpoints, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    monkeypatch.setattr(qkvflow.training.run_model, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
     run_folder = Path(checkpoint).parent  # holds config.yaml and checkpoints/
     before = _snapshot(tmp_path), _snapshot(run_folder)
     cases = [

@@ -6,7 +6,7 @@ import equinox as eqx
 import pytest
 
 from qkvflow import cli
-from tests.inference.util import greedy_reference, round_off
+from tests.inference.util import greedy_reference, round_off, training_framed
 from tests.train_utils import TINY, reference_run
 
 CONTEXT = 32  # tests/configs/tiny_train.yaml: model.max_seq_len
@@ -61,7 +61,7 @@ def test_bad_input_is_one_line(capsys, corpus_root, tmp_path):
 
 def test_greedy_cli_equals_uncached_argmax(capsys, trained, tmp_path):
     from qkvflow.cli.generate import read_config
-    from qkvflow.training.checkpoints import load_model
+    from qkvflow.training.run_model import load_model
 
     corpus_root, checkpoint = trained
     out = tmp_path / "out.jsonl"
@@ -73,7 +73,7 @@ def test_greedy_cli_equals_uncached_argmax(capsys, trained, tmp_path):
 
     config = read_config(argv[1:])
     model, tokenizer = load_model(config, str(checkpoint))
-    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    ids = training_framed(tokenizer, prompt)
     expected, margin = greedy_reference(model, ids, new, context=CONTEXT)
     assert margin > round_off(2, 32, 1.0)
     assert record["tokens"] == expected
@@ -94,6 +94,33 @@ def test_stream_prints_the_same_text_as_the_completion(capfd, trained, tmp_path)
     completion = json.loads(out.read_text())["completion"]
     assert streamed == plain == completion + "\n"
     assert len(completion) > 0
+
+
+def test_stream_honours_stop_and_is_a_bare_flag(capfd, trained, tmp_path):
+    """Issue 31: `--stream` (bare, as the README lists it) with `--stop S` prints exactly the completion that
+    --output_jsonl holds, cut before the first S; nothing past S reaches stdout. S is two characters from the
+    middle of the unstopped completion, so decode rounds follow its first occurrence
+    (test_streamer_never_sends_past_a_stop checks the streamer itself on a scripted engine)."""
+    from qkvflow.cli.generate import read_config, tokenizer_of
+
+    corpus_root, checkpoint = trained
+    argv = args(corpus_root, checkpoint, "--prompt", "The function", "--max_new_tokens", "24", "--temperature", "0")
+    full = tmp_path / "full.jsonl"
+    assert cli.main([*argv, "--output_jsonl", str(full)]) == 0
+    capfd.readouterr()
+    record = json.loads(full.read_text())
+    tokenizer = tokenizer_of(read_config(argv[1:]))
+    text = record["completion"]
+    assert tokenizer.decode(record["tokens"]) == text and len(text) > 12
+    stop = text[len(text) // 2 : len(text) // 2 + 2].replace("\\", "")  # cut at its first occurrence
+    expected = text[: text.find(stop)]
+
+    out = tmp_path / "out.jsonl"
+    escaped = stop.replace("\n", "\\n").replace("\t", "\\t")  # as a shell user writes it (`\n`: a newline)
+    assert cli.main([*argv, "--stop", escaped, "--stream", "--output_jsonl", str(out)]) == 0
+    streamed = capfd.readouterr().out
+    assert json.loads(out.read_text())["completion"] == expected
+    assert streamed == expected + "\n"
 
 
 LLAMA_YAML = """corpus:
@@ -127,7 +154,7 @@ def test_greedy_cli_on_a_llama_baseline_equals_uncached_argmax(capfd, corpus_roo
     """Levanter's Llama (the baseline `qkvflow train` builds for model.type llama), freshly initialised
     and saved as a checkpoint: the CLI's greedy tokens are the argmax of its full-sequence causal logits."""
     from qkvflow.cli.generate import read_config
-    from qkvflow.training.checkpoints import load_model
+    from qkvflow.training.run_model import load_model
     from tests.finetune_utils import save_fresh_checkpoint
 
     config_path = tmp_path / "llama.yaml"
@@ -143,7 +170,43 @@ def test_greedy_cli_on_a_llama_baseline_equals_uncached_argmax(capfd, corpus_roo
     config = read_config(argv[1:])
     model, tokenizer = load_model(config, str(checkpoint))
     assert type(model).__name__ == "LlamaLMHeadModel"
-    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    ids = training_framed(tokenizer, prompt)
     expected, margin = greedy_reference(Causal(model), ids, new, CONTEXT)
     assert margin > round_off(2, 32, 1.0)
     assert record["tokens"] == expected
+
+
+class _ScriptedEngine:
+    """Stands in for the engine as the streamer reads it: `results[request][0].token_list`, grown by hand."""
+
+    def __init__(self):
+        self.results = {}
+
+    def emit(self, tokens):
+        from types import SimpleNamespace
+
+        self.results[0] = {0: SimpleNamespace(token_list=list(tokens))}
+
+
+def test_streamer_never_sends_past_a_stop():
+    """The streamer's text is always a prefix of the final completion: cut at a stop string, holding back an
+    ending that may still become one, and cut at a stop token; `flush` sends the rest of the final text."""
+    from qkvflow.inference.generate import SamplingOptions, _streamer, finish
+    from tests.inference.util import CharTokenizer
+
+    tok = CharTokenizer()
+    ids = lambda text: tok(text)["input_ids"]  # noqa: E731
+    for options, arrivals in [
+        (SamplingOptions(stop=("cd",)), ["ab", "abc", "abcde", "abcdefgh"]),  # "c" held until "cd" shows
+        (SamplingOptions(stop=("xyz",)), ["abx", "abxy", "abxyq", "abxyqrs"]),  # a prefix that did not become it
+        (SamplingOptions(stop_token_ids=(ids("!")[0],)), ["ab", "ab!cd", "ab!cdef"]),
+    ]:
+        engine, sent = _ScriptedEngine(), []
+        streamer = _streamer(engine, tok, [0], lambda i, text, sent=sent: sent.append(text), options)
+        for text in arrivals:
+            engine.emit(ids(text))
+            streamer(0)
+            final = finish(tok, "p", ids(text), options).text
+            assert final.startswith("".join(sent)), (options, text, sent)
+        streamer.flush(0, final)
+        assert "".join(sent) == final, (options, sent, final)

@@ -8,7 +8,7 @@ import json
 
 from qkvflow import cli
 from tests.finetune_utils import finetuned
-from tests.inference.util import greedy_reference, round_off
+from tests.inference.util import greedy_reference, round_off, training_framed
 
 CONTEXT = 32
 
@@ -27,7 +27,7 @@ def test_greedy_from_a_lora_checkpoint(tmp_path_factory, corpus_root, capfd, tmp
     record = json.loads(out.read_text())
 
     tokenizer = tokenizer_of(config)
-    expected, margin = greedy_reference(trained, tokenizer(prompt, add_special_tokens=False)["input_ids"], new, CONTEXT)
+    expected, margin = greedy_reference(trained, training_framed(tokenizer, prompt), new, CONTEXT)
     assert margin > round_off(4, 32, 1.0)
     assert record["tokens"] == expected
 

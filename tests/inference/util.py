@@ -62,6 +62,14 @@ def full_logits(model, tokens: list[int], context: int = CONTEXT) -> np.ndarray:
     return np.asarray(logits.array)[: len(tokens)]
 
 
+def training_framed(tokenizer, text: str) -> list[int]:
+    """The ids of `text` as the start of a training document: what Levanter's own document tokenizer (the
+    one that built the training caches) makes of it, without the end marker it appends after a document."""
+    from levanter.data.text._batch_tokenizer import BatchTokenizer
+
+    return list(BatchTokenizer(tokenizer, enforce_eos=False)([{"text": text}])[0]["input_ids"])
+
+
 def greedy_reference(model, prompt: list[int], new: int, context: int = CONTEXT) -> tuple[list[int], float]:
     """Greedy decoding without a cache: re-run the whole prefix at every step and take the argmax of
     the last position's logits. Also returns the smallest top-1/top-2 logit margin met on the way,
