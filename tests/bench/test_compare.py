@@ -504,8 +504,8 @@ class DepthRuns(FakeRuns):
     """FakeRuns whose `qkvflow eval` with --steps writes one row per grid: the trained N = 2 at the test
     loss, N = 1 at +0.3 + 0.01 seed, N = 4 at -0.01 seed (grid rows as qkvflow.evaluation.depth labels them)."""
 
-    def __call__(self, cmd, log_file, timeout):
-        super().__call__(cmd, log_file, timeout)
+    def __call__(self, cmd, log_file, timeout, attention):
+        super().__call__(cmd, log_file, timeout, attention)
         if cmd[3] != "eval" or "--steps" not in cmd:
             return
         assert cmd[cmd.index("--steps") + 1] == "N/2,N,2N" and cmd[cmd.index("--solver") + 1] == "euler"
