@@ -10,7 +10,9 @@ file; `quiet_console` keeps Levanter's INFO lines out of the terminal (they stil
 import contextlib
 import dataclasses
 import logging
+import logging.handlers
 import os
+import sys
 import time
 import warnings
 from typing import Callable, NamedTuple, Optional
@@ -80,7 +82,11 @@ def _initialize(config: TrainConfig, before_writes: Callable[[], None] = lambda:
             flush=True,
         )
     preflight.check_devices(t)
-    before_writes()  # a refusal here leaves no run folder, lock file or metrics.jsonl behind
+    held = _hold_logs(getattr(config, "verbose", False))
+    try:
+        before_writes()  # a refusal here leaves no run folder, lock file or metrics.jsonl behind
+    finally:
+        logging.getLogger().removeHandler(held)
     lock = _lock_run(t) if t.id is not None else None
     try:
         log_dir = str(t.log_dir)
@@ -90,11 +96,37 @@ def _initialize(config: TrainConfig, before_writes: Callable[[], None] = lambda:
             levanter.initialize(config)
         _fix_log_file_name(log_dir, before)
         quiet_console(getattr(config, "verbose", False))
+        _replay_logs(held)
         return lock or _lock_run(t)  # or the id Levanter chose (RUN_ID, wandb's, a random one)
     except BaseException:
         if lock is not None:
             lock.release()
         raise
+
+
+def _hold_logs(verbose: bool) -> logging.handlers.BufferingHandler:
+    """Hold the log records of the checks before the run's first write (the token cache build among them)
+    in memory until Levanter opens the run's log file, and keep them off the terminal as `quiet_console`
+    does after. zephyr's workers set up rigging's stderr logging on their first task (clearing the root
+    logger's handlers); setting it up here first makes their call a no-op, so its stderr handler is
+    filtered before the build logs anything."""
+    from rigging.log_setup import configure_logging
+
+    configure_logging(level=logging.INFO)
+    quiet_console(verbose)
+    held = logging.handlers.BufferingHandler(capacity=sys.maxsize)
+    logging.getLogger().addHandler(held)
+    return held
+
+
+def _replay_logs(held: logging.handlers.BufferingHandler) -> None:
+    """Write the records `_hold_logs` kept into the run's log file(s), in order."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            for record in held.buffer:
+                if record.levelno >= handler.level:
+                    handler.handle(record)
+    held.close()
 
 
 class _ConsoleFilter(logging.Filter):
