@@ -53,12 +53,9 @@ class RunLock:
             return self
         if self.run_path.startswith("file://"):
             self.path = os.path.join(self.run_path[len("file://") :], self.lock_file)
-        folder, self._created = os.path.dirname(self.path), []
-        while folder and not os.path.isdir(folder):  # the folders this lock creates, deepest first
-            self._created.append(folder)
-            folder = os.path.dirname(folder)
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self._created = []
         while True:
+            self._make_folders()  # again on a retry: a holder that ended may have removed them
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -80,6 +77,17 @@ class RunLock:
         os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
         self._fd = fd
         return self
+
+    def _make_folders(self) -> None:
+        """Create the lock file's folder, remembering the folders created (removed again, deepest first,
+        by `release` if the run leaves them empty)."""
+        folder = os.path.dirname(self.path)
+        while folder and not os.path.isdir(folder):
+            if folder not in self._created:
+                self._created.append(folder)
+            folder = os.path.dirname(folder)
+        self._created.sort(key=lambda f: f.count(os.sep), reverse=True)
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
 
     def release(self) -> None:
         """Remove the file, then unlock (in this order, so that a process waiting on the old file
