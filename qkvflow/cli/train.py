@@ -44,17 +44,18 @@ def train(config: TrainConfig) -> dict:
 
 def _train(config: TrainConfig, preemption: faults.Preemption, cleanup: contextlib.ExitStack) -> dict:
     preflight.check_outputs(config)  # before the corpus, the tokenizer and Levanter start
-    model_key = jrandom.split(jrandom.PRNGKey(config.trainer.seed), 4)[2]
 
     def prepare(config, tokenizer, Vocab):  # before the run writes anything (session.start)
+        # a JAX computation, so after jax.distributed is started (session.start calls this after it)
+        model_key = jrandom.split(jrandom.PRNGKey(config.trainer.seed), 4)[2]
         # a halting phase (qkvflow.training.halting_phase): the model comes from the aligned checkpoint and
         # only its halting head trains; its own checkpoints hold only the head, so check_resume does not apply
         config, model, is_trainable = halting_phase.prepare(config, Vocab, model_key)
         resume_from = None if model is not None else preflight.check_resume(config, Vocab)
-        return (config, model, is_trainable, resume_from), config.model.max_Pos
+        return (config, model, is_trainable, resume_from, model_key), config.model.max_Pos
 
     _, tokenizer, inject, Vocab, tokens, prepared = session.start(config, cleanup, prepare)
-    config, model, is_trainable, resume_from = prepared
+    config, model, is_trainable, resume_from, model_key = prepared
     t = config.trainer
     Pos = config.model.max_Pos
     run = loop.Run(
