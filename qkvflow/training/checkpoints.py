@@ -51,7 +51,7 @@ def loaded(path: str) -> None:
     print(f"loaded checkpoint {path}", file=sys.stderr, flush=True)
 
 
-def load_model(config: TrainConfig, checkpoint: str, *, vocab_size: int | None = None):
+def load_model(config: TrainConfig, checkpoint: str, *, vocab_size: int | None = None, announce: bool = True):
     """(model, tokenizer) of a `qkvflow train` checkpoint of `config`'s run (`newest_step(checkpoint)`):
     only the `model` subtree of the trainer state, in the shape that the run's config builds, on the local
     devices.
@@ -87,7 +87,8 @@ def load_model(config: TrainConfig, checkpoint: str, *, vocab_size: int | None =
             f"checkpoint {path!r} does not hold a {type(config.model).__name__} model with vocabulary "
             f"{Vocab.size} as the config describes ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
         ) from e
-    loaded(path)
+    if announce:
+        loaded(path)
     return model, tokenizer
 
 

@@ -241,9 +241,10 @@ def _checkpoint_vocab(checkpoint: str) -> Optional[int]:
     return None if shape is None else int(shape[0])
 
 
-def load_base(config: FinetuneConfig, pretrained: TrainConfig, tokenizer, Vocab: Axis):
+def load_base(config: FinetuneConfig, pretrained: TrainConfig, tokenizer, Vocab: Axis, announce: bool = True):
     """The model to fine-tune: the ODE checkpoint discretised at `steps`, or a discrete baseline's
-    checkpoint as it is."""
+    checkpoint as it is. `announce`: say which step of the pretrained run was loaded (fine-tuning does;
+    loading a fine-tuned run says only which of its own steps it loaded)."""
     from qkvflow.training.checkpoints import load_model
 
     stored = _checkpoint_vocab(config.pretrained.checkpoint)
@@ -256,7 +257,7 @@ def load_base(config: FinetuneConfig, pretrained: TrainConfig, tokenizer, Vocab:
     # only the model section of the pretraining config matters; the data is this run's (its tokenizer)
     source = dataclasses.replace(pretrained, corpus=None, data=config.data)
     try:
-        model, _ = load_model(source, config.pretrained.checkpoint, vocab_size=vocab)
+        model, _ = load_model(source, config.pretrained.checkpoint, vocab_size=vocab, announce=announce)
     except UserError as e:
         raise UserError(f"pretrained.checkpoint: {e}") from None
     if not _is_ode_config(pretrained.model):

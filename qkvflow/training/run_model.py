@@ -45,7 +45,7 @@ def load_finetuned(config, checkpoint: str):
     tokenizer = preflight.load_tokenizer(config.data)
     if hasattr(tokenizer, "as_hf_tokenizer"):
         tokenizer = tokenizer.as_hf_tokenizer()
-    base = finetune.load_base(config, pretrained, tokenizer, Axis("vocab", len(tokenizer)))
+    base = finetune.load_base(config, pretrained, tokenizer, Axis("vocab", len(tokenizer)), announce=False)
     model, is_trainable = base, True
     if config.finetune == "lora":
         model = finetune.add_lora(base, config.lora, config.lora_seed)
