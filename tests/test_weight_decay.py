@@ -166,7 +166,7 @@ def test_the_optimizer_that_trains_decays_exactly_the_mask(monkeypatch):
     assert (lr, wd, config.optimizer.warmup) == (1e-2, 0.1, 0.0)  # tiny_train.yaml: step 0 runs at lr
     monkeypatch.setattr(loop, "Trainer", trainer)
     with pytest.raises(Caught) as caught:
-        loop.train_run(loop.Run(config=config, verb="train", Pos=config.model.max_Pos), None, None, None)
+        loop.train_run(loop.Run(config=config, verb="train", Pos=config.model.max_Pos), None, None, None, {})
     optimizer = caught.value.args[0]
 
     params = eqx.filter(filled(config.model, VOCAB, std=1.0), eqx.is_array)  # random weights, no compile
