@@ -1,13 +1,17 @@
 """Cached decoding equals the uncached model: logits step by step, and greedy tokens through the engine."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from qkvflow.inference.decoders import decoder_for
 from qkvflow.inference.generate import SamplingOptions, generate
 from qkvflow.inference.stepper import CachedStepper
+from qkvflow.integrate.config import OdeConfig
 from qkvflow.integrate.solve import build_solver
 from qkvflow.integrate.solvers import evaluations
+from tests.helpers import tiny_config, tiny_model
 from tests.inference.util import (
     CONTEXT,
     CharTokenizer,
@@ -62,6 +66,24 @@ def test_cached_logits_equal_full_forward(flavour, solver, n, n_decode):
     if n_decode != n:
         other = full_logits(model, SEQ)
         assert np.abs(other - reference).max() > 100 * round_off(nfe, 32, float(np.abs(reference).max()))
+
+
+@pytest.mark.parametrize("n,n_decode", [(3, 3), (3, 5)])
+def test_official_variant_cached_logits_equal_full_forward(n, n_decode):
+    """The official variant's time grid t_k = (k+1)/N (qkvflow.models.official) reaches the decoder: a
+    decoder that stepped on qkvflow's grid t_k = k/N would differ by far more than round-off."""
+    config = tiny_config("gpt2", ode=OdeConfig(num_steps=n, solver="euler"), max_seq_len=CONTEXT, variant="official")
+    model = tiny_model(config, 0)
+    reference = full_logits(on_grid(model, n_decode), SEQ)
+    cached = stepwise_logits(decoder_for(model, n_decode if n_decode != n else None))
+    # the variant does not divide its generated weights by d_emb, so each evaluation's field, and the
+    # round-off it adds, is up to d_emb times that of qkvflow's model at the same hypernetwork output
+    tol = round_off(n_decode, 32, float(np.abs(reference).max())) * config.time_embed_dim
+    err = float(np.abs(cached - reference).max())
+    assert err <= tol, f"cached logits differ by {err:.3g} > {tol:.3g}"
+    left = tiny_model(dataclasses.replace(config, time_grid="left"), 0)  # the same weights, read at k/N
+    other = full_logits(on_grid(left, n_decode), SEQ)
+    assert np.abs(other - reference).max() > 100 * tol
 
 
 @pytest.mark.parametrize("flavour,solver,n,n_decode", [("gpt2", "euler", 3, 5), ("llama", "heun", 2, 2)])

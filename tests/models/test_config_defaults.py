@@ -31,6 +31,9 @@ COMMON = {
     "time_max_period": 1e4,
     "shared_time_mlp": False,
     "time_embed_norm": False,
+    # the official implementation's variant is opt-in; its time grid defaults to the variant's own
+    "variant": "qkvflow",
+    "time_grid": None,
     "ode": OdeConfig(),
     "kinetic_weight": 0.0,
     "dial": DepthDialConfig(
