@@ -27,33 +27,58 @@ logger = logging.getLogger("qkvflow.export.hf_folder")
 
 
 def prompt_tokenizer(tokenizer):
-    """`tokenizer` as users of an exported model need it: encoding a prompt appends no EOS.
+    """`tokenizer` as users of an exported model need it: ``tokenizer(text)`` gives the ids of a prompt
+    framed as training framed a document's start, ``[bos] + encode(text)`` (`qkvflow.inference.generate.
+    frame_prompt`), with no end marker.
 
-    qkvflow's corpus tokenizers frame every text as `<eos> text <eos>`, so that Levanter's training
-    data carries document boundaries (qkvflow.data.corpora); training must keep seeing exactly those
-    ids. A prompt encoded that way ends with "end of document", and `model.generate(**tokenizer(prompt))`
-    continues with EOS and stops at once. The returned copy keeps the leading BOS (a prompt starts as
-    every training document does) and drops the EOS tokens that end its post-processor's templates.
-    A tokenizer that appends no EOS is returned unchanged; one that does in a way this cannot undo
-    (not a TemplateProcessing post-processor) is returned unchanged with a warning.
+    Levanter's `BatchTokenizer` encodes every training document as ``[bos] + encode(text + " " + eos)``
+    whatever the tokenizer's own templates say. qkvflow's corpus tokenizers frame every text as
+    `<eos> text <eos>`: a prompt encoded that way ends with "end of document", and
+    `model.generate(**tokenizer(prompt))` continues with EOS and stops at once, so the copy drops the
+    EOS tokens that end its post-processor's templates. A tokenizer with a BOS token that its templates
+    do not add (GPT-2's) gets a template that prepends it. A tokenizer already framed this way is
+    returned unchanged; one that cannot be changed this way (no fast backend, a post-processor this
+    does not read) is returned unchanged with a warning.
     """
-    if not _appends_eos(tokenizer):
+    if not _appends_eos(tokenizer) and _prepends_bos(tokenizer):
         return tokenizer
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    state = json.loads(backend.to_str()) if backend is not None else {}
-    if _drop_trailing_eos(state.get("post_processor"), tokenizer.eos_token_id):
+    if backend is not None:
         from tokenizers import Tokenizer
 
+        state = json.loads(backend.to_str())
         fixed = copy.deepcopy(tokenizer)
-        fixed.backend_tokenizer.post_processor = Tokenizer.from_str(json.dumps(state)).post_processor
-        if not _appends_eos(fixed):
+        if _appends_eos(tokenizer) and _drop_trailing_eos(state.get("post_processor"), tokenizer.eos_token_id):
+            fixed.backend_tokenizer.post_processor = Tokenizer.from_str(json.dumps(state)).post_processor
+        if not _prepends_bos(fixed):
+            _prepend_bos(fixed)
+        if not _appends_eos(fixed) and _prepends_bos(fixed):
             return fixed
     logger.warning(
-        "the exported tokenizer appends %s to every text: pass add_special_tokens=False when encoding prompts "
-        "for generation",
-        tokenizer.eos_token,
+        "the exported tokenizer does not encode a prompt as %s + text: encode prompts for generation with "
+        "add_special_tokens=False and put %s first yourself",
+        tokenizer.bos_token,
+        tokenizer.bos_token,
     )
     return tokenizer
+
+
+def _prepends_bos(tokenizer) -> bool:
+    """Whether encoding a text starts with BOS (true of a tokenizer without one)."""
+    bos = tokenizer.bos_token_id
+    return bos is None or tokenizer("hi there")["input_ids"][:1] == [bos]
+
+
+def _prepend_bos(tokenizer) -> None:
+    """Run a template that puts BOS first after the backend's own post-processor (GPT-2's ByteLevel one
+    only fixes offsets)."""
+    from tokenizers import processors
+
+    bos, bos_id = tokenizer.bos_token, tokenizer.bos_token_id
+    template = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, bos_id)])
+    backend = tokenizer.backend_tokenizer
+    own = backend.post_processor
+    backend.post_processor = template if own is None else processors.Sequence([own, template])
 
 
 def _appends_eos(tokenizer) -> bool:
