@@ -42,26 +42,32 @@ def corpus_root(tmp_path_factory):
     return root
 
 
-# The longest test files first. Seconds of one xdist worker, from `pytest -n 2 --durations=0` on the 2-core
-# machine (2026-11-25): test_train 288, test_faults 239, test_multiprocess 212, models/test_lm 188,
-# inference/test_cached_decoding 136, test_accelerator_script 108, test_bad_input 98, the rest under 90
-# each; 2,435 s in all. pytest-xdist's `--dist loadfile` hands each file to whichever worker is free, in
-# collection order (pyproject's addopts turn off its reordering by test count, which put the long files
-# with few tests last): starting them first keeps both workers busy to the end (measured: 1,250 s of
-# wall time against 1,218 s for a perfect split) instead of one worker finishing a long file alone.
+# The longest test files first. Seconds of one xdist worker, from `pytest -n 2 --durations=120` on the 2-core
+# machine (2026-11-26, load 3-5 from a study running beside it): models/test_lm 381, inference/test_cached_decoding
+# 364, evaluation/test_harness 342, bench/test_compare 340, test_faults 327, test_train 301 (with the shared
+# reference run, tests/train_utils.reference_run), test_accelerator_script 278, test_multiprocess 246,
+# test_dial_resume 212 (one test), test_finetune 162, models/test_depth_dial 134, the rest under 110 each.
+# pytest-xdist's `--dist loadfile` hands each file to whichever worker is free, in collection order
+# (pyproject's addopts turn off its reordering by test count, which put the long files with few tests
+# last): starting them first keeps both workers busy to the end instead of one worker finishing a long
+# file alone. test_train and test_faults stay first: both wait on the reference run, built once.
 LONGEST_FIRST = [
     "tests/test_train.py",
     "tests/test_faults.py",
-    "tests/test_multiprocess.py",
     "tests/models/test_lm.py",
     "tests/inference/test_cached_decoding.py",
-    "tests/test_accelerator_script.py",
-    "tests/test_bad_input.py",
-    "tests/inference/test_generate_cli.py",
-    "tests/data/test_tokenizer.py",
     "tests/evaluation/test_harness.py",
     "tests/bench/test_compare.py",
+    "tests/test_accelerator_script.py",
+    "tests/test_multiprocess.py",
+    "tests/test_dial_resume.py",
     "tests/test_finetune.py",
+    "tests/models/test_depth_dial.py",
+    "tests/models/test_official_verbs.py",
+    "tests/data/test_tokenizer.py",
+    "tests/evaluation/test_perplexity.py",
+    "tests/inference/test_generate_cli.py",
+    "tests/test_bad_input.py",
 ]
 
 
