@@ -195,6 +195,15 @@ def test_a_bad_value_is_blamed_on_where_it_was_given(capsys, tmp_path, override,
     assert message.split(": ", 1)[-1] in err
 
 
+@pytest.mark.parametrize("override", [["--trainer.id", "a\tb"], ["--trainer.id=a\tb"]], ids=["spaced", "equals"])
+def test_a_value_that_is_not_yaml_is_blamed_on_its_flag(capsys, override):
+    """draccus reads every command-line value as YAML; one that is not (a tab) is one line naming the flag."""
+    config = ROOT / "configs" / "quickstart.yaml"
+    rc, out, err = cli(capsys, "describe", "--config_path", str(config), "--trainer.seed", "1", *override)
+    assert rc == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith("qkvflow describe: error: command line (--trainer.id): 'a\\tb' is not valid YAML: "), err
+
+
 def test_an_old_config_is_refused_end_to_end(tmp_path):
     """The installed command in a fresh process: exit 2, one line on stderr, nothing written."""
     old = tmp_path / "old.yaml"

@@ -100,6 +100,25 @@ def _config_path(argv: list[str]) -> str:
     return "the config"
 
 
+def _unreadable_value(args: list[str]) -> tuple[str, str] | None:
+    """The first `--key value` (or `--key=value`) of the command line whose value is not YAML."""
+    import yaml
+
+    for i, arg in enumerate(args):
+        if not arg.startswith("--"):
+            continue
+        key, eq, value = arg.partition("=")
+        if not eq:
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                continue
+            value = args[i + 1]
+        try:
+            yaml.safe_load(value)
+        except yaml.YAMLError:
+            return key, value
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -111,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     import draccus.utils
+    import yaml
 
     from qkvflow.errors import UserError
 
@@ -141,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
             message = f"{where}: {e.__cause__}"
         else:
             message = f"{where} is not valid YAML: {e.__cause__ or e}".replace("\n", " ")
+    except yaml.YAMLError as e:  # a command-line value draccus reads as YAML (the file's errors are draccus's)
+        flag, value = _unreadable_value(rest) or ("", None)
+        problem = getattr(e, "problem", None) or e
+        message = f"command line ({flag}): {value!r} is not valid YAML: {problem}" if flag else f"{where}: {e}"
     except FileNotFoundError as e:
         message = str(e)
     message = " ".join(line.strip() for line in message.splitlines() if line.strip())  # one line
