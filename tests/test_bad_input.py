@@ -576,16 +576,16 @@ def test_data_shorter_than_one_sequence_is_refused_after_tokenizing(corpus_root,
 def test_each_split_needs_one_sequence(tokens, refused):
     """Levanter cuts each split into sequences of exactly max_seq_len tokens: max_seq_len tokens make one."""
     from qkvflow.errors import UserError
-    from qkvflow.training import preflight
+    from qkvflow.training import data_checks
 
     if refused is None:
-        preflight.check_data_size(tokens, 32)
+        data_checks.check_data_size(tokens, 32)
         return
     with pytest.raises(
         UserError,
         match=f"the {refused} split holds {tokens[refused]} tokens, fewer than one sequence of model.max_seq_len=32",
     ):
-        preflight.check_data_size(tokens, 32)
+        data_checks.check_data_size(tokens, 32)
 
 
 def _ocdbt(step: Path):

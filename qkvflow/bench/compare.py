@@ -350,14 +350,14 @@ def training_flops(config_path: Path, iters: int) -> Optional[float]:
 
     from qkvflow.data.corpora import corpus_vocab_size
     from qkvflow.models import accounting, registry
-    from qkvflow.training import preflight
+    from qkvflow.training import data_checks
     from qkvflow.training.config import TrainConfig
 
     config = draccus.parse(TrainConfig, config_path=str(config_path), args=[])
     if config.corpus is not None:
         vocab = corpus_vocab_size(config.corpus.name, vocab_size=config.corpus.vocab_size)
     else:
-        vocab = len(preflight.load_tokenizer(config.data))
+        vocab = len(data_checks.load_tokenizer(config.data))
     seq = config.model.max_seq_len
     per_token = config.model.flops_per_token(vocab, seq)
     if per_token is None:

@@ -147,10 +147,10 @@ def load(config):
 
 def tokenizer_of(config):
     """The run's tokenizer (Hugging Face API), read before the model so that prompts are checked first."""
-    from qkvflow.training import preflight
+    from qkvflow.training import data_checks
     from qkvflow.training.session import with_corpus
 
-    tokenizer = preflight.load_tokenizer(with_corpus(config).data)
+    tokenizer = data_checks.load_tokenizer(with_corpus(config).data)
     return tokenizer.as_hf_tokenizer() if hasattr(tokenizer, "as_hf_tokenizer") else tokenizer
 
 

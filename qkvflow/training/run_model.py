@@ -35,14 +35,14 @@ def load_finetuned(config, checkpoint: str):
     parallel transformer."""
     from levanter.trainer_state import make_floating_point_trainable_filter
 
-    from qkvflow.training import finetune, preflight
+    from qkvflow.training import data_checks, finetune
     from qkvflow.training.session import with_corpus
 
     finetune.check_values(config)
     pretrained = finetune.load_pretrained_config(config)
     finetune.check_pretrained_checkpoint(config, pretrained)
     config = with_corpus(config)
-    tokenizer = preflight.load_tokenizer(config.data)
+    tokenizer = data_checks.load_tokenizer(config.data)
     if hasattr(tokenizer, "as_hf_tokenizer"):
         tokenizer = tokenizer.as_hf_tokenizer()
     base = finetune.load_base(config, pretrained, tokenizer, Axis("vocab", len(tokenizer)), announce=False)

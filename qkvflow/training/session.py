@@ -22,7 +22,7 @@ import levanter
 from haliax import Axis
 
 from qkvflow.errors import UserError
-from qkvflow.training import distributed, preflight
+from qkvflow.training import data_checks, distributed, preflight
 from qkvflow.training.config import TrainConfig
 from qkvflow.training.runlock import RunLock, RunLocks
 
@@ -269,7 +269,7 @@ def start(config: TrainConfig, cleanup: contextlib.ExitStack, prepare: Optional[
     announce_corpus(config)
     config = with_corpus(config)
     preflight.check(config)
-    tokenizer = preflight.load_tokenizer(config.data)
+    tokenizer = data_checks.load_tokenizer(config.data)
     try:
         injection = faults.Injection.from_env()
     except ValueError as e:
@@ -286,7 +286,7 @@ def start(config: TrainConfig, cleanup: contextlib.ExitStack, prepare: Optional[
             found["Vocab"] = round_axis_for_partitioning(Axis("vocab", len(tokenizer)), t.parameter_axis_mapping)
         found["prepared"], Pos = prepare(config, tokenizer, found["Vocab"]) if prepare else (None, config.model.max_Pos)
         found["tokens"] = build_caches(config.data)
-        preflight.check_data_size(found["tokens"], Pos.size)
+        data_checks.check_data_size(found["tokens"], Pos.size)
 
     initialize(config, cleanup, before_writes)
     if t.load_checkpoint_path is None:  # this run's own folder: drop writes a kill interrupted
