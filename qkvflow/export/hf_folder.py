@@ -55,10 +55,8 @@ def prompt_tokenizer(tokenizer):
         if not _appends_eos(fixed) and _prepends_bos(fixed):
             return fixed
     logger.warning(
-        "the exported tokenizer does not encode a prompt as %s + text: encode prompts for generation with "
-        "add_special_tokens=False and put %s first yourself",
-        tokenizer.bos_token,
-        tokenizer.bos_token,
+        "the exported tokenizer does not encode a prompt as training framed a document's start (BOS, then "
+        "the text, no EOS): frame prompts for generation yourself (qkvflow.inference.generate.frame_prompt)"
     )
     return tokenizer
 
