@@ -26,6 +26,9 @@ def scan_solve(term_fn: Callable, solver: dfx.AbstractSolver, y0, args, num_step
     if times is None:
         times = jnp.arange(num_steps + 1, dtype=jnp.result_type(float)) / num_steps
         times = times.at[-1].set(1.0)
+    # as diffeqsolve does: the state takes the promotion of y0's and the time's dtypes (a bfloat16 y0
+    # is solved in float32), so the scan's carry keeps one dtype through every step
+    y0 = jax.tree.map(lambda y: jnp.asarray(y, jnp.result_type(y, times.dtype)), y0)
     state0 = solver.init(terms, times[0], times[1], y0, args)
 
     @jax.checkpoint

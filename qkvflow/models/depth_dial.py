@@ -101,7 +101,7 @@ def solve(model, input_ids, mask, ode: OdeConfig, grid=None, probe=None, kinetic
     pos_ids = hax.arange(input_ids.resolve_axis(model.Pos.name), dtype=jnp.int32)
     x0 = model.embed(input_ids, pos_ids)
     tokens = x0.size // model.config.hidden_dim
-    field = model.raw_field(x0.axes)
+    field = model.raw_field(x0.axes, x0.dtype)
     args = (WeightSource.build(model.generator, ode, grid=grid), mask, pos_ids)
     if probe is None:
         y, energy, stats = integrate(field, x0.array, args, ode, tokens=tokens if kinetic else None, grid=grid)

@@ -302,7 +302,8 @@ class DiffEqFormerLMHeadModel(LmHeadModel[DiffEqFormerConfig]):
 
         A missing mask means causal: the model is a language model. With `ts` (increasing times in
         (0, 1], the last 1) the states x(t) at those times instead, on a leading `exit` axis
-        (`qkvflow.models.related.ode_exits`).
+        (`qkvflow.models.related.ode_exits`). The solver holds the state in float32 (see `raw_field`);
+        what it returns is in the embedding's dtype, as a discrete transformer's residual stream is.
         """
         config = self._config
         if attn_mask is None:
@@ -315,19 +316,24 @@ class DiffEqFormerLMHeadModel(LmHeadModel[DiffEqFormerConfig]):
         tokens = x0.size // config.hidden_dim if config.kinetic_weight > 0 else None
         args = (source, attn_mask, pos_ids)
         if ts is None:
-            y1, energy, stats = integrate(self.raw_field(axes), x0.array, args, config.ode, tokens=tokens)
-            return hax.named(y1, axes), energy, stats
-        ys, energy, stats = integrate(self.raw_field(axes), x0.array, args, config.ode, tokens=tokens, ts=ts)
-        return hax.named(ys, (Axis("exit", ys.shape[0]), *axes)), energy, stats
+            y1, energy, stats = integrate(self.raw_field(axes, x0.dtype), x0.array, args, config.ode, tokens=tokens)
+            return hax.named(y1.astype(x0.dtype), axes), energy, stats
+        ys, energy, stats = integrate(self.raw_field(axes, x0.dtype), x0.array, args, config.ode, tokens=tokens, ts=ts)
+        return hax.named(ys.astype(x0.dtype), (Axis("exit", ys.shape[0]), *axes)), energy, stats
 
-    def raw_field(self, axes):
+    def raw_field(self, axes, dtype=None):
         """The vector field on raw arrays laid out as `axes`, as diffrax calls it:
-        `f(t, y, (weight_source, mask, pos_ids)) -> dy/dt`."""
+        `f(t, y, (weight_source, mask, pos_ids)) -> dy/dt`, computed in `dtype` (None: y's).
+
+        Pass the embedding's dtype: diffrax holds the state in the promotion of y0's and the time's
+        dtypes (`diffeqsolve` casts y0 to it), so under a bfloat16 compute policy y arrives in float32.
+        The field casts it down on entry, so that its products run in the compute dtype, as a
+        discrete transformer's layers do, while the solver accumulates the state in float32."""
         config, field = self._config, self.field
 
         def vector_field(t, y, args):
             source, mask, pos = args
-            x = hax.named(y, axes)
+            x = hax.named(y.astype(dtype or y.dtype), axes)
             dx = field.vector_field(source(t), x, config=config, mask=mask, pos_ids=pos)
             return dx.rearrange(axes).array.astype(y.dtype)
 

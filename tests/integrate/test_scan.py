@@ -84,6 +84,26 @@ def test_scan_counts_and_kinetic_energy_as_diffrax():
     assert int(s_scan.num_steps) == int(s_ref.num_steps) == 4 and int(s_scan.nfe) == int(s_ref.nfe) == 16
 
 
+def test_a_bf16_start_is_solved_in_f32_as_diffrax_does():
+    """diffeqsolve solves a bf16 y0 as a state in the promotion of its dtype and the time's (f32); the
+    scan does the same, step by step, instead of rounding each step's state to bf16."""
+
+    def bf16_field(t, y, args):  # a bf16 field, as the DiffEqFormer's under a bf16 policy
+        return field(t, y.astype(jnp.bfloat16), jax.tree.map(lambda a: a.astype(jnp.bfloat16), args))
+
+    y0, args = problem()
+    y0 = y0.astype(jnp.bfloat16)
+    config = OdeConfig(num_steps=6, loop="scan")
+    y_scan = jax.jit(lambda y0, args: integrate(bf16_field, y0, args, config)[0])(y0, args)
+    y_ref = jax.jit(
+        lambda y0, args: dfx.diffeqsolve(
+            dfx.ODETerm(bf16_field), dfx.Euler(), 0.0, 1.0, 1 / 6, y0, args, max_steps=6
+        ).ys[-1]
+    )(y0, args)
+    assert y_scan.dtype == y_ref.dtype == jnp.float32
+    np.testing.assert_allclose(y_scan, y_ref, rtol=8 * F32, atol=8 * F32)
+
+
 def test_diffeqformer_loss_and_gradient_are_the_same_with_the_scan():
     """The model's training loss and its gradient with respect to every parameter, loop scan against
     diffrax: float32 round-off of the same products (the scan's XLA program fuses them differently)."""

@@ -124,7 +124,7 @@ def halting_flow(model, input_ids: NamedArray, tau, attn_mask=None, *, pos_ids=N
         pos_ids = hax.arange(input_ids.resolve_axis(model.Pos.name), dtype=jnp.int32)
     x0 = model.embed(input_ids, pos_ids)
     axes = x0.axes
-    field = model.raw_field(axes)
+    field = model.raw_field(axes, x0.dtype)
     source = WeightSource.build(model.generator, ode)
     solver = build_solver(ode)
     per_step = int(evaluations(solver, 1))
