@@ -91,7 +91,7 @@ def refine(grid: Optional[jax.Array], factor: int) -> Optional[jax.Array]:
 
 
 def solve(model, input_ids, mask, ode: OdeConfig, grid=None, probe=None, kinetic: bool = False):
-    """x(T) (raw array), kinetic energy or None, Jacobian estimate or None, and `OdeStats` of one solve
+    """x(T) (raw array, in the embedding's dtype, as `DiffEqFormer.flow` returns it), kinetic energy or None, Jacobian estimate or None, and `OdeStats` of one solve
     of `model` (a DiffEqFormer) on `grid` (None: ode's uniform grid); `probe` (shaped like the state)
     adds the Hutchinson Frobenius term."""
     import haliax as hax
@@ -105,7 +105,7 @@ def solve(model, input_ids, mask, ode: OdeConfig, grid=None, probe=None, kinetic
     args = (WeightSource.build(model.generator, ode, grid=grid), mask, pos_ids)
     if probe is None:
         y, energy, stats = integrate(field, x0.array, args, ode, tokens=tokens if kinetic else None, grid=grid)
-        return y, energy, None, stats
+        return y.astype(x0.dtype), energy, None, stats
 
     def augmented(t, state, args):
         *field_args, e = args
@@ -116,7 +116,7 @@ def solve(model, input_ids, mask, ode: OdeConfig, grid=None, probe=None, kinetic
     zero = jnp.zeros((), jnp.float32)
     (y, energy, frobenius), _, stats = integrate(augmented, (x0.array, zero, zero), (*args, probe), ode, grid=grid)
     # the evaluations of the jvp's tangent are not counted: stats.nfe is the primal solve's
-    return y, (energy if kinetic else None), frobenius, stats
+    return y.astype(x0.dtype), (energy if kinetic else None), frobenius, stats
 
 
 def drawn_solves(model, input_ids, mask, key):

@@ -18,20 +18,21 @@ import pytest
 from levanter.models.lm_model import LmExample
 
 from qkvflow.integrate.config import OdeConfig
+from qkvflow.models.depth_dial import DepthDialConfig
 from qkvflow.training.loss import lm_loss
 from tests.helpers import Batch, random_tokens, tiny_config, tiny_model
 
 BF16 = jmp.get_policy("params=float32,compute=bfloat16,output=bfloat16")
 
 
-def bf16_loss(config, seed=0):
+def bf16_loss(config, seed=0, key=None):
     """The training loss as a function of the f32 parameters, computed under the bf16 policy."""
     model = tiny_model(config, seed)
     example = hax.vmap(LmExample.causal, Batch)(random_tokens(config))
     params, static = eqx.partition(model, eqx.is_inexact_array)
 
     def loss(params):
-        out = lm_loss(BF16.cast_to_compute(eqx.combine(params, static)), example, key=None)
+        out = lm_loss(BF16.cast_to_compute(eqx.combine(params, static)), example, key=key)
         out = out[0] if isinstance(out, tuple) else out
         return out.scalar() if isinstance(out, hax.NamedArray) else out
 
@@ -52,10 +53,16 @@ def product_operand_dtypes(jaxpr) -> list[tuple[str, ...]]:
     return found
 
 
-@pytest.mark.parametrize("loop", ["diffrax", "scan"])
+@pytest.mark.parametrize("loop", ["diffrax", "scan", "dial"])
 def test_every_product_of_a_bf16_training_step_is_bf16(loop):
-    config = tiny_config(ode=OdeConfig(num_steps=3, loop=loop))
-    loss, params = bf16_loss(config)
+    """`dial`: the depth-dial training solves (drawn step counts, the consistency term's second solve,
+    the Jacobian probe's jvp), qkvflow.models.depth_dial."""
+    if loop == "dial":
+        dial = DepthDialConfig(train_steps=[2, 3], consistency_weight=1.0, jacobian_weight=0.01)
+        config = tiny_config(ode=OdeConfig(num_steps=3), dial=dial)
+        loss, params = bf16_loss(config, key=jax.random.PRNGKey(2))
+    else:
+        loss, params = bf16_loss(tiny_config(ode=OdeConfig(num_steps=3, loop=loop)))
     dtypes = product_operand_dtypes(jax.make_jaxpr(jax.value_and_grad(loss))(params).jaxpr)
     # forward, recomputation and backward of attention, MLP, hypernetwork and unembedding
     assert len(dtypes) > 20
