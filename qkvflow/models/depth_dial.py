@@ -91,9 +91,9 @@ def refine(grid: Optional[jax.Array], factor: int) -> Optional[jax.Array]:
 
 
 def solve(model, input_ids, mask, ode: OdeConfig, grid=None, probe=None, kinetic: bool = False):
-    """x(T) (raw array, in the embedding's dtype, as `DiffEqFormer.flow` returns it), kinetic energy or None, Jacobian estimate or None, and `OdeStats` of one solve
-    of `model` (a DiffEqFormer) on `grid` (None: ode's uniform grid); `probe` (shaped like the state)
-    adds the Hutchinson Frobenius term."""
+    """x(T) (raw array, in the embedding's dtype as `DiffEqFormer.flow` returns it), kinetic energy or None,
+    Jacobian estimate or None, and `OdeStats` of one solve of `model` (a DiffEqFormer) on `grid` (None:
+    ode's uniform grid); `probe` (shaped like the state) adds the Hutchinson Frobenius term."""
     import haliax as hax
     from levanter.layers.attention import AttentionMask
 
