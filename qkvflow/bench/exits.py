@@ -66,12 +66,15 @@ def _batches(config_path: str, split: str):
     import haliax as hax
     import jax.numpy as jnp
 
+    from qkvflow.data import cache_lock
     from qkvflow.evaluation import perplexity
     from qkvflow.training.config import TrainConfig
     from qkvflow.training.session import with_corpus
 
     config = with_corpus(draccus.parse(TrainConfig, config_path=config_path, args=["--corpus.eval_split", split]))
-    if not config.data.build_caches("validation"):
+    with cache_lock.building(config.data.cache_dir):
+        has_validation = bool(config.data.build_caches("validation"))
+    if not has_validation:
         raise UserError(f"{config_path}: no validation data for split {split}")
     evaluator = perplexity.make_evaluator(config, config.model.max_Pos, config.data.the_tokenizer)
     out = []

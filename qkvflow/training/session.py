@@ -237,16 +237,18 @@ def build_caches(data) -> dict:
     qkvflow did on Levanter 1.2) would leave process 0 waiting on that broadcast forever.
 
     Returns the number of tokens of each split that has data."""
+    from qkvflow.data import cache_lock
     from qkvflow.training import faults
 
     _say(f"preparing the token cache in {data.cache_dir} (the first run tokenizes the data) ...")
     start = time.perf_counter()
     tokens: dict = {}
     faults.barrier("qkvflow_build_caches")
-    for split in ("train", "validation"):
-        caches = data.build_caches(split)
-        if caches:
-            tokens[split] = sum(cache.flat_field_length("input_ids") for cache in caches.values())
+    with cache_lock.building(data.cache_dir):  # another run building the same cache finishes first
+        for split in ("train", "validation"):
+            caches = data.build_caches(split)
+            if caches:
+                tokens[split] = sum(cache.flat_field_length("input_ids") for cache in caches.values())
     _say(f"token cache ready ({time.perf_counter() - start:.0f} s)")
     return tokens
 
