@@ -26,7 +26,8 @@ interrupted run resumes from its checkpoint (the same `trainer.id`, qkvflow's ex
 seeds or learning rates may be added to a study between invocations. The work folder holds
 `study.json`, written when the study starts: a folder without it (and not empty) or holding another
 study is refused, and only checkpoints of this study's runs are removed (after a model's test
-evaluation, unless --keep_checkpoints).
+evaluation, unless --keep_checkpoints). `--jobs K` runs K trainings or evaluations at once, each its own
+process as always (a GPU shared by small models, or spare cores); the results are the same.
 """
 
 import argparse
@@ -38,6 +39,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -74,7 +76,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus_root", default=str(ROOT / "cache" / "corpora"))
     p.add_argument("--keep_checkpoints", action="store_true")
     p.add_argument("--timeout", type=float, default=7200.0, help="seconds per training run")
+    p.add_argument(
+        "--jobs",
+        type=_positive_int,
+        default=1,
+        help="runs at once, each its own process (default 1); more suits a machine with cores or an "
+        "accelerator to spare for small models: every run is queued at the start, a model's test "
+        "evaluations once its grid is trained",
+    )
     return p
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected an integer >= 1")
+    return int(text)
 
 
 def load_study(path: str, args) -> dict:
@@ -256,6 +272,12 @@ def _subprocess(cmd: list[str], log_file: Path, timeout: float, attention: str =
         )
 
 
+def _say(line: str) -> None:
+    """One line of progress, written whole (runs in flight at once share stdout)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def train(study: dict, model: str, lr: float, seed: int, workdir: Path, args) -> dict:
     """Train one run (or resume it) and return its result; a finished run is read back, not retrained."""
     rid = run_id(model, lr, seed)
@@ -266,7 +288,7 @@ def train(study: dict, model: str, lr: float, seed: int, workdir: Path, args) ->
     config_path.write_text(
         yaml.safe_dump(run_config(study, model, lr, seed, workdir, args.corpus_root), sort_keys=False)
     )
-    print(f"bench compare: training {rid} ({study['iters']} steps)", flush=True)
+    _say(f"bench compare: training {rid} ({study['iters']} steps)")
     start = time.perf_counter()
     _subprocess(
         [sys.executable, "-m", "qkvflow", "train", "--config_path", str(config_path)],
@@ -316,7 +338,7 @@ def test_loss(study: dict, model: str, lr: float, seed: int, workdir: Path, args
            "--checkpoint", str(workdir / "checkpoints" / rid), *split, "--output", str(out)]  # fmt: skip
     if _is_ode(study, model):
         cmd += depth_curves.eval_args(study.get("depth"))
-    print(f"bench compare: evaluating {rid} on the test split", flush=True)
+    _say(f"bench compare: evaluating {rid} on the test split")
     _subprocess(cmd, workdir / "logs" / f"{rid}.out", args.timeout, args.attention)
     rows = json.loads((out / "depth.json").read_text())["rows"]
     row = depth_curves.trained_row(rows)
@@ -474,6 +496,12 @@ def check_attention(study: dict, args) -> None:
             )
 
 
+def _submit_grid(pool, study: dict, model: str, workdir: Path, args) -> list:
+    """`model`'s training runs (every learning rate x seed) queued on `pool`, in the grid's order."""
+    return [pool.submit(train, study, model, lr, seed, workdir, args) for lr in learning_rates(study, model)
+            for seed in study["seeds"]]  # fmt: skip
+
+
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     study = load_study(args.study, args)
@@ -489,22 +517,31 @@ def main(argv: list[str]) -> int:
     if "corpus" not in study["base_config"]:
         halves.write(study["base_config"], workdir)
     runs, tests, flops, chosen = [], {}, {}, {}
-    for model in study["models"]:
-        grid = learning_rates(study, model)
-        mine = [train(study, model, lr, seed, workdir, args) for lr in grid for seed in study["seeds"]]
-        runs += mine
-        by_lr = {lr: [r["selection_loss"] for r in mine if r["learning_rate"] == lr] for lr in grid}
-        best = min(by_lr, key=lambda lr: math.fsum(by_lr[lr]) / len(by_lr[lr]))
-        tests[model] = {seed: test_loss(study, model, best, seed, workdir, args) for seed in study["seeds"]}
-        chosen[model] = {"learning_rate": best}
-        flops[model] = training_flops(
-            workdir / "configs" / f"{run_id(model, best, study['seeds'][0])}.yaml", study["iters"]
-        )
-        if not args.keep_checkpoints:
-            for r in mine:  # this study's own runs (study.json claimed the folder), all evaluated
-                shutil.rmtree(
-                    workdir / "checkpoints" / run_id(model, r["learning_rate"], r["seed"]), ignore_errors=True
-                )
+    pool = ThreadPoolExecutor(max_workers=args.jobs)  # each task waits on a subprocess: threads suffice
+    try:
+        # with --jobs 1 a model's runs start only once the previous model is evaluated (as before --jobs)
+        trains = {}
+        if args.jobs > 1:
+            trains = {model: _submit_grid(pool, study, model, workdir, args) for model in study["models"]}
+        for model in study["models"]:
+            grid = learning_rates(study, model)
+            mine = [f.result() for f in trains.get(model) or _submit_grid(pool, study, model, workdir, args)]
+            runs += mine
+            by_lr = {lr: [r["selection_loss"] for r in mine if r["learning_rate"] == lr] for lr in grid}
+            best = min(by_lr, key=lambda lr: math.fsum(by_lr[lr]) / len(by_lr[lr]))
+            evals = {seed: pool.submit(test_loss, study, model, best, seed, workdir, args) for seed in study["seeds"]}
+            tests[model] = {seed: f.result() for seed, f in evals.items()}
+            chosen[model] = {"learning_rate": best}
+            flops[model] = training_flops(
+                workdir / "configs" / f"{run_id(model, best, study['seeds'][0])}.yaml", study["iters"]
+            )
+            if not args.keep_checkpoints:
+                for r in mine:  # this study's own runs (study.json claimed the folder), all evaluated
+                    shutil.rmtree(
+                        workdir / "checkpoints" / run_id(model, r["learning_rate"], r["seed"]), ignore_errors=True
+                    )
+    finally:  # an error or Ctrl-C: runs not yet started are dropped, running ones finish (or stop) first
+        pool.shutdown(wait=True, cancel_futures=True)
     result = report(study, runs, tests, flops)
     result["attention"] = args.attention
     curves = depth_report(study, chosen, workdir) if "depth" in study else None

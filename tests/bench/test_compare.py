@@ -219,6 +219,44 @@ def test_a_model_with_its_own_grid_is_chosen_within_it(study, monkeypatch):
         _main(study, monkeypatch, FakeRuns())
 
 
+def test_jobs_run_trainings_at_once_and_report_what_one_job_reports(study, monkeypatch, tmp_path):
+    """`--jobs 4`: every model's grid is queued at the start and four runs are in flight together (a barrier
+    of four parties is passed only if they are); the report equals the sequential study's."""
+    import threading
+
+    gate, lock, started = threading.Barrier(4, timeout=20), threading.Lock(), []
+
+    class Together(FakeRuns):
+        def __call__(self, cmd, log_file, timeout, attention):
+            with lock:
+                started.append(cmd[3])
+                first = len(started) <= 4
+            if first:
+                gate.wait()  # BrokenBarrierError after 20 s unless the first four trainings run at once
+            super().__call__(cmd, log_file, timeout, attention)
+
+    parallel = Together()
+    assert _main(study, monkeypatch, parallel, "--jobs", "4") == 0
+    assert sorted(parallel.calls) == sorted(
+        [f"train {m}-lr{lr:g}-s{s}" for m in ("gpt2", "ode") for lr in (1e-3, 2e-3) for s in (0, 1, 2)]
+        + [f"eval gpt2-lr0.001-s{s}" for s in (0, 1, 2)]
+        + [f"eval ode-lr0.002-s{s}" for s in (0, 1, 2)]
+    )
+    assert not any((study / "work" / "checkpoints").iterdir())
+    together = json.loads((study / "out" / "study.json").read_text())
+    (tmp_path / "seq").mkdir()
+    for name in ("base.yaml", "study.yaml"):
+        (tmp_path / "seq" / name).write_text((study / name).read_text())
+    assert _main(tmp_path / "seq", monkeypatch, FakeRuns()) == 0
+    alone = json.loads((tmp_path / "seq" / "out" / "study.json").read_text())
+    for report in (together, alone):  # everything but the runs' wall times
+        for entry in report["models"].values():
+            entry.pop("wall_s")
+    assert together == alone
+    with pytest.raises(SystemExit):
+        _main(study, monkeypatch, FakeRuns(), "--jobs", "0")
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -434,7 +472,9 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
     from qkvflow.models import accounting, registry
 
     studies = ("tinyshakespeare", "pydoc", "beta2", "rk_blocks", "transevolve", "exits", "finetune_pretrain")
-    for name in (*studies, "depth_dial", "depth_dial_pydoc", "depth_dial_screen", "depth_dial_screen_pydoc"):
+    dial = ("depth_dial", "depth_dial_pydoc", "depth_dial_screen", "depth_dial_screen_pydoc", "depth_dial_confirm",
+            "depth_dial_confirm_pydoc")  # fmt: skip
+    for name in (*studies, *dial):
         configs, study = _study_configs(name, tmp_path), _study(name, tmp_path)
         reference = next(iter(configs.values()))[0]
         for model, (config, _) in configs.items():
@@ -463,6 +503,12 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
             assert configs["steps_drawn"][0].model.dial.train_steps == (2, 4, 8)
             if "slow_time" in configs:
                 assert configs["slow_time"][0].model.time_scale == 4.0
+            if "steps_wide" in configs:
+                assert configs["steps_wide"][0].model.dial.train_steps == (2, 4, 8, 16)
+            if name.startswith("depth_dial_confirm"):  # enough passes over the data for 2000 steps
+                assert study["iters"] == 2000 and all(
+                    c.epochs >= (20 if "pydoc" in name else 10) for c, _ in configs.values()
+                )
         if name == "finetune_pretrain":  # N = 6 steps, GPT-2 at N and 4N/3 layers, one width
             depth = {
                 m: c.model.ode.num_steps if m.startswith("ode") else c.model.num_layers for m, (c, _) in configs.items()
