@@ -32,6 +32,7 @@ process as always (a GPU shared by small models, or spare cores); the results ar
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -367,7 +368,8 @@ def depth_report(study: dict, tests: dict, workdir: Path) -> dict:
 
 
 def training_flops(config_path: Path, iters: int) -> Optional[float]:
-    """3 x forward FLOPs of one run: per-token FLOPs x tokens, plus an ODE's hypernetwork per forward pass."""
+    """3 x forward FLOPs of one run: per-token FLOPs x tokens, plus an ODE's hypernetwork per forward pass;
+    with depth-dial recipes, the mean over the solves a batch runs (`depth_dial.training_solves`)."""
     import draccus
 
     from qkvflow.data.corpora import corpus_vocab_size
@@ -380,14 +382,26 @@ def training_flops(config_path: Path, iters: int) -> Optional[float]:
         vocab = corpus_vocab_size(config.corpus.name, vocab_size=config.corpus.vocab_size)
     else:
         vocab = len(data_checks.load_tokenizer(config.data))
-    seq = config.model.max_seq_len
-    per_token = config.model.flops_per_token(vocab, seq)
-    if per_token is None:
+    seq, batch = config.model.max_seq_len, config.trainer.train_batch_size
+    if config.model.flops_per_token(vocab, seq) is None:
         return None
-    per_step = per_token * seq * config.trainer.train_batch_size
-    if registry.is_ode(config.model):
-        per_step += accounting.hypernetwork_flops_per_forward(config.model, vocab)
-    return 3.0 * per_step * iters
+
+    def forward(model) -> float:
+        per_step = model.flops_per_token(vocab, seq) * seq * batch
+        if registry.is_ode(model):
+            per_step += accounting.hypernetwork_flops_per_forward(model, vocab)
+        return per_step
+
+    solves = [(config.model, 1.0)]
+    dial = getattr(config.model, "dial", None)
+    if dial is not None and dial.active:  # the drawn step counts' mean, and a consistency term's fine solve
+        from qkvflow.models.depth_dial import training_solves
+
+        def at(n: int):
+            return dataclasses.replace(config.model, ode=dataclasses.replace(config.model.ode, num_steps=n))
+
+        solves = [(at(n), weight) for n, weight in training_solves(config.model)]
+    return 3.0 * math.fsum(weight * forward(model) for model, weight in solves) * iters
 
 
 def report(study: dict, runs: list[dict], tests: dict, flops: dict) -> dict:

@@ -68,6 +68,19 @@ class DepthDialConfig:
         return bool(self.train_steps) or any(w > 0 for w in recipes)
 
 
+def training_solves(config) -> list[tuple[int, float]]:
+    """The solves one training batch of the DiffEqFormer `config` runs on average, as (step count, expected
+    number per batch): each drawn count with probability 1/len(train_steps) (else ode.num_steps), and with
+    the consistency term the same again at `consistency_factor` times the count. For FLOP accounting
+    (`qkvflow bench compare`); the Jacobian term's forward-mode tangents are not solves and not counted."""
+    dial: DepthDialConfig = config.dial
+    counts = dial.train_steps or (config.ode.num_steps,)
+    solves = [(n, 1.0 / len(counts)) for n in counts]
+    if dial.consistency_weight > 0:
+        solves += [(dial.consistency_factor * n, 1.0 / len(counts)) for n in counts]
+    return solves
+
+
 def sample_grid(n: int, dial: DepthDialConfig, key) -> Optional[jax.Array]:
     """The n + 1 times of one training solve (module docstring); None for the uniform grid on [0, 1]."""
     if not (dial.jitter or dial.steer):

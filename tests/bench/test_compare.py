@@ -1,6 +1,7 @@
 """`qkvflow bench compare`: the statistics, selection on one split and report on another, resume of an
 interrupted grid, and one real run through `qkvflow train` and `qkvflow eval`."""
 
+import copy
 import dataclasses
 import json
 import math
@@ -594,3 +595,29 @@ def test_a_depth_section_evaluates_ode_runs_at_every_grid_and_reports_intervals(
 
 
 T_975_2 = 4.302652729911275  # Student t, 97.5% quantile, 2 degrees of freedom (statistical tables)
+
+
+def test_training_flops_of_a_dial_model_average_its_drawn_solves(tmp_path):
+    """A step count drawn per batch costs the mean of the drawn solves; a consistency term adds a solve at
+    twice the count. The reference: runs of the plain DiffEqFormer at each count (training FLOPs linear in
+    the solves a batch runs: 3 x forward, each forward's embedding, field and hypernetwork)."""
+    configs = _study_configs("depth_dial_confirm_pydoc", tmp_path)
+    base = yaml.safe_load(configs["ode"][1].read_text())
+
+    def flops(**changes):
+        config = copy.deepcopy(base)
+        config["model"]["ode"]["num_steps"] = changes.pop("num_steps", 4)
+        config["model"]["dial"] = changes
+        path = tmp_path / f"run-{len(list(tmp_path.iterdir()))}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        return compare.training_flops(path, 300)
+
+    plain = {n: flops(num_steps=n) for n in (2, 4, 8, 16)}
+    assert plain[8] > 1.5 * plain[4]  # the field's FLOPs dominate: a count that is ignored shows
+    assert flops(train_steps=[2, 4, 8, 16]) == pytest.approx(sum(plain.values()) / 4, rel=1e-12)
+    assert compare.training_flops(configs["steps_wide"][1], 300) == pytest.approx(sum(plain.values()) / 4, rel=1e-12)
+    assert flops(consistency_weight=1.0) == pytest.approx(plain[4] + plain[8], rel=1e-12)
+    assert flops(train_steps=[2, 4], consistency_weight=1.0) == pytest.approx(
+        (plain[2] + plain[4] + plain[4] + plain[8]) / 2, rel=1e-12
+    )
+    assert flops(jitter=0.5) == pytest.approx(plain[4], rel=1e-12)  # a jittered grid: the same solves
