@@ -33,14 +33,17 @@ process as always (a GPU shared by small models, or spare cores); the results ar
 import argparse
 import copy
 import dataclasses
+import heapq
+import itertools
 import json
 import math
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Optional
 
@@ -510,9 +513,55 @@ def check_attention(study: dict, args) -> None:
             )
 
 
-def _submit_grid(pool, study: dict, model: str, workdir: Path, args) -> list:
+class _Pool:
+    """Runs tasks on threads of their own (each waits on a subprocess), at most `jobs` at once; a waiting task
+    of lower `priority` starts first, ties in the order submitted: a model's test evaluations (0) go before
+    the trainings still queued for later models (1), so results come model by model."""
+
+    def __init__(self, jobs: int):
+        self._ready = threading.Condition()
+        self._free, self._waiting, self._order, self._closed = jobs, [], itertools.count(), False
+        self._threads: list[threading.Thread] = []
+
+    def submit(self, priority: int, fn, *args) -> Future:
+        future, ticket = Future(), (priority, next(self._order))
+        with self._ready:
+            heapq.heappush(self._waiting, ticket)
+        thread = threading.Thread(target=self._run, args=(ticket, future, fn, args), daemon=True)
+        self._threads.append(thread)
+        thread.start()
+        return future
+
+    def _run(self, ticket, future: Future, fn, args) -> None:
+        with self._ready:
+            self._ready.wait_for(lambda: self._closed or (self._free > 0 and self._waiting[0] == ticket))
+            if self._closed or not future.set_running_or_notify_cancel():
+                future.cancel()
+                return
+            heapq.heappop(self._waiting)
+            self._free -= 1
+            self._ready.notify_all()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 (a Ctrl-C in a run reaches the main thread through .result())
+            future.set_exception(e)
+        finally:
+            with self._ready:
+                self._free += 1
+                self._ready.notify_all()
+
+    def shutdown(self) -> None:
+        """Drop the tasks not started; wait for the running ones (a Ctrl-C has reached their processes too)."""
+        with self._ready:
+            self._closed = True
+            self._ready.notify_all()
+        for thread in self._threads:
+            thread.join()
+
+
+def _submit_grid(pool: _Pool, study: dict, model: str, workdir: Path, args) -> list:
     """`model`'s training runs (every learning rate x seed) queued on `pool`, in the grid's order."""
-    return [pool.submit(train, study, model, lr, seed, workdir, args) for lr in learning_rates(study, model)
+    return [pool.submit(1, train, study, model, lr, seed, workdir, args) for lr in learning_rates(study, model)
             for seed in study["seeds"]]  # fmt: skip
 
 
@@ -531,7 +580,7 @@ def main(argv: list[str]) -> int:
     if "corpus" not in study["base_config"]:
         halves.write(study["base_config"], workdir)
     runs, tests, flops, chosen = [], {}, {}, {}
-    pool = ThreadPoolExecutor(max_workers=args.jobs)  # each task waits on a subprocess: threads suffice
+    pool = _Pool(args.jobs)
     try:
         # with --jobs 1 a model's runs start only once the previous model is evaluated (as before --jobs)
         trains = {}
@@ -543,7 +592,9 @@ def main(argv: list[str]) -> int:
             runs += mine
             by_lr = {lr: [r["selection_loss"] for r in mine if r["learning_rate"] == lr] for lr in grid}
             best = min(by_lr, key=lambda lr: math.fsum(by_lr[lr]) / len(by_lr[lr]))
-            evals = {seed: pool.submit(test_loss, study, model, best, seed, workdir, args) for seed in study["seeds"]}
+            evals = {
+                seed: pool.submit(0, test_loss, study, model, best, seed, workdir, args) for seed in study["seeds"]
+            }
             tests[model] = {seed: f.result() for seed, f in evals.items()}
             chosen[model] = {"learning_rate": best}
             flops[model] = training_flops(
@@ -555,7 +606,7 @@ def main(argv: list[str]) -> int:
                         workdir / "checkpoints" / run_id(model, r["learning_rate"], r["seed"]), ignore_errors=True
                     )
     finally:  # an error or Ctrl-C: runs not yet started are dropped, running ones finish (or stop) first
-        pool.shutdown(wait=True, cancel_futures=True)
+        pool.shutdown()
     result = report(study, runs, tests, flops)
     result["attention"] = args.attention
     curves = depth_report(study, chosen, workdir) if "depth" in study else None

@@ -258,6 +258,24 @@ def test_jobs_run_trainings_at_once_and_report_what_one_job_reports(study, monke
         _main(study, monkeypatch, FakeRuns(), "--jobs", "0")
 
 
+def test_with_jobs_a_models_test_evaluations_go_before_later_models_trainings(study, monkeypatch):
+    """`--jobs 2`: gpt2's three test evaluations start as soon as its grid is trained, ahead of the ode
+    trainings still queued (in submission order they would wait for all twelve trainings)."""
+    import time
+
+    class Slow(FakeRuns):
+        def __call__(self, cmd, log_file, timeout, attention):
+            time.sleep(0.2)  # time for the main thread to choose gpt2's rate and queue its tests
+            super().__call__(cmd, log_file, timeout, attention)
+
+    fake = Slow()
+    assert _main(study, monkeypatch, fake, "--jobs", "2") == 0
+    evals = [i for i, c in enumerate(fake.calls) if c.startswith("eval gpt2")]
+    ode_trains = [i for i, c in enumerate(fake.calls) if c.startswith("train ode")]
+    assert len(evals) == 3 and len(ode_trains) == 6
+    assert max(evals) < ode_trains[-2], fake.calls  # at most one ode run slipped in before each test began
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
