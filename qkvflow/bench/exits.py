@@ -72,9 +72,7 @@ def _batches(config_path: str, split: str):
     from qkvflow.training.session import with_corpus
 
     config = with_corpus(draccus.parse(TrainConfig, config_path=config_path, args=["--corpus.eval_split", split]))
-    with cache_lock.building(config.data.cache_dir):
-        has_validation = bool(config.data.build_caches("validation"))
-    if not has_validation:
+    if not cache_lock.build(config.data, "validation"):
         raise UserError(f"{config_path}: no validation data for split {split}")
     evaluator = perplexity.make_evaluator(config, config.model.max_Pos, config.data.the_tokenizer)
     out = []

@@ -163,9 +163,7 @@ def evaluate(config: EvalConfig, config_path: Optional[str] = None) -> dict:
     }
     if finetuned:
         result["finetune"] = config.finetune
-    with cache_lock.building(config.data.cache_dir):  # another run building the same cache finishes first
-        has_validation = bool(config.data.build_caches("validation"))  # tokenized on this data's first evaluation
-    if not has_validation:
+    if not cache_lock.build(config.data, "validation"):  # tokenized on the first evaluation of this data
         raise UserError("data has no validation set: expected validation_urls (or a corpus) in the data config")
     # Outside the mesh, as training builds it (qkvflow.training.loop.make_evaluator): inside it, Levanter's
     # tagged dataset commits its tag arrays to the mesh's devices, and its loader's host-side batching

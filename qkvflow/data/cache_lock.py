@@ -3,9 +3,9 @@
 Levanter's `build_or_load_cache` coordinates the processes of one `jax.distributed` run, not separate
 runs: two `qkvflow train` processes that find the same cache missing (`qkvflow bench compare --jobs`,
 or two runs started together on one corpus) both write it, and one of them then fails reading a
-half-written zarr file ("Invalid JSON", seen with 9 runs on one GPU). `building(cache_dir)` holds a
-blocking `fcntl.flock` on `<cache_dir>/.qkvflow-build.lock` around the build, so that the second process
-waits until the first has written the cache and then loads it. The kernel releases the lock when its
+half-written zarr file ("Invalid JSON", seen with 9 runs on one GPU). Every verb builds through
+`build(data, split)`, which holds a blocking `fcntl.flock` on `<cache_dir>/.qkvflow-build.lock` around
+Levanter's build, so that the second process waits until the first has written the cache and then loads it. The kernel releases the lock when its
 holder ends in any way. With several processes of one run, a remote cache (gs://, s3://) or no top-level
 `cache_dir` (each component its own), no lock is taken: Levanter's own coordination applies there.
 """
@@ -37,3 +37,10 @@ def building(cache_dir: Optional[str]):
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+
+def build(data, split: str) -> dict:
+    """Levanter's `data.build_caches(split)` (tokenizing on the first call, loading after), under the lock of
+    the data config's cache folder."""
+    with building(data.cache_dir):
+        return data.build_caches(split)

@@ -244,11 +244,10 @@ def build_caches(data) -> dict:
     start = time.perf_counter()
     tokens: dict = {}
     faults.barrier("qkvflow_build_caches")
-    with cache_lock.building(data.cache_dir):  # another run building the same cache finishes first
-        for split in ("train", "validation"):
-            caches = data.build_caches(split)
-            if caches:
-                tokens[split] = sum(cache.flat_field_length("input_ids") for cache in caches.values())
+    for split in ("train", "validation"):
+        caches = cache_lock.build(data, split)  # another run building the same cache finishes first
+        if caches:
+            tokens[split] = sum(cache.flat_field_length("input_ids") for cache in caches.values())
     _say(f"token cache ready ({time.perf_counter() - start:.0f} s)")
     return tokens
 
