@@ -27,7 +27,8 @@ seeds or learning rates may be added to a study between invocations. The work fo
 `study.json`, written when the study starts: a folder without it (and not empty) or holding another
 study is refused, and only checkpoints of this study's runs are removed (after a model's test
 evaluation, unless --keep_checkpoints). `--jobs K` runs K trainings or evaluations at once, each its own
-process as always (a GPU shared by small models, or spare cores); the results are the same.
+process as always (a GPU shared by small models, or spare cores), a model's test evaluations ahead of the
+trainings still waiting (`_Pool`); the results are the same.
 """
 
 import argparse
@@ -85,8 +86,8 @@ def _parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=1,
         help="runs at once, each its own process (default 1); more suits a machine with cores or an "
-        "accelerator to spare for small models: every run is queued at the start, a model's test "
-        "evaluations once its grid is trained",
+        "accelerator to spare for small models: every training is queued at the start, and a model's test "
+        "evaluations, once its grid is trained, go ahead of the trainings still waiting",
     )
     return p
 
