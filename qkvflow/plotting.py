@@ -1,14 +1,14 @@
 """Figures of a run: the loss curve (train and eval loss against step)."""
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from qkvflow.training.tracking import read_metrics  # noqa: E402
+from qkvflow.training.tracking import read_metrics
 
 
 def plot_loss_curve(metrics_jsonl: str, out_png: str, title: str = "") -> str:
+    import matplotlib  # here, not at the top: pyplot costs ~0.7 s of every `qkvflow train` start
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     steps = read_metrics(metrics_jsonl)
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     for key, label, style in (("train/loss", "train", "-"), ("eval/loss", "eval", "o-")):
