@@ -92,7 +92,7 @@ def _grads(model, ids):
     def loss(m):
         return m.compute_next_token_loss(example).scalar()
 
-    return eqx.filter_grad(loss)(model)
+    return eqx.filter_jit(eqx.filter_grad(loss))(model)  # compiled once: op by op, a solve's grad is ~1.5x slower
 
 
 @pytest.mark.parametrize("other", ["direct", "backsolve"])
