@@ -138,10 +138,14 @@ def same_solve(a: OdeConfig, b: OdeConfig) -> bool:
 def with_ode(model, ode: OdeConfig):
     """`model` integrated with `ode` instead of its config's (same parameters). Evaluation reads the
     output at t = 1 alone, so a model trained with `exits: aligned` (`qkvflow.models.related.ode_exits`) is
-    evaluated as one without: any grid applies, adaptive ones included."""
+    evaluated as one without, and the depth-dial recipes (`qkvflow.models.depth_dial`), which change
+    training steps only, are dropped: any grid applies, adaptive ones included."""
     changes = {"ode": ode}
     if getattr(model.config, "exits", "none") != "none":
         changes["exits"] = "none"
+    dial = getattr(model.config, "dial", None)
+    if dial is not None and dial.active:
+        changes["dial"] = type(dial)()
     return dataclasses.replace(model, _config=dataclasses.replace(model.config, **changes))
 
 

@@ -206,3 +206,25 @@ def test_recipes_refuse_adaptive_solves_and_exits():
         tiny_config(ode=OdeConfig(solver="tsit5"), dial=DepthDialConfig(jitter=0.5))
     with pytest.raises(UserError, match="exits='aligned'"):
         tiny_config(exits="aligned", dial=DepthDialConfig(train_steps=(2, 4)))
+
+
+def test_a_dial_trained_model_is_evaluated_at_any_grid_as_without_its_recipe():
+    """The recipes change training steps only: `qkvflow eval --tolerances` (qkvflow.evaluation.depth.with_ode)
+    must evaluate a model trained with them at an adaptive grid too (issue 33's tsit5 curves), and give the
+    logits that the same parameters give without a recipe."""
+    from qkvflow.evaluation.depth import with_ode
+
+    ode = OdeConfig(num_steps=4, solver="euler")
+    config = tiny_config(ode=ode, initializer_range=0.1, time_scale=1.0)
+    dialled = dataclasses.replace(config, dial=DepthDialConfig(train_steps=(2, 4, 8), jitter=0.5))
+    plain, model = smooth_model(config), smooth_model(dialled)  # same key: the recipes add no parameters
+    ids = random_tokens(config)
+    logits = eqx.filter_jit(lambda m, x: m(x).array)
+    tsit5 = OdeConfig(num_steps=4, solver="tsit5", rtol=1e-3, atol=1e-3)
+    for grid in (tsit5, OdeConfig(num_steps=8, solver="heun")):
+        evaluated = with_ode(model, grid)
+        assert not evaluated.config.dial.active and evaluated.config.ode == grid
+        np.testing.assert_array_equal(
+            logits(evaluated, ids),
+            logits(dataclasses.replace(plain, _config=dataclasses.replace(config, ode=grid)), ids),
+        )
