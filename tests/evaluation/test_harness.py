@@ -10,6 +10,7 @@ for odd ones), so the harness's accuracy must be exactly 1/2.
 import json
 import sys
 
+import equinox as eqx
 import numpy as np
 import pytest
 
@@ -41,6 +42,11 @@ def run(tmp_path_factory, corpus_root):
     return config, model, config.data.the_tokenizer, path
 
 
+@eqx.filter_jit
+def _forward(model, ids):
+    return model(ids).array
+
+
 def reference_loglikelihood(model, tokenizer, context: str, continuation: str) -> float:
     """sum_j log p(ids[j] | ids[<j]) over the continuation's tokens, the request alone (Levanter's
     harness tokenizes context + continuation and the context without special tokens)."""
@@ -49,8 +55,11 @@ def reference_loglikelihood(model, tokenizer, context: str, continuation: str) -
 
     ids = tokenizer.encode_batch([context + continuation])[0]
     n_context = len(tokenizer.encode_batch([context])[0])
-    Pos = model.Pos.resize(len(ids))
-    logits = np.asarray(model(hax.named(np.asarray(ids, np.int32), Pos)).array, np.float64)
+    # padded to the context after its end, which a causal model cannot see from earlier positions: one
+    # compiled forward for every request (each length compiled its own solve)
+    padded = np.zeros(model.Pos.size, np.int32)
+    padded[: len(ids)] = ids
+    logits = np.asarray(_forward(model, hax.named(padded, model.Pos)), np.float64)[: len(ids)]
     logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
     return float(sum(logp[j - 1, ids[j]] for j in range(n_context, len(ids))))
 
