@@ -15,6 +15,7 @@ the arclength regulariser of the N-ODE Transformer (Baier-Reinio & De Sterck, 20
 from typing import Callable, NamedTuple, Optional
 
 import diffrax as dfx
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 
@@ -52,6 +53,18 @@ def build_adjoint(config: OdeConfig) -> dfx.AbstractAdjoint:
     return dfx.BacksolveAdjoint(solver=build_solver(config))
 
 
+class WithEnergy(eqx.Module):
+    """The field augmented with the kinetic energy's rate, (y, E) -> (f(t, y), |f(t, y)|^2 / tokens): a
+    module, so that a field that is one (its parameters inputs of the compiled solve) stays one."""
+
+    field: Callable
+    tokens: int = eqx.field(static=True)
+
+    def __call__(self, t, state, args):
+        dy = self.field(t, state[0], args)
+        return dy, jnp.sum(jnp.square(dy.astype(jnp.float32))) / self.tokens
+
+
 def integrate(
     field: Callable,
     y0: jax.Array,
@@ -81,13 +94,7 @@ def integrate(
     if tokens is None:
         term_fn, state0 = field, y0
     else:
-
-        def term_fn(t, state, args):
-            dy = field(t, state[0], args)
-            energy_rate = jnp.sum(jnp.square(dy.astype(jnp.float32))) / tokens
-            return dy, energy_rate
-
-        state0 = (y0, jnp.zeros((), jnp.float32))
+        term_fn, state0 = WithEnergy(field, tokens), (y0, jnp.zeros((), jnp.float32))
 
     if config.loop == "scan" and ts is None:
         final = scan_solve(term_fn, solver, state0, args, config.num_steps, times=grid)

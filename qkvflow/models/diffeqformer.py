@@ -239,6 +239,23 @@ class SharedOdeLlamaConfig(DiffEqFormerLlamaConfig):
 GENERATORS = {"hyper": HyperGenerator, "shared": SharedGenerator}
 
 
+class RawField(eqx.Module):
+    """`DiffEqFormerLMHeadModel.raw_field`: a module, not a closure, so that the field's parameters reach
+    diffrax's compiled solve as inputs (a closure's would be constants, and a new closure per call, as
+    when the model runs outside `jit`, compiled the solve again every call)."""
+
+    field: eqx.Module
+    config: "DiffEqFormerConfig" = eqx.field(static=True)
+    axes: tuple = eqx.field(static=True)
+    dtype: Optional[jnp.dtype] = eqx.field(static=True)
+
+    def __call__(self, t, y, args):
+        source, mask, pos = args
+        x = hax.named(y.astype(self.dtype or y.dtype), self.axes)
+        dx = self.field.vector_field(source(t), x, config=self.config, mask=mask, pos_ids=pos)
+        return dx.rearrange(self.axes).array.astype(y.dtype)
+
+
 class DiffEqFormerLMHeadModel(LmHeadModel[DiffEqFormerConfig]):
     """Levanter's `LmHeadModel` whose depth is an ODE solve (the module docstring's three lines).
 
@@ -321,7 +338,7 @@ class DiffEqFormerLMHeadModel(LmHeadModel[DiffEqFormerConfig]):
         ys, energy, stats = integrate(self.raw_field(axes, x0.dtype), x0.array, args, config.ode, tokens=tokens, ts=ts)
         return hax.named(ys.astype(x0.dtype), (Axis("exit", ys.shape[0]), *axes)), energy, stats
 
-    def raw_field(self, axes, dtype=None):
+    def raw_field(self, axes, dtype=None) -> "RawField":
         """The vector field on raw arrays laid out as `axes`, as diffrax calls it:
         `f(t, y, (weight_source, mask, pos_ids)) -> dy/dt`, computed in `dtype` (None: y's).
 
@@ -329,15 +346,7 @@ class DiffEqFormerLMHeadModel(LmHeadModel[DiffEqFormerConfig]):
         dtypes (`diffeqsolve` casts y0 to it), so under a bfloat16 compute policy y arrives in float32.
         The field casts it down on entry, so that its products run in the compute dtype, as a
         discrete transformer's layers do, while the solver accumulates the state in float32."""
-        config, field = self._config, self.field
-
-        def vector_field(t, y, args):
-            source, mask, pos = args
-            x = hax.named(y.astype(dtype or y.dtype), axes)
-            dx = field.vector_field(source(t), x, config=config, mask=mask, pos_ids=pos)
-            return dx.rearrange(axes).array.astype(y.dtype)
-
-        return vector_field
+        return RawField(self.field, self._config, tuple(axes), dtype)
 
     def activations(
         self,
