@@ -6,8 +6,9 @@ or two runs started together on one corpus) both write it, and one of them then 
 half-written zarr file ("Invalid JSON", seen with 9 runs on one GPU). Every verb builds through
 `build(data, split)`, which holds a blocking `fcntl.flock` on `<cache_dir>/.qkvflow-build.lock` around
 Levanter's build, so that the second process waits until the first has written the cache and then
-loads it. The kernel releases the lock when its holder ends in any way. With several processes of one run, a remote cache (gs://, s3://) or no top-level
-`cache_dir` (each component its own), no lock is taken: Levanter's own coordination applies there.
+loads it. The kernel releases the lock when its holder ends in any way. With several processes of one
+run, a remote cache (gs://, s3://) or no top-level `cache_dir` (each component its own), no lock is
+taken: Levanter's own coordination applies there.
 """
 
 from __future__ import annotations
