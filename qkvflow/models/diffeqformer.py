@@ -46,6 +46,7 @@ from qkvflow.models.flavour import GPT2, LLAMA, Flavour
 from qkvflow.models.generator import HyperGenerator, SharedGenerator
 from qkvflow.models.official import OfficialGenerator
 from qkvflow.models.registry import register
+from qkvflow.nn.random import normal
 
 EXITS = ("none", "aligned")
 
@@ -296,7 +297,7 @@ class DiffEqFormerLMHeadModel(LmHeadModel[DiffEqFormerConfig]):
         make = OfficialGenerator if config.variant == "official" else GENERATORS[config.generator]
         generator = make.init(specs, config, key=k_gen)
         final_norm = flavour.init_norm(Embed, config.layer_norm_epsilon)
-        lm_head = None if config.tied_embeddings else hax.random.normal(k_head, (Embed, Vocab)) * std
+        lm_head = None if config.tied_embeddings else normal(k_head, (Embed, Vocab)) * std
         return cls(config, Vocab, tokens, positions, generator, final_norm, lm_head)
 
     def embed(self, input_ids: NamedArray, pos_ids: Optional[NamedArray] = None) -> NamedArray:

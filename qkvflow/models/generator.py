@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import jax.random as jrandom
 from haliax import Axis, NamedArray
 
+from qkvflow.nn.random import normal
 from qkvflow.nn.time_dependent import TimeDependentWeight, TimeMLP
 from qkvflow.nn.time_embedding import SinusoidalTimeEmbedding
 
@@ -131,7 +132,7 @@ class SharedGenerator(eqx.Module):
         constants, time_bias = {}, {}
         for k, (name, spec) in zip(keys, specs.items()):
             if spec.kind == "matrix":
-                constants[name] = hax.random.normal(k, spec.axes) * matrix_std(spec, config)
+                constants[name] = normal(k, spec.axes) * matrix_std(spec, config)
                 time_bias[name] = hax.zeros(spec.out_axes)
             elif spec.kind == "norm":
                 constants[name] = hax.ones(spec.axes)

@@ -29,6 +29,7 @@ import haliax.nn as hnn
 import jax.random as jrandom
 from haliax import Axis, NamedArray
 
+from qkvflow.nn.random import normal
 from qkvflow.nn.time_dependent import TimeEmbed, TimeMLP
 from qkvflow.nn.time_embedding import SinusoidalTimeEmbedding
 
@@ -72,7 +73,7 @@ def _module(names, specs, TimeFeature, d: int, *, key) -> OfficialModule:
         return OfficialModule(names, "norm", mlp, hax.zeros((Embed, *spec.out_axes)), bias)
     out = spec.out_axes if len(names) == 1 else (Qkv, *spec.out_axes)
     weight = hnn.Linear.init(Embed, (*spec.in_axes, *out), key=k_proj, use_bias=True, out_first=False)
-    bias = hax.random.normal(k_proj, (Embed, *out)) * 1e-4 if has_bias else None  # the official key reuse
+    bias = normal(k_proj, (Embed, *out)) * 1e-4 if has_bias else None  # the official key reuse
     return OfficialModule(names, "matrix", mlp, weight, bias)
 
 

@@ -33,6 +33,7 @@ import jax.random as jrandom
 from haliax import Axis, NamedArray
 
 from qkvflow.nn.projection import project
+from qkvflow.nn.random import normal
 
 TimeHidden = "time_hidden"
 TimeEmbed = "time_embed"
@@ -83,7 +84,7 @@ class TimeDependentWeight(eqx.Module):
         if std == 0.0:
             proj = hax.zeros((Embed, *target))
         else:
-            proj = hax.random.normal(k_proj, (Embed, *target)) * (std * jnp.sqrt(time_embed_dim))
+            proj = normal(k_proj, (Embed, *target)) * (std * jnp.sqrt(time_embed_dim))
         return TimeDependentWeight(mlp, proj, offset, normalise)
 
     def embed(self, features: NamedArray, shared: Optional[NamedArray]) -> NamedArray:

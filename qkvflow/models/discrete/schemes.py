@@ -23,6 +23,8 @@ import haliax as hax
 import jax.numpy as jnp
 from haliax import Axis, NamedArray
 
+from qkvflow.nn.random import normal
+
 STAGES = {"euler": 1, "rk2": 2, "rk2_unit": 2, "rk2_scalar": 2, "rk2_gated": 2, "rk4": 4}
 BLOCK_SCHEMES = tuple(STAGES)
 Branch = Axis("branch", 2)  # [F1, F2] for the gate and the two learned scalars
@@ -36,7 +38,7 @@ class RkGate(eqx.Module):
 
     @staticmethod
     def init(Embed: Axis, std: float, *, key) -> "RkGate":
-        weight = hax.random.normal(key, (Branch, Embed)) * std
+        weight = normal(key, (Branch, Embed)) * std
         return RkGate(weight, hax.named(jnp.zeros(()), ()))
 
     def __call__(self, f1: NamedArray, f2: NamedArray) -> NamedArray:
