@@ -67,6 +67,7 @@ def parse(cls, argv: list[str], verb: str, *, required: str | None = None):
 
     from qkvflow.models.registry import only_named_types
 
+    memoise_field_docstrings()
     path, args = split_config_path(argv)
     if path is None and required:
         from qkvflow.errors import UserError
@@ -77,6 +78,24 @@ def parse(cls, argv: list[str], verb: str, *, required: str | None = None):
     args = overrides(verb, args)
     with only_named_types(model_types(path, args)):
         return draccus.parse(cls, config_path=path, args=args)
+
+
+def memoise_field_docstrings() -> None:
+    """Look each config field's comment up once per process, not once per parse.
+
+    draccus builds the help text of every field on every parse (help or not), finding a field's comment
+    by scanning its class's source, and its base classes' in turn: `draccus.wrappers.docstring.
+    get_attribute_docstring`, about 1,500 lookups and 0.2-0.6 s of each parse of TrainConfig on the
+    2-core VM, and the same again for every further parse in a process (`bench compare` reads each run's
+    config, a fine-tune its pretrained run's). A class's source does not change while the process runs,
+    so the answer is memoised; draccus's own source has the same cache commented out. The help text is
+    unchanged (tests/test_configfile.py), and that test fails when draccus moves the function."""
+    import functools
+
+    from draccus.wrappers import docstring
+
+    if not hasattr(docstring.get_attribute_docstring, "cache_info"):
+        docstring.get_attribute_docstring = functools.cache(docstring.get_attribute_docstring)
 
 
 def model_types(path: str | None, args: list[str]) -> set | None:

@@ -374,14 +374,13 @@ def depth_report(study: dict, tests: dict, workdir: Path) -> dict:
 def training_flops(config_path: Path, iters: int) -> Optional[float]:
     """3 x forward FLOPs of one run: per-token FLOPs x tokens, plus an ODE's hypernetwork per forward pass;
     with depth-dial recipes, the mean over the solves a batch runs (`depth_dial.training_solves`)."""
-    import draccus
-
+    from qkvflow.configfile import parse
     from qkvflow.data.corpora import corpus_vocab_size
     from qkvflow.models import accounting, registry
     from qkvflow.training import data_checks
     from qkvflow.training.config import TrainConfig
 
-    config = draccus.parse(TrainConfig, config_path=str(config_path), args=[])
+    config = parse(TrainConfig, ["--config_path", str(config_path)], "train")  # as `qkvflow train` reads it
     if config.corpus is not None:
         vocab = corpus_vocab_size(config.corpus.name, vocab_size=config.corpus.vocab_size)
     else:

@@ -44,8 +44,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _runs(workdir: Path) -> list[dict]:
     """Each finished run of the folder that kept its checkpoint: its id, config path, model config and seed."""
-    import draccus
-
+    from qkvflow.configfile import parse
     from qkvflow.training.config import TrainConfig
 
     runs = []
@@ -53,7 +52,7 @@ def _runs(workdir: Path) -> list[dict]:
         rid = path.stem
         if not (workdir / "checkpoints" / rid).is_dir() or not (workdir / "results" / f"{rid}.json").is_file():
             continue  # removed, or not finished training
-        config = draccus.parse(TrainConfig, config_path=str(path), args=[])
+        config = parse(TrainConfig, ["--config_path", str(path)], "train")
         runs.append({"run": rid, "config_path": str(path), "model": config.model, "seed": config.trainer.seed})
     if not runs:
         raise UserError(f"--workdir {workdir}: no run has both configs/<run>.yaml and checkpoints/<run>")
@@ -62,16 +61,16 @@ def _runs(workdir: Path) -> list[dict]:
 
 def _batches(config_path: str, split: str):
     """The held-out half `split` as a list of (tokens, loss_weight) NamedArrays, read once."""
-    import draccus
     import haliax as hax
     import jax.numpy as jnp
 
+    from qkvflow.configfile import parse
     from qkvflow.data import cache_lock
     from qkvflow.evaluation import perplexity
     from qkvflow.training.config import TrainConfig
     from qkvflow.training.session import with_corpus
 
-    config = with_corpus(draccus.parse(TrainConfig, config_path=config_path, args=["--corpus.eval_split", split]))
+    config = with_corpus(parse(TrainConfig, ["--config_path", config_path, "--corpus.eval_split", split], "train"))
     if not cache_lock.build(config.data, "validation"):
         raise UserError(f"{config_path}: no validation data for split {split}")
     evaluator = perplexity.make_evaluator(config, config.model.max_Pos, config.data.the_tokenizer)
@@ -84,12 +83,11 @@ def _batches(config_path: str, split: str):
 
 
 def _load(config_path: str, checkpoint: str):
-    import draccus
-
+    from qkvflow.configfile import parse
     from qkvflow.training.config import TrainConfig
     from qkvflow.training.run_model import load_model
 
-    model, _ = load_model(draccus.parse(TrainConfig, config_path=config_path, args=[]), checkpoint)
+    model, _ = load_model(parse(TrainConfig, ["--config_path", config_path], "train"), checkpoint)
     return model
 
 
