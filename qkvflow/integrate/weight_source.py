@@ -9,6 +9,9 @@ Adaptive solvers choose their times as they go and always generate on the spot.
 
 A generator with `time_grid = "right"` (`variant: official`, whose Euler loop uses W((k+1)/N) for
 step k) is read one step later: W(t + 1/N) at the solver's grid time t (`time_offset`).
+
+A `shift` (one per evaluation time, `qkvflow.models.depth_dial`'s `random_time`) moves where W is
+generated without moving the solver's steps: at grid time t_k the field gets W(t_k + shift_k).
 """
 
 from typing import Optional
@@ -69,26 +72,32 @@ class WeightSource(eqx.Module):
     times: Optional[jax.Array]
     table: Optional[dict]
     offset: float = eqx.field(static=True, default=0.0)
+    shift: Optional[jax.Array] = None
 
     @staticmethod
-    def build(generator, config: OdeConfig, grid: Optional[jax.Array] = None) -> "WeightSource":
-        """The source for `config`'s grid (or the step times `grid`, see `integrate`) and weight cache."""
+    def build(
+        generator, config: OdeConfig, grid: Optional[jax.Array] = None, shift: Optional[jax.Array] = None
+    ) -> "WeightSource":
+        """The source for `config`'s grid (or the step times `grid`, see `integrate`) and weight cache;
+        `shift`, shaped like the sorted evaluation times of `grid`, is added to each where W is generated."""
         times = evaluation_times(config)
         if times is None:
             return WeightSource(generator, None, None)
         times = jnp.asarray(times) if grid is None else grid_evaluation_times(config, grid)
+        if shift is not None and shift.shape != times.shape:
+            raise ValueError(f"shift has shape {shift.shape}; expected one per evaluation time, {times.shape}")
         offset = time_offset(generator, config)
         table = None
         if config.weight_cache == "precompute":
-            table = generate_batched(generator, times + offset)
-        return WeightSource(generator, times, table, offset)
+            table = generate_batched(generator, times + offset if shift is None else times + offset + shift)
+        return WeightSource(generator, times, table, offset, shift)
 
     def __call__(self, t):
         if self.times is None:
             return self.generator(t)
         k = jnp.argmin(jnp.abs(self.times - t))
         if self.table is None:
-            return self.generator(self.times[k] + self.offset)
+            return self.generator(self.times[k] + self.offset + (0.0 if self.shift is None else self.shift[k]))
         return jax.tree_util.tree_map(lambda w: w["ode_time", k], self.table, is_leaf=hax.is_named_array)
 
 

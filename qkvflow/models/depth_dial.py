@@ -10,6 +10,10 @@ Levanter's per-step key; evaluation, which passes none, solves on the config's o
 - `jitter`: the inner grid times t_k = (k + jitter (u_k - 1/2)) / n, u_k ~ U(0, 1), k = 1..n-1, with
   t_0 = 0 and t_n = 1: each time stays within half a step of k/n and the grid still spans [0, 1]
   (diffrax's `StepTo` solves on it).
+- `random_time` (Euler only): step k takes W at t_k + v_k (t_{k+1} - t_k), v_k ~ U(0, 1), instead of at
+  t_k: the random Euler scheme of Jentzen & Neuenkirch (2009, "A random Euler scheme for Caratheodory
+  differential equations"), first order like Euler. No time is then evaluated by every grid, t = 0
+  included, so the field cannot learn an impulse at one (docs/results.md, "Depth as a dial").
 - `steer`: STEER (Ghosh et al., 2020): the end time T ~ U(1 - steer, 1 + steer), the grid scaled to [0, T].
 - `consistency_weight`: + w * KL(p_fine || p_coarse), the mean over weighted positions of the KL between
   the next-token distributions of the drawn solve and of one on the same grid with each step cut into
@@ -44,6 +48,8 @@ class DepthDialConfig:
     """Step counts to draw one of per batch; () trains at ode.num_steps only."""
     jitter: float = 0.0
     """In [0, 1): inner grid times move by up to jitter/2 of a step; 0: the uniform grid."""
+    random_time: bool = False
+    """Euler only: each step generates W at a uniformly drawn time within it, not at its start."""
     steer: float = 0.0
     """In [0, 1): STEER's end time T ~ U(1 - steer, 1 + steer); 0: T = 1."""
     consistency_weight: float = 0.0
@@ -56,6 +62,7 @@ class DepthDialConfig:
         for n in self.train_steps:
             _check(isinstance(n, int) and n >= 1, "dial.train_steps", list(self.train_steps), "integers >= 1")
         _check(0 <= self.jitter < 1, "dial.jitter", self.jitter, "a float in [0, 1)")
+        _check(isinstance(self.random_time, bool), "dial.random_time", self.random_time, "true or false")
         _check(0 <= self.steer < 1, "dial.steer", self.steer, "a float in [0, 1)")
         _check(self.consistency_weight >= 0, "dial.consistency_weight", self.consistency_weight, "a float >= 0")
         _check(self.consistency_factor >= 2, "dial.consistency_factor", self.consistency_factor, "an integer >= 2")
@@ -65,7 +72,7 @@ class DepthDialConfig:
     def active(self) -> bool:
         """Whether any recipe is on (training then goes through `drawn_solves`)."""
         recipes = (self.jitter, self.steer, self.consistency_weight, self.jacobian_weight)
-        return bool(self.train_steps) or any(w > 0 for w in recipes)
+        return bool(self.train_steps) or self.random_time or any(w > 0 for w in recipes)
 
 
 def training_solves(config) -> list[tuple[int, float]]:
@@ -83,7 +90,7 @@ def training_solves(config) -> list[tuple[int, float]]:
 
 def sample_grid(n: int, dial: DepthDialConfig, key) -> Optional[jax.Array]:
     """The n + 1 times of one training solve (module docstring); None for the uniform grid on [0, 1]."""
-    if not (dial.jitter or dial.steer):
+    if not (dial.jitter or dial.steer or dial.random_time):
         return None
     k_jitter, k_end = jrandom.split(key)
     k = jnp.arange(1, n, dtype=jnp.float32)
@@ -92,6 +99,16 @@ def sample_grid(n: int, dial: DepthDialConfig, key) -> Optional[jax.Array]:
     grid = jnp.concatenate([jnp.zeros(1, jnp.float32), inner, jnp.ones(1, jnp.float32)])
     end = 1.0 + dial.steer * (2.0 * jrandom.uniform(k_end, (), jnp.float32) - 1.0)
     return grid * end
+
+
+def stage_shift(grid: Optional[jax.Array], dial: DepthDialConfig, key) -> Optional[jax.Array]:
+    """`random_time`'s shifts v_k (t_{k+1} - t_k), v_k ~ U(0, 1), one per Euler step of `grid` (None when
+    off), for `WeightSource.build(shift=)`. `key` is the one `sample_grid` got: a fold of it is used, so
+    turning this on leaves the other recipes' draws as they were."""
+    if not dial.random_time:
+        return None
+    steps = jnp.diff(grid)
+    return jrandom.uniform(jrandom.fold_in(key, 1), steps.shape, jnp.float32) * steps
 
 
 def refine(grid: Optional[jax.Array], factor: int) -> Optional[jax.Array]:
@@ -103,10 +120,11 @@ def refine(grid: Optional[jax.Array], factor: int) -> Optional[jax.Array]:
     return jnp.concatenate([inner, grid[-1:]])
 
 
-def solve(model, input_ids, mask, ode: OdeConfig, grid=None, probe=None, kinetic: bool = False):
+def solve(model, input_ids, mask, ode: OdeConfig, grid=None, probe=None, kinetic: bool = False, shift=None):
     """x(T) (raw array, in the embedding's dtype as `DiffEqFormer.flow` returns it), kinetic energy or None,
     Jacobian estimate or None, and `OdeStats` of one solve of `model` (a DiffEqFormer) on `grid` (None:
-    ode's uniform grid); `probe` (shaped like the state) adds the Hutchinson Frobenius term."""
+    ode's uniform grid); `probe` (shaped like the state) adds the Hutchinson Frobenius term; `shift` moves
+    where W is generated (`stage_shift`)."""
     import haliax as hax
     from levanter.layers.attention import AttentionMask
 
@@ -115,7 +133,7 @@ def solve(model, input_ids, mask, ode: OdeConfig, grid=None, probe=None, kinetic
     x0 = model.embed(input_ids, pos_ids)
     tokens = x0.size // model.config.hidden_dim
     field = model.raw_field(x0.axes, x0.dtype)
-    args = (WeightSource.build(model.generator, ode, grid=grid), mask, pos_ids)
+    args = (WeightSource.build(model.generator, ode, grid=grid, shift=shift), mask, pos_ids)
     if probe is None:
         y, energy, stats = integrate(field, x0.array, args, ode, tokens=tokens if kinetic else None, grid=grid)
         return y.astype(x0.dtype), energy, None, stats
@@ -146,11 +164,12 @@ def drawn_solves(model, input_ids, mask, key):
         def run(_):
             ode = replace(config.ode, num_steps=n)
             grid = sample_grid(n, dial, k_grid)
+            shift = stage_shift(grid, dial, k_grid)
             probe = None
             if dial.jacobian_weight > 0:
                 shape = (*(a.size for a in input_ids.axes), config.hidden_dim)
                 probe = jrandom.normal(k_probe, shape, jnp.float32)
-            x, energy, frobenius, stats = solve(model, input_ids, mask, ode, grid, probe, kinetic)
+            x, energy, frobenius, stats = solve(model, input_ids, mask, ode, grid, probe, kinetic, shift)
             fine = None
             if dial.consistency_weight > 0:
                 f = dial.consistency_factor

@@ -153,6 +153,12 @@ class DiffEqFormerConfig(LmConfig):
                 f"no recipe with exits={self.exits!r} or the adaptive solver {self.ode.solver!r}: the depth-dial "
                 "recipes train a fixed-step solver's loss at t = 1",
             )
+            _check(
+                not self.dial.random_time or self.ode.solver == "euler",
+                "dial.random_time",
+                True,
+                f"false with ode.solver={self.ode.solver!r}: the random Euler scheme is Euler's",
+            )
         _check(self.matrix_init in ("normal", "fan_in"), "matrix_init", self.matrix_init, "'normal' or 'fan_in'")
         _check(self.initializer_range > 0, "initializer_range", self.initializer_range, "a positive float")
         self._check_variant()

@@ -527,6 +527,9 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
             if "wide_jitter" in configs:  # steps_wide's counts, only the grid's inner times moved
                 wide, jittered = configs["steps_wide"][0].model, configs["wide_jitter"][0].model
                 assert jittered.dial == dataclasses.replace(wide.dial, jitter=0.9) and wide.dial.jitter == 0
+            if "wide_random" in configs:  # wide_jitter with the random Euler scheme, nothing else changed
+                jittered, drawn = configs["wide_jitter"][0].model, configs["wide_random"][0].model
+                assert drawn.dial == dataclasses.replace(jittered.dial, random_time=True)
             if name.startswith("depth_dial_confirm"):  # enough passes over the data for 2000 steps
                 assert study["iters"] == 2000 and all(
                     c.epochs >= (20 if "pydoc" in name else 10) for c, _ in configs.values()

@@ -37,7 +37,13 @@ COMMON = {
     "ode": OdeConfig(),
     "kinetic_weight": 0.0,
     "dial": DepthDialConfig(
-        train_steps=(), jitter=0.0, steer=0.0, consistency_weight=0.0, consistency_factor=2, jacobian_weight=0.0
+        train_steps=(),
+        jitter=0.0,
+        random_time=False,
+        steer=0.0,
+        consistency_weight=0.0,
+        consistency_factor=2,
+        jacobian_weight=0.0,
     ),
     "exits": "none",
     "initializer_range": 0.02,

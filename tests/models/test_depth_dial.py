@@ -17,7 +17,7 @@ from levanter.models.lm_model import LmExample
 
 from qkvflow.errors import UserError
 from qkvflow.integrate.config import OdeConfig
-from qkvflow.models.depth_dial import DepthDialConfig, drawn_solves, refine, sample_grid, solve
+from qkvflow.models.depth_dial import DepthDialConfig, drawn_solves, refine, sample_grid, solve, stage_shift
 from qkvflow.training.dial_loss import consistency_kl
 from qkvflow.training.loss import lm_loss
 from tests.helpers import Batch, random_tokens, smooth_model, tiny_config
@@ -90,6 +90,59 @@ def test_solve_on_a_drawn_grid_is_the_method_on_that_grid(solver, cache):
         y = y + h * k1 if solver == "euler" else y + h / 2 * (k1 + f(t + h, y + h * k1))
     scale = float(jnp.max(jnp.abs(y)))
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=64 * EPS * scale)
+
+
+def test_random_time_shifts_stay_inside_their_steps_and_leave_the_grid_alone():
+    """v_k h_k with v_k in [0, 1): each generation time t_k + shift_k lies in [t_k, t_{k+1}), both halves of
+    every step are reached over keys, the same key gives the same shifts, and the grid is the one drawn
+    without the recipe (a fold of the key, so `jitter`'s draws do not move)."""
+    n = 4
+    dial = DepthDialConfig(jitter=0.5, random_time=True)
+    grids, fractions = [], []
+    for s in range(200):
+        key = jrandom.PRNGKey(s)
+        grid = sample_grid(n, dial, key)
+        np.testing.assert_array_equal(np.asarray(grid), np.asarray(sample_grid(n, DepthDialConfig(jitter=0.5), key)))
+        fractions.append(np.asarray(stage_shift(grid, dial, key)) / np.diff(np.asarray(grid)))
+        grids.append(np.asarray(grid))
+    fractions = np.stack(fractions)
+    assert fractions.shape == (200, n) and np.all((fractions >= 0) & (fractions < 1 + 8 * EPS))
+    assert np.all(fractions.min(axis=0) < 0.2) and np.all(fractions.max(axis=0) > 0.8)
+    key = jrandom.PRNGKey(5)
+    grid = sample_grid(n, dial, key)
+    np.testing.assert_array_equal(np.asarray(stage_shift(grid, dial, key)), np.asarray(stage_shift(grid, dial, key)))
+    uniform = sample_grid(n, DepthDialConfig(random_time=True), key)  # random_time alone: the uniform grid
+    np.testing.assert_allclose(np.asarray(uniform), np.linspace(0, 1, n + 1), rtol=0, atol=4 * EPS)
+    assert stage_shift(grid, DepthDialConfig(jitter=0.5), key) is None
+
+
+@pytest.mark.parametrize("cache", ["precompute", "on_the_fly"])
+def test_random_time_euler_generates_w_at_the_shifted_times(cache):
+    """The random Euler scheme, x_{k+1} = x_k + h_k F(W(t_k + s_k), x_k), with W from the generator itself at
+    the shifted times, for both weight caches; the drawn training solve is that scheme on its own draws."""
+    ode = OdeConfig(num_steps=3, weight_cache=cache)
+    dial = DepthDialConfig(jitter=0.6, random_time=True)
+    model = _model(ode=ode, dial=dial)
+    tokens = random_tokens(model.config, batch=Batch)
+    key = jrandom.PRNGKey(2)
+    grid = sample_grid(3, dial, key)
+    shift = stage_shift(grid, dial, key)
+    x, _, _, _ = eqx.filter_jit(solve)(model, tokens, None, ode, grid, shift=shift)
+    x0 = model.embed(tokens, hax.arange(model.Pos, dtype=jnp.int32))
+    f = jax.jit(functools.partial(_field_at, model, x0.axes))
+    y, g, sh = x0.array, np.asarray(grid), np.asarray(shift)
+    for t, h, s in zip(g[:-1], np.diff(g), sh):
+        y = y + h * f(t + s, y)
+    scale = float(jnp.max(jnp.abs(y)))
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=64 * EPS * scale)
+    # the training solve: one count (3), the grid and shifts drawn from the grid's key
+    _, k_grid, _ = jrandom.split(key, 3)
+    drawn, *_ = jax.jit(lambda k: drawn_solves(model, tokens, None, k))(key)
+    grid, shift = sample_grid(3, dial, k_grid), stage_shift(sample_grid(3, dial, k_grid), dial, k_grid)
+    y = x0.array
+    for t, h, s in zip(np.asarray(grid)[:-1], np.diff(np.asarray(grid)), np.asarray(shift)):
+        y = y + h * f(t + s, y)
+    np.testing.assert_allclose(np.asarray(drawn), np.asarray(y), rtol=0, atol=64 * EPS * scale)
 
 
 def _field_at(model, axes, t, y):
@@ -202,6 +255,8 @@ def test_bad_recipes_are_refused_in_one_line(kwargs, message):
 
 
 def test_recipes_refuse_adaptive_solves_and_exits():
+    with pytest.raises(UserError, match="dial.random_time=True is invalid: expected false with ode.solver='heun'"):
+        tiny_config(ode=OdeConfig(solver="heun"), dial=DepthDialConfig(random_time=True))
     with pytest.raises(UserError, match="adaptive solver 'tsit5'"):
         tiny_config(ode=OdeConfig(solver="tsit5"), dial=DepthDialConfig(jitter=0.5))
     with pytest.raises(UserError, match="exits='aligned'"):
