@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers import with_host_devices
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY_TRAIN = str(ROOT / "tests" / "configs" / "tiny_train.yaml")
 TINY_FINETUNE = str(ROOT / "tests" / "configs" / "tiny_finetune.yaml")
@@ -61,9 +63,7 @@ def url_data(data: Path, tokenizer: Path, cache: Path) -> list[str]:
 
 
 def run_cli(verb: str, workdir: Path, *args: str, timeout=900):
-    env = dict(
-        os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", XLA_FLAGS="--xla_force_host_platform_device_count=1"
-    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", XLA_FLAGS=with_host_devices(1))
     return subprocess.run(
         [sys.executable, "-m", "qkvflow", verb, *args],
         cwd=workdir,

@@ -14,6 +14,12 @@ Vocab = Axis("vocab", 61)
 Batch = Axis("batch", 2)
 
 
+def with_host_devices(devices: int) -> str:
+    """XLA_FLAGS for a subprocess that sees `devices` CPU devices, keeping the session's own flags
+    (tests/conftest.py)."""
+    return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+
+
 def tiny_config(flavour="gpt2", *, ode=None, **overrides):
     kwargs = dict(max_seq_len=12, hidden_dim=32, num_heads=4, time_embed_dim=8, num_frequencies=16)
     kwargs.update(overrides)

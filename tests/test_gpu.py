@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import Vocab
+from tests.helpers import Vocab, with_host_devices
 from tests.train_utils import losses, train_args
 
 FORCE_ON_CPU = os.environ.get("QKVFLOW_GPU_TESTS_ON_CPU") == "1"
@@ -48,7 +48,7 @@ def _device_env(platform: str, devices: int) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_DEFAULT_MATMUL_PRECISION=PRECISION)
     if platform == "cpu":
         env["JAX_PLATFORMS"] = "cpu"
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        env["XLA_FLAGS"] = with_host_devices(devices)
     elif platform == "gpu":
         env.pop("JAX_PLATFORMS", None)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(devices))

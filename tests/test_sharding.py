@@ -25,6 +25,7 @@ from qkvflow.training.sharding import (
     per_device_bytes,
     state_shapes,
 )
+from tests.helpers import with_host_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 MEDIUM = str(ROOT / "configs" / "models" / "medium_d144.yaml")
@@ -149,7 +150,7 @@ print("RESULT", json.dumps(out))
 
 
 def test_prediction_matches_levanters_sharded_initialisation():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=with_host_devices(8))
     proc = subprocess.run(
         [sys.executable, "-c", _REAL_MESH], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
     )

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from qkvflow.training.tracking import metrics_file, read_metrics
+from tests.helpers import with_host_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "tests" / "configs" / "tiny_train.yaml")
@@ -37,7 +38,7 @@ def train_args(workdir: Path, corpus_root: Path, *overrides: str, run_id: str = 
 
 def train_env(devices: int = 1, **extra: str) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **extra)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = with_host_devices(devices)
     return env
 
 

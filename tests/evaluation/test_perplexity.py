@@ -14,6 +14,7 @@ import pytest
 from qkvflow.cli import main as cli_main
 from qkvflow.errors import UserError
 from tests.finetune_utils import TINY_TRAIN, shared_setup
+from tests.helpers import with_host_devices
 
 EPS32 = float(np.finfo(np.float32).eps)
 
@@ -86,7 +87,7 @@ def test_on_two_devices_eval_equals_the_runs_own_eval_loss(shared, tmp_path):
     from qkvflow.training.tracking import metrics_file, read_metrics
 
     corpora, pretrained = shared
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=with_host_devices(2))
     out = tmp_path / "depth"
     proc = subprocess.run(
         [sys.executable, "-m", "qkvflow", "eval", "--config_path", TINY_TRAIN, "--corpus.root", str(corpora),
