@@ -530,9 +530,10 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
             if "wide_random" in configs:  # wide_jitter with the random Euler scheme, nothing else changed
                 jittered, drawn = configs["wide_jitter"][0].model, configs["wide_random"][0].model
                 assert drawn.dial == dataclasses.replace(jittered.dial, random_time=True)
-            if "wide_slow" in configs:  # wide_jitter with slow_time's features (depth_dial_screen.yaml)
-                jittered, slow = configs["wide_jitter"][0].model, configs["wide_slow"][0].model
+            if "wide_slow" in configs:  # steps_wide's counts, jitter 0.9 and slow_time's features
+                wide, slow = configs["steps_wide"][0].model, configs["wide_slow"][0].model
                 features = {"time_scale": 4.0, "num_frequencies": 16, "time_max_period": 100.0}
+                jittered = dataclasses.replace(wide, dial=dataclasses.replace(wide.dial, jitter=0.9))
                 assert slow == dataclasses.replace(jittered, **features)
             if name.startswith("depth_dial_confirm"):  # enough passes over the data for 2000 steps
                 assert study["iters"] == 2000 and all(
