@@ -98,13 +98,12 @@ def test_random_time_shifts_stay_inside_their_steps_and_leave_the_grid_alone():
     without the recipe (a fold of the key, so `jitter`'s draws do not move)."""
     n = 4
     dial = DepthDialConfig(jitter=0.5, random_time=True)
-    grids, fractions = [], []
+    fractions = []
     for s in range(200):
         key = jrandom.PRNGKey(s)
         grid = sample_grid(n, dial, key)
         np.testing.assert_array_equal(np.asarray(grid), np.asarray(sample_grid(n, DepthDialConfig(jitter=0.5), key)))
         fractions.append(np.asarray(stage_shift(grid, dial, key)) / np.diff(np.asarray(grid)))
-        grids.append(np.asarray(grid))
     fractions = np.stack(fractions)
     assert fractions.shape == (200, n) and np.all((fractions >= 0) & (fractions < 1 + 8 * EPS))
     assert np.all(fractions.min(axis=0) < 0.2) and np.all(fractions.max(axis=0) > 0.8)
@@ -138,7 +137,8 @@ def test_random_time_euler_generates_w_at_the_shifted_times(cache):
     # the training solve: one count (3), the grid and shifts drawn from the grid's key
     _, k_grid, _ = jrandom.split(key, 3)
     drawn, *_ = jax.jit(lambda k: drawn_solves(model, tokens, None, k))(key)
-    grid, shift = sample_grid(3, dial, k_grid), stage_shift(sample_grid(3, dial, k_grid), dial, k_grid)
+    grid = sample_grid(3, dial, k_grid)
+    shift = stage_shift(grid, dial, k_grid)
     y = x0.array
     for t, h, s in zip(np.asarray(grid)[:-1], np.diff(np.asarray(grid)), np.asarray(shift)):
         y = y + h * f(t + s, y)
