@@ -8,10 +8,12 @@
 # back when idle.
 set -u
 study=${1:?usage: device_compare.sh compare/STUDY.yaml}
+[ -f "benchmarks/$study" ] || { echo "device_compare.sh: benchmarks/$study is not a file; expected a study such as compare/depth_dial_impulse.yaml" >&2; exit 2; }
+: "${OUT:?device_compare.sh: OUT is not set; expected the folder whose files come back from the device}"
 budget=${BUDGET:-520}
 jobs=${JOBS:-12}
 t0=$(date +%s)
-r="$OUT/r"
+r=/tmp/study_logs  # copied to $OUT by pack: logs kept under $OUT too would count twice against its 8 files
 mkdir -p "$r" /tmp/jaxcache
 for v in $(compgen -e | grep -E '^(SLURM_|OMPI_|PMI_|PMIX_|KUBERNETES_|MEGASCALE_|CLOUD_TPU|TPU_)'); do unset "$v"; done
 QKVFLOW_SHARED_DIR="$(pwd)/cache/shared"

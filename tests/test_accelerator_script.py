@@ -30,6 +30,24 @@ def test_shellcheck(name):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        ([], {}, "usage: device_compare.sh compare/STUDY.yaml"),
+        (["compare/missing.yaml"], {}, "benchmarks/compare/missing.yaml is not a file"),
+        (["compare/depth_dial_impulse.yaml"], {"OUT": None}, "OUT is not set"),
+    ],
+)
+def test_device_compare_refuses_before_it_starts_anything(tmp_path, args, env, message):
+    """benchmarks/device_compare.sh (the device runs of benchmarks/README.md) names what is wrong in one
+    line and exits non-zero before it writes a log or starts a study."""
+    environ = {k: v for k, v in {**os.environ, "OUT": str(tmp_path / "out"), **env}.items() if v is not None}
+    proc = subprocess.run(["bash", "benchmarks/device_compare.sh", *args], cwd=ROOT, env=environ,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode != 0 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_help_names_every_step_and_option():
     proc = script("--help")
     assert proc.returncode == 0, proc.stderr
