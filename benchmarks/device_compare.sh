@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs one `qkvflow bench compare` study on the device machine under a deadline (benchmarks/README.md):
-#   bash .device/on-device.sh bash benchmarks/device_compare.sh compare/STUDY.yaml
+#   bash .device/on-device.sh bash benchmarks/device_compare.sh compare/STUDY.yaml [bench compare options]
 # with `.device` and `cache` carried (the prepared corpora, and Tiny Shakespeare's source copied to
 # cache/shared/data/tinyshakespeare/ so nothing is rebuilt there). Every run is its own process on the one
 # GPU (`--jobs $JOBS`); at $BUDGET seconds the study gets SIGTERM. What has landed is packed under $OUT
@@ -28,7 +28,8 @@ pack() {
   tar czf "$OUT/study.tgz" --exclude=checkpoints -C /tmp study 2>/dev/null
   cp "$r"/*.txt "$OUT/" 2>/dev/null
 }
-setsid python3 -m qkvflow bench compare "benchmarks/$study" --workdir /tmp/study --jobs "$jobs" > "$r/study.txt" 2>&1 &
+shift
+setsid python3 -m qkvflow bench compare "benchmarks/$study" --workdir /tmp/study --jobs "$jobs" "$@" > "$r/study.txt" 2>&1 &
 pid=$!
 while kill -0 "$pid" 2>/dev/null; do
   if [ $(( $(date +%s) - t0 )) -gt "$budget" ]; then
