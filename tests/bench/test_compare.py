@@ -491,7 +491,7 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
 
     studies = ("tinyshakespeare", "pydoc", "beta2", "rk_blocks", "transevolve", "exits", "finetune_pretrain")
     dial = ("depth_dial", "depth_dial_pydoc", "depth_dial_screen", "depth_dial_screen_pydoc", "depth_dial_confirm",
-            "depth_dial_confirm_pydoc", "depth_dial_impulse", "depth_dial_rest")  # fmt: skip
+            "depth_dial_confirm_pydoc", "depth_dial_impulse", "depth_dial_rest", "depth_dial_rest_pydoc")  # fmt: skip
     for name in (*studies, *dial):
         configs, study = _study_configs(name, tmp_path), _study(name, tmp_path)
         reference = next(iter(configs.values()))[0]
@@ -535,7 +535,7 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
                 features = {"time_scale": 4.0, "num_frequencies": 16, "time_max_period": 100.0}
                 jittered = dataclasses.replace(wide, dial=dataclasses.replace(wide.dial, jitter=0.9))
                 assert slow == dataclasses.replace(jittered, **features)
-            if name == "depth_dial_rest":  # each recipe alone on today's model: one change each
+            if name.startswith("depth_dial_rest"):  # each recipe alone on today's model: one change each
                 base = configs["ode"][0].model
                 alone = {"jitter": {"jitter": 0.5}, "consistency": {"consistency_weight": 1.0}, "steer": {"steer": 0.25},
                          "jacobian": {"jacobian_weight": 0.01}}  # fmt: skip
@@ -543,8 +543,9 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
                     assert configs[model][0].model == dataclasses.replace(
                         base, dial=dataclasses.replace(base.dial, **change)
                     ), model
-                slow = configs["slow_consistency"][0].model
-                assert (slow.time_scale, slow.dial) == (4.0, configs["consistency"][0].model.dial)
+                slow, features = configs["slow_consistency"][0].model, {"time_scale": 4.0, "num_frequencies": 16}
+                consistency = dataclasses.replace(configs["consistency"][0].model, time_max_period=100.0, **features)
+                assert slow == consistency  # slow_time's features, nothing else changed
             if name.startswith("depth_dial_confirm"):  # enough passes over the data for 2000 steps
                 assert study["iters"] == 2000 and all(
                     c.epochs >= (20 if "pydoc" in name else 10) for c, _ in configs.values()
