@@ -4,16 +4,17 @@
 # with `.device` and `cache` carried (the prepared corpora, and Tiny Shakespeare's source copied to
 # cache/shared/data/tinyshakespeare/ so nothing is rebuilt there). Every run is its own process on the one
 # GPU (`--jobs $JOBS`); at $BUDGET seconds the study gets SIGTERM. What has landed is packed under $OUT
-# every 20 s (the workdir without checkpoints, GPU use and host load), since the machine and its disk go
-# back when idle.
+# every $PACK_EVERY seconds (default 20: the workdir without checkpoints, GPU use and host load), since the
+# machine and its disk go back when idle. Its own logs go to $STUDY_LOGS (default /tmp/study_logs).
 set -u
 study=${1:?usage: device_compare.sh compare/STUDY.yaml}
 [ -f "benchmarks/$study" ] || { echo "device_compare.sh: benchmarks/$study is not a file; expected a study such as compare/depth_dial_impulse.yaml" >&2; exit 2; }
 : "${OUT:?device_compare.sh: OUT is not set; expected the folder whose files come back from the device}"
 budget=${BUDGET:-520}
 jobs=${JOBS:-12}
+every=${PACK_EVERY:-20}  # seconds between two packs of what has landed
 t0=$(date +%s)
-r=/tmp/study_logs  # copied to $OUT by pack: logs kept under $OUT too would count twice against its 8 files
+r=${STUDY_LOGS:-/tmp/study_logs}  # copied to $OUT by pack: logs kept under $OUT too would count twice against its 8 files
 mkdir -p "$r" /tmp/jaxcache
 for v in $(compgen -e | grep -E '^(SLURM_|OMPI_|PMI_|PMIX_|KUBERNETES_|MEGASCALE_|CLOUD_TPU|TPU_)'); do unset "$v"; done
 QKVFLOW_SHARED_DIR="$(pwd)/cache/shared"
@@ -38,7 +39,7 @@ while kill -0 "$pid" 2>/dev/null; do
     sleep 10
     break
   fi
-  sleep 20
+  sleep "$every"
   {
     date -u +%T
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader

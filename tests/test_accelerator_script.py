@@ -48,6 +48,26 @@ def test_device_compare_refuses_before_it_starts_anything(tmp_path, args, env, m
     assert not (tmp_path / "out").exists()
 
 
+def test_device_compare_passes_its_extra_options_to_bench_compare(tmp_path):
+    """Options after the study file reach `qkvflow bench compare` unchanged (the device calls of
+    benchmarks/README.md name `--models` there); a stand-in `python3` on PATH records its arguments."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python3").write_text('#!/bin/sh\nprintf "%s|" "$@" >> "$RECORD"; echo >> "$RECORD"\n')
+    (fake / "python3").chmod(0o755)
+    (tmp_path / "out").mkdir()
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+           "RECORD": str(tmp_path / "calls"), "STUDY_LOGS": str(tmp_path / "logs"), "PACK_EVERY": "0.2"}  # fmt: skip
+    proc = subprocess.run(["bash", "benchmarks/device_compare.sh", "compare/depth_dial_rest.yaml", "--models", "ode,jitter"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    study = [c for c in calls if c.startswith("-m|qkvflow|bench|compare|")]
+    assert study == ["-m|qkvflow|bench|compare|benchmarks/compare/depth_dial_rest.yaml|--workdir|/tmp/study|--jobs|12|"
+                     "--models|ode,jitter|"], calls  # fmt: skip
+    assert (tmp_path / "out" / "status.txt").is_file()  # the logs come back under $OUT, kept outside it
+
+
 def test_help_names_every_step_and_option():
     proc = script("--help")
     assert proc.returncode == 0, proc.stderr
