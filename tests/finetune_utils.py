@@ -2,10 +2,9 @@
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
+from tests import warm
 from tests.helpers import with_host_devices
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,15 +62,9 @@ def url_data(data: Path, tokenizer: Path, cache: Path) -> list[str]:
 
 
 def run_cli(verb: str, workdir: Path, *args: str, timeout=900):
+    """`python -m qkvflow VERB ARGS` in `workdir` (a new process, tests/warm.py)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", XLA_FLAGS=with_host_devices(1))
-    return subprocess.run(
-        [sys.executable, "-m", "qkvflow", verb, *args],
-        cwd=workdir,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return warm.run([verb, *args], env, cwd=workdir, timeout=timeout)
 
 
 def shared_setup(tmp_path_factory) -> tuple[Path, Path]:

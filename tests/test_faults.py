@@ -11,7 +11,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import jax
 import pytest
 
 from qkvflow.training.faults import incomplete_checkpoints
+from tests import warm
 from tests.train_utils import cli_in_one_process, losses, reference_run, train_args, train_env
 
 INTERVAL = 2  # trainer.checkpointer.keep: [{every: 2}]
@@ -59,8 +59,7 @@ class Run:
             *overrides,
             run_id=run_id,
         )
-        with open(self.stdout_path, "w") as out, open(self.stderr_path, "w") as err:
-            self.proc = subprocess.Popen(args, cwd=workdir, env=environ, stdout=out, stderr=err)
+        self.proc = warm.popen(args[3:], environ, workdir, self.stdout_path, self.stderr_path)
 
     @property
     def stdout(self) -> str:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from qkvflow.training.tracking import metrics_file, read_metrics
+from tests import warm
 from tests.helpers import with_host_devices
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,41 +44,45 @@ def train_env(devices: int = 1, **extra: str) -> dict:
 
 
 def train(workdir: Path, corpus_root: Path, *overrides: str, run_id: str = "tiny", devices: int = 1, timeout=600):
-    args = train_args(workdir, corpus_root, *overrides, run_id=run_id)
-    env = train_env(devices)
-    return subprocess.run(args, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
+    argv = train_args(workdir, corpus_root, *overrides, run_id=run_id)[3:]
+    return warm.run(argv, train_env(devices), cwd=workdir, timeout=timeout)
 
 
-# Runs each case through `qkvflow.cli.main` (what `python -m qkvflow` calls) in one process and prints
-# {case: [exit code, stdout, stderr]}: a process of its own per case costs each case ~15 s of imports and
-# start-up. stdout and stderr are real files (Levanter's logging set-up enables faulthandler on stderr).
-_DRIVER = """
-import contextlib, json, sys, tempfile, traceback
-from qkvflow.cli import main
-results, files = {}, []
-for case, argv in json.loads(sys.argv[1]).items():
-    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-    files += [out, err]  # kept open: a handler set up in one case may still hold them
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-        try:
-            code = main(argv)
-        except SystemExit as e:
-            code = e.code
-        except Exception:  # the case's test fails on it, the others still run
-            code = None
-            traceback.print_exc(file=err)
-    out.seek(0)
-    err.seek(0)
-    results[case] = [code, out.read(), err.read()]
-sys.__stdout__.write(json.dumps(results) + "\\n")
-"""
+def run_cases(argv: list[str]) -> int:
+    """Runs each case of the JSON `argv[0]` through `qkvflow.cli.main` (what `python -m qkvflow` calls)
+    and prints {case: [exit code, stdout, stderr]}: a process of its own per case costs each case
+    seconds of start-up. stdout and stderr are real files (Levanter's logging set-up enables faulthandler
+    on stderr)."""
+    import contextlib
+    import tempfile
+    import traceback
+
+    from qkvflow.cli import main
+
+    results, files = {}, []
+    for case, case_argv in json.loads(argv[0]).items():
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        files += [out, err]  # kept open: a handler set up in one case may still hold them
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            try:
+                code = main(case_argv)
+            except SystemExit as e:
+                code = e.code
+            except Exception:  # the case's test fails on it, the others still run
+                code = None
+                traceback.print_exc(file=err)
+        out.seek(0)
+        err.seek(0)
+        results[case] = [code, out.read(), err.read()]
+    sys.__stdout__.write(json.dumps(results) + "\n")
+    sys.__stdout__.flush()
+    return 0
 
 
 def cli_in_one_process(cases: dict, env: dict, cwd, timeout: float = 900) -> dict:
-    """Run several `qkvflow` command lines (argv after `python -m qkvflow`) one after another in one fresh
-    process with `env`: {case: (exit code or None after an exception, stdout, stderr)}."""
-    proc = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(cases)], env=env, cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    """Run several `qkvflow` command lines (argv after `python -m qkvflow`) one after another in one new
+    process (tests/warm.py) with `env`: {case: (exit code or None after an exception, stdout, stderr)}."""
+    proc = warm.run([json.dumps(cases)], env, cwd=cwd, timeout=timeout, entry="tests.train_utils:run_cases")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {case: tuple(result) for case, result in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
 

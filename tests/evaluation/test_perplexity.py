@@ -81,18 +81,17 @@ def test_on_two_devices_eval_equals_the_runs_own_eval_loss(shared, tmp_path):
     evaluation examples, and the loss equals the run's to round-off of a mean over 8 x 32 targets whose
     two per-device partial sums are added in another order (log2(256) = 8 eps per reassociation; 32 eps)."""
     import os
-    import subprocess
-    import sys
 
     from qkvflow.training.tracking import metrics_file, read_metrics
+    from tests import warm
 
     corpora, pretrained = shared
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=with_host_devices(2))
     out = tmp_path / "depth"
-    proc = subprocess.run(
-        [sys.executable, "-m", "qkvflow", "eval", "--config_path", TINY_TRAIN, "--corpus.root", str(corpora),
-         "--checkpoint", str(pretrained), "--trainer.per_device_eval_parallelism", "4", "--output", str(out)],
-        env=env, capture_output=True, text=True, timeout=600,
+    proc = warm.run(
+        ["eval", "--config_path", TINY_TRAIN, "--corpus.root", str(corpora), "--checkpoint", str(pretrained),
+         "--trainer.per_device_eval_parallelism", "4", "--output", str(out)],
+        env, cwd=tmp_path, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = read_metrics(metrics_file(str(pretrained.parent.parent / "runs"), "tiny"))
