@@ -11,6 +11,7 @@ subprocesses where that is what a test checks (`tests/test_cli.py`, the launcher
 own runs). A command line whose environment differs from the server's in a variable that is read at
 import time (anything outside `AFTER_FORK`, e.g. EQX_ON_ERROR) runs as an ordinary subprocess.
 The server starts before any XLA backend exists in it, so the fork is safe for JAX.
+`QKVFLOW_TESTS_WARM=0 pytest ...` starts every command line in a new interpreter instead.
 """
 
 import atexit
@@ -62,6 +63,8 @@ def _context():
 
 
 def _forkable(env: dict) -> bool:
+    if os.environ.get("QKVFLOW_TESTS_WARM") == "0":  # every command line in a new interpreter, as before
+        return False
     _context()
     started = _server["environ"]
     changed = {k for k in set(env) | set(started) if env.get(k) != started.get(k)} - AFTER_FORK
