@@ -26,7 +26,8 @@ def report(argv: list[str]) -> int:
         checked = float(eqx.error_if(jnp.array(1.0), jnp.array(True), "checked"))
     except Exception:
         checked = "raised"
-    seen = {"pid": os.getpid(), "cwd": os.getcwd(), "devices": jax.device_count(), "checked": str(checked),
+    hf_level = sys.modules["transformers"].logging.get_verbosity() if "transformers" in sys.modules else None
+    seen = {"hf_level": hf_level, "pid": os.getpid(), "cwd": os.getcwd(), "devices": jax.device_count(), "checked": str(checked),
             "marker": os.environ.get("QKVFLOW_TEST_INJECT_NONFINITE"), "ppid": os.getppid()}  # fmt: skip
     print(json.dumps(seen), flush=True)
     print("to stderr", file=sys.stderr)
@@ -49,17 +50,19 @@ def _env(**extra) -> dict:
 
 
 def test_a_warm_child_is_its_own_process_with_its_environment_folder_and_outputs(tmp_path):
-    proc = warm.run(["exit", "3"], _env(EQX_ON_ERROR="nan"), cwd=tmp_path, timeout=300, entry=ENTRY)
+    proc = warm.run(["exit", "3"], _env(EQX_ON_ERROR="nan", TRANSFORMERS_VERBOSITY="error"), cwd=tmp_path,
+                    timeout=300, entry=ENTRY)  # fmt: skip
     assert proc.returncode == 3, proc.stderr
     seen = json.loads(proc.stdout.splitlines()[0])
     assert seen["pid"] != os.getpid() and seen["cwd"] == str(tmp_path)
     assert seen["devices"] == 3 and seen["marker"] == "1:loss"  # XLA_FLAGS read at the child's backend start
     assert seen["checked"] == "nan"  # EQX_ON_ERROR applied although equinox was imported in the server
+    assert seen["hf_level"] == 40  # TRANSFORMERS_VERBOSITY=error (logging.ERROR), the same
     assert seen["ppid"] != os.getpid()  # forked by the server, not started by this process
     assert proc.stderr == "to stderr\n"
     # the server's own EQX_ON_ERROR (unset: raise) in the next child: nothing leaks from one child to another
     seen = json.loads(warm.run(["exit", "0"], _env(), cwd=tmp_path, timeout=300, entry=ENTRY).stdout.splitlines()[0])
-    assert seen["checked"] == "raised"
+    assert seen["checked"] == "raised" and seen["hf_level"] == 30  # transformers' default: logging.WARNING
 
 
 def test_exit_statuses_are_the_interpreters(tmp_path):

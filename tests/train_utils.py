@@ -1,4 +1,5 @@
-"""Run `qkvflow train` in a subprocess (a fresh JAX, so tests can simulate several devices)."""
+"""Run `qkvflow train` in a process of its own (a fresh JAX backend, so tests can simulate several devices;
+forked from a warm interpreter, tests/warm.py)."""
 
 import json
 import os

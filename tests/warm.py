@@ -9,7 +9,8 @@ status, environment, working folder and stdout/stderr files, that skips those im
 What it does not reproduce is a fresh interpreter's import of those modules, so the suite keeps real
 subprocesses where that is what a test checks (`tests/test_cli.py`, the launchers, `bench compare`'s
 own runs). A command line whose environment differs from the server's in a variable that is read at
-import time (anything outside `AFTER_FORK`, e.g. EQX_ON_ERROR) runs as an ordinary subprocess.
+import time (`IMPORT_TIME`, e.g. JAX_ENABLE_X64) runs as an ordinary subprocess; the few such variables
+the tests set (EQX_ON_ERROR, TRANSFORMERS_VERBOSITY) are applied in the child instead (`AFTER_FORK`).
 The server starts before any XLA backend exists in it, so the fork is safe for JAX.
 `QKVFLOW_TESTS_WARM=0 pytest ...` starts every command line in a new interpreter instead.
 """
