@@ -77,7 +77,51 @@ def parse(cls, argv: list[str], verb: str, *, required: str | None = None):
         path = _readable_config(path)
     args = overrides(verb, args)
     with only_named_types(model_types(path, args)):
-        return draccus.parse(cls, config_path=path, args=args)
+        if "--help" in args or "-h" in args:  # help text from a parser no parse has touched (see `_parser`)
+            return draccus.parse(cls, config_path=path, args=args)
+        parser = _parser(cls)
+        parser.config_path = path
+        return parser.parse_args(args)
+
+
+_PARSERS: dict = {}
+
+
+def _parser(cls):
+    """draccus's parser for `cls`, built once per config class and state of draccus's choice registries.
+
+    `draccus.parse` builds an argparse parser of every field of the config tree, every registered model,
+    optimizer and tracker type's fields included, on each call: about a thousand actions, 0.4-2 s of
+    each parse of TrainConfig on the 2-core VM, spent again by every later parse in the process (`bench
+    compare` reads each run's config, a fine-tune its pretrained run's, the tests hundreds). The parser
+    is a function of the class and of which types are registered, so it is kept per (class, registries)
+    and reused; a type registered later (an import, Levanter's search for its model types) makes a new
+    key. Reusing one is what draccus's own `ArgumentParser.parse_args` allows: its first call sets every
+    action's default and type once (the same on every call) and the file to read is `config_path`,
+    set per parse. Help is the exception (`parse` builds a fresh parser for it): those settings change
+    the help text. tests/test_configfile.py checks a reused parser gives what a fresh one gives."""
+    from draccus.argparsing import ArgumentParser
+
+    key = (cls, _registries())
+    if key not in _PARSERS:
+        _PARSERS[key] = ArgumentParser(config_class=cls, exit_on_error=True)
+    return _PARSERS[key]
+
+
+def _registries() -> tuple:
+    """What the draccus choice registries hold now: each registry's class, registered names and (for a
+    plugin registry) whether it has searched its package. Reads `_choice_registry` and
+    `_did_discover_packages` without calling `get_known_choices`, which would start that search."""
+    from draccus.choice_types import ChoiceRegistryBase
+
+    state, todo = [], [ChoiceRegistryBase]
+    while todo:
+        registry = todo.pop()
+        todo += registry.__subclasses__()
+        if "_choice_registry" in vars(registry):
+            names = tuple(registry._choice_registry)
+            state.append((registry, names, vars(registry).get("_did_discover_packages")))
+    return tuple(state)
 
 
 def memoise_field_docstrings() -> None:

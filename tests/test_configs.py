@@ -9,13 +9,12 @@ import json
 import os
 from pathlib import Path
 
-import draccus
 import pytest
 from levanter.data.text import HfDatasetSourceConfig
 from levanter.models.gpt2 import Gpt2Config
 from levanter.models.llama import LlamaConfig
 
-from qkvflow.cli import overrides
+from qkvflow import configfile
 from qkvflow.cli.describe import DescribeConfig, describe
 from qkvflow.cli.describe import main as describe_main
 from qkvflow.data.heldout import HeldOutHfDatasetSourceConfig
@@ -42,7 +41,9 @@ PAIRS = [
 
 
 def parse(path: Path, cls=TrainConfig, args=()):
-    return draccus.parse(cls, config_path=str(path), args=list(args))
+    """`path` and the overrides `args`, read as the verb that takes `cls` reads them."""
+    verb = {FinetuneConfig: "finetune", DescribeConfig: "describe"}.get(cls, "train")
+    return configfile.parse(cls, ["--config_path", str(path), *args], verb)
 
 
 def paper(name: str) -> TrainConfig:
@@ -126,8 +127,8 @@ def test_small_ode_model_is_larger_than_its_baseline(setting: str) -> None:
 def test_command_line_overrides_apply() -> None:
     args = ["--trainer.id", "run7", "--data.components.owt.source.validation_fraction", "0.001",
             "--trainer.mesh.axes", "{data: -1, replica: 1, model: 2}", "--model.max_seq_len", "512"]  # fmt: skip
-    # draccus reads the dict data.components only whole: qkvflow.cli.overrides rewrites a key inside it
-    config = parse(PAPER / "owt_small_ode.yaml", args=overrides("train", args))
+    # draccus reads the dict data.components only whole: qkvflow.configfile.overrides rewrites a key inside it
+    config = parse(PAPER / "owt_small_ode.yaml", args=args)
     owt = config.data.components["owt"]
     assert config.trainer.id == "run7" and owt.source.validation_fraction == 0.001
     assert owt.source.id == "Skylion007/openwebtext"  # the rest of the component is kept
