@@ -66,7 +66,11 @@ def test_a_reused_parser_reads_each_parse_own_file_and_overrides():
     assert configfile._PARSERS == parsers  # reused, not built again
     assert first == _fresh(TrainConfig, TINY, ["--model.num_heads", "4"]) and first.model.num_heads == 4
     assert second == _fresh(TrainConfig, quickstart, ["--trainer.seed", "7"])
-    assert second.trainer.seed == 7 and second.model.hidden_dim != first.model.hidden_dim and second.trainer.id != first.trainer.id
+    assert (
+        second.trainer.seed == 7
+        and second.model.hidden_dim != first.model.hidden_dim
+        and second.trainer.id != first.trainer.id
+    )
 
 
 def test_a_model_type_registered_after_a_parse_gets_a_parser_that_knows_its_fields():
