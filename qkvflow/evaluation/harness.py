@@ -15,6 +15,9 @@ things are added around it:
   an unreachable dataset would hang for half an hour; here it fails at once in one line. A path
   ending in .yaml/.yml is read as a task definition (lm-eval's YAML keys, e.g. `dataset_path: json`
   with `dataset_kwargs: {data_files: ...}`); its local data files must exist.
+* lm-eval's index of its built-in tasks (about 15,000 YAML files, ~12 s to build on the 2-core VM) is
+  built once per process (`task_manager`) and shared by the preload and by Levanter's loader for every
+  grid of a `qkvflow eval --tasks ... --steps ...` call (`shared_task_manager`), where each built its own.
 * `loglikelihood_rolling` (wikitext-style perplexity tasks), which Levanter's harness raises on
   (checked in tests/evaluation/test_harness.py), runs with lm-eval's window rules
   (qkvflow.evaluation.rolling). `generate_until` needs a KV-cache decoder inside Levanter's harness
@@ -24,6 +27,8 @@ things are added around it:
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 from typing import Optional
 
@@ -98,7 +103,7 @@ def preload(spec: list) -> None:
     Relative `data_files` of a task file are made absolute (relative to the file) by `task_spec`."""
     import lm_eval.tasks as tasks
 
-    manager = tasks.TaskManager()
+    manager = task_manager()
     for item in spec:
         name = item if isinstance(item, str) else item["task"]
         try:
@@ -113,6 +118,35 @@ def preload(spec: list) -> None:
                     f"--tasks: task {name!r} needs {kind}, which Levanter's harness does not run for qkvflow models "
                     f"(supported: {', '.join(SUPPORTED)}); corpus perplexity is `qkvflow eval` without --tasks"
                 )
+
+
+@functools.cache
+def task_manager():
+    """lm-eval's `TaskManager()`: the index of every built-in task, built once per process. It is not
+    changed by loading tasks (each load builds its tasks afresh), so one serves every load."""
+    import lm_eval.tasks as tasks
+
+    return tasks.TaskManager()
+
+
+@contextlib.contextmanager
+def shared_task_manager():
+    """Within the block, `lm_eval.tasks.TaskManager()` without arguments, which Levanter's
+    `LmEvalHarnessConfig.to_task_dict` calls once per run, gives `task_manager()`'s instead of indexing
+    every task again; with arguments it builds one as before. It replaces the module attribute that
+    Levanter's call looks up; tests/evaluation/test_harness.py fails when Levanter stops calling it so."""
+    import lm_eval.tasks as tasks
+
+    original, shared = tasks.TaskManager, task_manager()
+
+    def manager(*args, **kwargs):
+        return original(*args, **kwargs) if args or kwargs else shared
+
+    tasks.TaskManager = manager
+    try:
+        yield
+    finally:
+        tasks.TaskManager = original
 
 
 class SegmentPositions(eqx.Module):
@@ -157,7 +191,7 @@ def run(model, config, spec: list, max_examples: Optional[int] = None, *, log_sa
     harness_config = LmEvalHarnessConfig(task_spec=spec, max_examples=max_examples, log_samples=log_samples)
     with hax.partitioning.set_mesh(t.device_mesh), hax.axis_mapping(t.parameter_axis_mapping):
         model = hax.shard(SegmentPositions(model), t.parameter_axis_mapping)  # onto the trainer's mesh
-        with rolling.enabled():
+        with rolling.enabled(), shared_task_manager():
             return run_lm_eval_harness(
                 harness_config, model, config.data.the_tokenizer, t.EvalBatch, t.compute_axis_mapping, t.mp
             )

@@ -113,8 +113,8 @@ def test_levanter_still_lacks_loglikelihood_rolling():
 
 def test_cli_tasks_at_several_grids_and_one_line_refusals(run, tmp_path, capfd, monkeypatch):
     """`--tasks T --steps 1,2`: lm-eval runs once per grid on the model integrated on that grid (the
-    harness's scores against the logits are test_multiple_choice_...'s), one table row per grid; then
-    the refusals."""
+    harness's scores against the logits are test_multiple_choice_...'s), one table row per grid, and
+    lm-eval's index of its tasks is built once for the call; then the refusals."""
     from qkvflow.evaluation import harness
 
     capsys = capfd  # the token cache builder needs a real stderr file descriptor
@@ -130,11 +130,17 @@ def test_cli_tasks_at_several_grids_and_one_line_refusals(run, tmp_path, capfd, 
         )
         return out
 
+    import lm_eval.tasks
+
+    harness.task_manager.cache_clear()
+    indexed, index = [], lm_eval.tasks.TaskManager.__init__
     with monkeypatch.context() as patch:
         patch.setattr(harness, "run", spy)
+        patch.setattr(lm_eval.tasks.TaskManager, "__init__", lambda *a, **k: indexed.append(1) or index(*a, **k))
         assert cli_main([*base, "--tasks", task, "--steps", "1,2", "--output", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
     assert [s[:2] for s in seen] == [("euler", 1), ("euler", 2)]
+    assert len(indexed) == 1  # lm-eval's task index built once, by the preload, and shared by both grids' runs
     rows = [line for line in out.splitlines() if "| qkvflow_tiny_mc | acc |" in line]
     assert rows == [
         f"| euler | N=1 | qkvflow_tiny_mc | acc | {seen[0][2]:.4f} | - |",
