@@ -60,7 +60,8 @@ fi
 
 ENVS=()
 if [ -n "$CPU_DEVICES" ]; then
-    ENVS+=(JAX_PLATFORMS=cpu "XLA_FLAGS=--xla_force_host_platform_device_count=$CPU_DEVICES"
+    # the caller's XLA flags are kept (the device count is added after them, so it wins)
+    ENVS+=(JAX_PLATFORMS=cpu "XLA_FLAGS=${XLA_FLAGS:+$XLA_FLAGS }--xla_force_host_platform_device_count=$CPU_DEVICES"
            JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo)
 elif [ "$PROCESSES" -gt 1 ] && [ -z "$GPUS" ]; then
     if [ "$DRY_RUN" = 1 ] && ! command -v nvidia-smi > /dev/null; then

@@ -105,13 +105,16 @@ def test_local_processes_share_a_coordinator_and_get_their_gpus():
         assert argv[-2] == f"logs/owt_medium_ode/host-{i}.log"
 
 
-def test_local_cpu_devices_for_testing():
-    lines = commands(
-        launch("local_multi_gpu.sh", "--dry-run", "--processes", "2", "--cpu-devices", "2", "--port", "1", CONFIG)
-    )
+@pytest.mark.parametrize("caller", ["", "--xla_backend_optimization_level=0"])
+def test_local_cpu_devices_for_testing(caller):
+    """K simulated devices per process, added to the caller's XLA flags (which the processes keep: the
+    test suite's cheaper compiles, tests/conftest.py, reach tests/test_multiprocess.py's processes)."""
+    args = ("--dry-run", "--processes", "2", "--cpu-devices", "2", "--port", "1", CONFIG)
+    lines = commands(launch("local_multi_gpu.sh", *args, env={"XLA_FLAGS": caller}))
+    flags = f"{caller} --xla_force_host_platform_device_count=2".strip()
     for argv in lines:
         assert argv[0] == "env"
-        assert "JAX_PLATFORMS=cpu" in argv and "XLA_FLAGS=--xla_force_host_platform_device_count=2" in argv
+        assert "JAX_PLATFORMS=cpu" in argv and f"XLA_FLAGS={flags}" in argv
         assert "JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo" in argv
         assert "--trainer.distributed.local_device_ids" not in argv
 
