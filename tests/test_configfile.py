@@ -1,4 +1,5 @@
-"""qkvflow.configfile: what the one config reader adds to draccus (its memoised field comments)."""
+"""qkvflow.configfile: what the one config reader adds to draccus (memoised field comments, one parser per
+config class and registry state)."""
 
 import dataclasses
 from pathlib import Path
