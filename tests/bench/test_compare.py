@@ -491,7 +491,7 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
 
     studies = ("tinyshakespeare", "pydoc", "beta2", "rk_blocks", "transevolve", "exits", "finetune_pretrain")
     dial = ("depth_dial", "depth_dial_pydoc", "depth_dial_screen", "depth_dial_screen_pydoc", "depth_dial_confirm",
-            "depth_dial_confirm_pydoc", "depth_dial_impulse", "depth_dial_rest", "depth_dial_rest_pydoc")  # fmt: skip
+            "depth_dial_confirm_pydoc", "depth_dial_impulse", "depth_dial_rest", "depth_dial_rest_pydoc", "depth_dial_lr")  # fmt: skip
     for name in (*studies, *dial):
         configs, study = _study_configs(name, tmp_path), _study(name, tmp_path)
         reference = next(iter(configs.values()))[0]
@@ -500,7 +500,8 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
             assert config.corpus == reference.corpus and same_trainer, (name, model)
             assert config.model.max_seq_len == 64 and config.optimizer.learning_rate == 1e-3, (name, model)
             grid = compare.learning_rates(study, model)
-            assert grid == ([2.5e-4, 5e-4, 1e-3, 2e-3] if model == "gpt2_params" else study["learning_rates"]), model
+            own = {"gpt2_params": [2.5e-4, 5e-4, 1e-3, 2e-3]} if name != "depth_dial_lr" else {"ode": [4e-3]}
+            assert grid == own.get(model, study["learning_rates"]), model
         if name == "tinyshakespeare":
             vocab = corpus_vocab_size("tinyshakespeare")
             params = {
@@ -530,7 +531,9 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
             if "wide_random" in configs:  # wide_jitter with the random Euler scheme, nothing else changed
                 jittered, drawn = configs["wide_jitter"][0].model, configs["wide_random"][0].model
                 assert drawn.dial == dataclasses.replace(jittered.dial, random_time=True)
-            if "wide_slow" in configs:  # steps_wide's counts, jitter 0.9 and slow_time's features
+            if (
+                "wide_slow" in configs and "steps_wide" in configs
+            ):  # steps_wide's counts, jitter 0.9 and slow_time's features
                 wide, slow = configs["steps_wide"][0].model, configs["wide_slow"][0].model
                 features = {"time_scale": 4.0, "num_frequencies": 16, "time_max_period": 100.0}
                 jittered = dataclasses.replace(wide, dial=dataclasses.replace(wide.dial, jitter=0.9))
@@ -546,6 +549,16 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
                 slow, features = configs["slow_consistency"][0].model, {"time_scale": 4.0, "num_frequencies": 16}
                 consistency = dataclasses.replace(configs["consistency"][0].model, time_max_period=100.0, **features)
                 assert slow == consistency  # slow_time's features, nothing else changed
+            if name == "depth_dial_lr":  # the impulse screen's models, budget and grids at the rates it did not run
+                impulse, screen = _study_configs("depth_dial_impulse", tmp_path), _study("depth_dial_impulse", tmp_path)
+                assert {m: configs[m][0].model for m in configs} == {m: impulse[m][0].model for m in configs}
+                assert (study["iters"], study["depth"], study["seeds"]) == (
+                    screen["iters"],
+                    screen["depth"],
+                    screen["seeds"],
+                )
+                rates = {m: {*compare.learning_rates(study, m), *compare.learning_rates(screen, m)} for m in configs}
+                assert rates == {"ode": {2e-3, 4e-3}, "wide_slow": {1e-3, 2e-3, 4e-3}}, rates
             if name.startswith("depth_dial_confirm"):  # enough passes over the data for 2000 steps
                 assert study["iters"] == 2000 and all(
                     c.epochs >= (20 if "pydoc" in name else 10) for c, _ in configs.values()
