@@ -32,7 +32,7 @@ VERBS = {
     "export": ("qkvflow.cli.export", "a DiffEqFormer checkpoint as a Hugging Face model (--steps M layers) [+ --ode]"),
     "bench": (
         "qkvflow.cli.bench",
-        f"{' | '.join(BENCH_MODES)}: throughput, memory, quality, paired comparisons, early exits",
+        f"{' | '.join(BENCH_MODES)}: throughput, memory, quality, paired comparisons, early exits, merged depth curves",
     ),
     "finetune": (
         "qkvflow.cli.finetune",

@@ -1,4 +1,4 @@
-"""`qkvflow bench MODE ...`: dispatch to a benchmark of qkvflow.bench (speed, scaling, quality, compare, exits)."""
+"""`qkvflow bench MODE ...`: dispatch to a benchmark of qkvflow.bench (speed, scaling, quality, compare, exits, depth)."""
 
 import importlib
 
@@ -10,6 +10,7 @@ MODES = {
     "quality": "qkvflow.bench.quality",
     "compare": "qkvflow.bench.compare",
     "exits": "qkvflow.bench.exits",
+    "depth": "qkvflow.bench.depth_merge",
 }
 
 
