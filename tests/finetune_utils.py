@@ -18,7 +18,6 @@ def save_fresh_checkpoint(
     """A freshly initialised model of `config_path` (initialised with PRNGKey(seed)), saved as a Levanter
     checkpoint `path/step-0` with the `model` subtree that `qkvflow train` writes (seconds, instead of a
     training run)."""
-    import draccus
     import jax
     import jax.random as jrandom
     import levanter.checkpoint
@@ -27,10 +26,9 @@ def save_fresh_checkpoint(
 
     from qkvflow.training.config import TrainConfig
     from qkvflow.training.session import with_corpus
+    from tests.helpers import parse_config
 
-    config = with_corpus(
-        draccus.parse(TrainConfig, config_path=config_path, args=["--corpus.root", str(corpus_root), *extra])
-    )
+    config = with_corpus(parse_config(config_path, TrainConfig, ["--corpus.root", str(corpus_root), *extra]))
     vocab = Axis("vocab", len(config.data.the_tokenizer))
     model = config.model.build(vocab, key=jrandom.PRNGKey(seed))
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
@@ -90,9 +88,8 @@ def finetuned(tmp_path_factory, corpus_root: Path, method: str = "lora"):
     process (`summary["model"]` is the fine-tuned model in memory, LoRA unmerged), from a freshly
     initialised tiny ODE checkpoint (seconds, where a pretraining run takes half a minute). `args` are
     the command-line options that name its config, pretrained checkpoint, corpus and outputs."""
-    import draccus
-
     from qkvflow.training.finetune import FinetuneConfig, finetune
+    from tests.helpers import parse_config
 
     key = (str(tmp_path_factory.getbasetemp()), method)
     if key not in _FINETUNED:
@@ -102,7 +99,7 @@ def finetuned(tmp_path_factory, corpus_root: Path, method: str = "lora"):
         pretrained = save_fresh_checkpoint(workdir / "pretrained", corpus_root, TINY_TRAIN, *PRETRAINED_OVERRIDES)
         args = [*base_args(workdir, corpus_root, pretrained), "--finetune", method, "--trainer.num_train_steps", "2"]
         args += ["--pretrained.overrides", json.dumps(list(PRETRAINED_OVERRIDES))]
-        config = draccus.parse(FinetuneConfig, config_path=TINY_FINETUNE, args=args[2:])
+        config = parse_config(TINY_FINETUNE, FinetuneConfig, args[2:])
         summary = finetune(config)
         assert summary.get("finished"), summary
         _FINETUNED[key] = (args, workdir / "checkpoints" / summary["run_id"], config, summary)

@@ -54,6 +54,20 @@ def config_class(path):
     return FinetuneConfig if isinstance(content, dict) and "pretrained" in content else TrainConfig
 
 
+def parse_config(path, cls=None, args=()):
+    """The config file `path` with the overrides `args`, read as the verb that takes `cls` (default
+    TrainConfig) reads it: `qkvflow.configfile.parse`, which imports only the model types the file names
+    and reuses its parser (a first `draccus.parse` in a process searches every Levanter model, ~12 s)."""
+    from qkvflow import configfile
+    from qkvflow.cli.describe import DescribeConfig
+    from qkvflow.training.config import TrainConfig
+    from qkvflow.training.finetune import FinetuneConfig
+
+    cls = TrainConfig if cls is None else cls
+    verb = {FinetuneConfig: "finetune", DescribeConfig: "describe"}.get(cls, "train")
+    return configfile.parse(cls, ["--config_path", str(path), *args], verb)
+
+
 def logit_tolerance(layers: int, hidden: int) -> float:
     """Relative logit error (max |a - b| / max |b|) allowed between two float32 implementations of the same
     model, e.g. the torch export and the JAX model: they sum the same products in other orders. Each sum

@@ -631,16 +631,15 @@ def test_damaged_checkpoint_is_named_in_one_short_line(world, corpus_root, tmp_p
     """Reading a damaged checkpoint back (qkvflow.training.run_model.load_model, as export and analyze do):
     one line naming the checkpoint and the damaged file or the missing arrays (at most three names, not
     Levanter's list)."""
-    import draccus
-
     from qkvflow.errors import UserError
     from qkvflow.training.config import TrainConfig
     from qkvflow.training.run_model import load_model
+    from tests.helpers import parse_config
 
     run, intact = tmp_path / "tiny", tmp_path / "intact" / "tiny"
     shutil.copytree(world / "checkpoints" / "tiny", run)
     shutil.copytree(world / "checkpoints" / "tiny", intact)
-    config = draccus.parse(TrainConfig, config_path=str(world / "base.yaml"), args=["--corpus.root", str(corpus_root)])
+    config = parse_config(world / "base.yaml", TrainConfig, ["--corpus.root", str(corpus_root)])
     load_model(config, str(intact))  # the control: an intact copy loads (another path: tensorstore caches what it read)
     expected = damage(run / "step-5")
     with pytest.raises(UserError) as error:
@@ -655,13 +654,11 @@ def test_damaged_checkpoint_is_named_in_one_short_line(world, corpus_root, tmp_p
 )
 def test_shipped_configs_pass_the_value_checks(path):
     """No false alarms: every shipped config passes the checks that need no data or devices."""
-    import draccus
-
     from qkvflow.training import preflight
-    from tests.helpers import config_class
+    from tests.helpers import config_class, parse_config
 
     preflight.check_config_file(str(ROOT / path))
-    preflight.check_values(draccus.parse(config_class(ROOT / path), config_path=str(ROOT / path), args=[]))
+    preflight.check_values(parse_config(ROOT / path, config_class(ROOT / path)))
 
 
 # Output locations that cannot be written: refused by the write probe before the corpus, the

@@ -14,14 +14,13 @@ from levanter.data.text import HfDatasetSourceConfig
 from levanter.models.gpt2 import Gpt2Config
 from levanter.models.llama import LlamaConfig
 
-from qkvflow import configfile
 from qkvflow.cli.describe import DescribeConfig, describe
 from qkvflow.cli.describe import main as describe_main
 from qkvflow.data.heldout import HeldOutHfDatasetSourceConfig
 from qkvflow.models.diffeqformer import DiffEqFormerGpt2Config, DiffEqFormerLlamaConfig
 from qkvflow.training.config import TrainConfig
 from qkvflow.training.finetune import FinetuneConfig
-from tests.helpers import config_class
+from tests.helpers import config_class, parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_YAML = sorted(p for d in ("configs", "tests/configs") for p in (ROOT / d).rglob("*.yaml"))
@@ -42,8 +41,7 @@ PAIRS = [
 
 def parse(path: Path, cls=TrainConfig, args=()):
     """`path` and the overrides `args`, read as the verb that takes `cls` reads them."""
-    verb = {FinetuneConfig: "finetune", DescribeConfig: "describe"}.get(cls, "train")
-    return configfile.parse(cls, ["--config_path", str(path), *args], verb)
+    return parse_config(path, cls, args)
 
 
 def paper(name: str) -> TrainConfig:

@@ -29,12 +29,11 @@ MIN_DROP = 0.005
 
 
 def _parse(tmp_path, corpora, pretrained, *extra):
-    import draccus
-
     from qkvflow.training.finetune import FinetuneConfig
+    from tests.helpers import parse_config
 
     args = base_args(tmp_path, corpora, pretrained)[2:] + list(extra)
-    return draccus.parse(FinetuneConfig, config_path=TINY_FINETUNE, args=args)
+    return parse_config(TINY_FINETUNE, FinetuneConfig, args)
 
 
 REPEATED = (
@@ -290,7 +289,6 @@ def test_a_baseline_is_fine_tuned_as_it_is_at_its_own_depth(tmp_path, shared, ba
     """Fig. 6's GPT side: a baseline checkpoint is fine-tuned (LoRA) without discretisation. The frozen
     base is the checkpoint's model bit for bit, the adapters sit on GPT-2's four projections, and the
     summary names the depth."""
-    import draccus
     import jax
     import jax.numpy as jnp
     from levanter.adaptor.lora import partition_lora_params
@@ -298,18 +296,19 @@ def test_a_baseline_is_fine_tuned_as_it_is_at_its_own_depth(tmp_path, shared, ba
     from qkvflow.training.config import TrainConfig
     from qkvflow.training.finetune import FinetuneConfig, finetune
     from qkvflow.training.run_model import load_model
+    from tests.helpers import parse_config
 
     corpora, _ = shared
     config_path, checkpoint = baseline
     args = base_args(tmp_path, corpora, checkpoint)[2:]
     args += ["--pretrained.config_path", config_path, "--steps", "2", "--trainer.num_train_steps", "2"]
-    summary = finetune(draccus.parse(FinetuneConfig, config_path=TINY_FINETUNE, args=args))
+    summary = finetune(parse_config(TINY_FINETUNE, FinetuneConfig, args))
     assert summary["finished"] and not summary["pretrained_ode"]
     assert summary["steps_M"] == summary["pretrained_steps_N"] == 2
     # LoRA r=4 per layer on c_attn (32 -> 3 x 32), attn c_proj (32 -> 32), c_fc (32 -> 128), mlp c_proj (128 -> 32)
     assert summary["trainable_parameter_count"] == 2 * 4 * ((32 + 96) + (32 + 32) + (32 + 128) + (128 + 32))
 
-    train = draccus.parse(TrainConfig, config_path=config_path, args=["--corpus.root", str(corpora)])
+    train = parse_config(config_path, TrainConfig, ["--corpus.root", str(corpora)])
     want, _ = load_model(train, str(checkpoint))
     base_after, _ = partition_lora_params(summary["model"])
     want, got = jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(base_after)

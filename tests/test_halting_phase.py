@@ -205,8 +205,9 @@ def test_the_benchmark_writes_a_halting_phase_config_of_the_aligned_run(tmp_path
     checkpoint as trainer.initialize_from and every output in the study's folder (no training here)."""
     import importlib.util
 
-    import draccus
     import yaml
+
+    from tests.helpers import parse_config
 
     spec = importlib.util.spec_from_file_location("halting_bench", ROOT / "benchmarks" / "halting.py")
     bench = importlib.util.module_from_spec(spec)
@@ -221,7 +222,7 @@ def test_the_benchmark_writes_a_halting_phase_config_of_the_aligned_run(tmp_path
     argv = ["--aligned_config", str(tmp_path / "aligned.yaml"), "--aligned_checkpoint", str(tmp_path / "ckpt")]
     args = bench.parser().parse_args([*argv, "--corpus_root", str(tmp_path / "corpora"), "--steps", "7"])
     run_id, path = bench.run_config(args, "likelihood", 0.3, tmp_path / "study")
-    config = draccus.parse(TrainConfig, config_path=str(path), args=[])
+    config = parse_config(path, TrainConfig)
     assert run_id == "geometric-likelihood-lam0.3" and config.trainer.id == run_id
     expected = config_of("geometric", oracle="likelihood", lam=0.3, sigma=1.0, tau=0.5)
     assert config.model == dataclasses.replace(expected, initializer_range=0.02)

@@ -13,7 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import draccus
 import pytest
 
 from qkvflow.training.config import TrainConfig
@@ -25,7 +24,7 @@ from qkvflow.training.sharding import (
     per_device_bytes,
     state_shapes,
 )
-from tests.helpers import with_host_devices
+from tests.helpers import parse_config, with_host_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 MEDIUM = str(ROOT / "configs" / "models" / "medium_d144.yaml")
@@ -35,7 +34,7 @@ TOLERANCE = 0.01  # what FSDP cannot split: the time MLPs, biases without an `em
 
 @pytest.fixture(scope="module")
 def medium():
-    model = draccus.parse(TrainConfig, config_path=MEDIUM, args=[]).model
+    model = parse_config(MEDIUM, TrainConfig).model
     assert (model.hidden_dim, model.num_heads, model.max_seq_len, model.time_embed_dim, model.ode.num_steps) == (
         1024,
         16,

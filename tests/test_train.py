@@ -216,7 +216,6 @@ def test_bad_input_fails_cleanly_without_touching_checkpoints(four_device_runs, 
 
 
 def test_load_model_reads_the_trained_weights(reference, corpus_root):
-    import draccus
     import jax.numpy as jnp
     import jax.random as jrandom
     from haliax import Axis
@@ -224,16 +223,17 @@ def test_load_model_reads_the_trained_weights(reference, corpus_root):
     from qkvflow.errors import UserError
     from qkvflow.training.config import TrainConfig
     from qkvflow.training.run_model import load_model
+    from tests.helpers import parse_config
     from tests.train_utils import TINY
 
     workdir, _ = reference
     args = ["--corpus.root", str(corpus_root)]
-    config = draccus.parse(TrainConfig, config_path=TINY, args=args)
+    config = parse_config(TINY, TrainConfig, args)
     model, tokenizer = load_model(config, str(workdir / "checkpoints" / "tiny"))
     fresh = config.model.build(Axis("vocab", len(tokenizer)), key=jrandom.PRNGKey(0))
     trained, initial = model.generator.weights["w1"].proj.array, fresh.generator.weights["w1"].proj.array
     assert trained.shape == initial.shape and not jnp.allclose(trained, initial)
-    wrong = draccus.parse(TrainConfig, config_path=TINY, args=args + ["--model.hidden_dim", "64"])
+    wrong = parse_config(TINY, TrainConfig, args + ["--model.hidden_dim", "64"])
     with pytest.raises(UserError, match="does not hold a DiffEqFormerGpt2Config"):
         load_model(wrong, str(workdir / "checkpoints" / "tiny"))
 
@@ -329,17 +329,16 @@ def test_a_run_sharing_another_runs_tracker_folder_is_refused(four_device_runs):
 def test_the_run_locks_cover_checkpoints_tracker_folders_and_the_log_file(tmp_path):
     """`session.run_locks` of a run: its checkpoint folder, each jsonl tracker's folder, its log file; a
     second holder of any one is refused, and a refused acquisition releases what it had taken."""
-    import draccus
-
     from qkvflow.errors import UserError
     from qkvflow.training import session
     from qkvflow.training.config import TrainConfig
     from qkvflow.training.runlock import RunLock
+    from tests.helpers import parse_config
     from tests.train_utils import TINY
 
     args = ["--trainer.checkpointer.base_path", str(tmp_path / "ck"), "--trainer.log_dir", str(tmp_path / "logs"),
             "--trainer.tracker", f"[{{type: jsonl, path: {tmp_path / 'a'}}}, {{type: jsonl, path: {tmp_path / 'b'}}}]"]  # fmt: skip
-    t = draccus.parse(TrainConfig, config_path=TINY, args=args).trainer
+    t = parse_config(TINY, TrainConfig, args).trainer
     locks = session.run_locks(t, "tiny")
     assert [lock.path for lock in locks.locks] == [
         str(tmp_path / p)

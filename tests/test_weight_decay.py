@@ -147,12 +147,12 @@ def test_the_optimizer_that_trains_decays_exactly_the_mask(monkeypatch):
     default decays the norms' generators): caught as the Trainer receives it, one update with zero
     gradients, where only weight decay moves anything (Adam's step is 0/(0 + eps) = 0), shrinks each
     parameter `should_decay` names by decoupled decay, p <- p - lr * wd * p, and leaves the rest exactly."""
-    import draccus
     import jax.numpy as jnp
 
     from qkvflow.training import loop
     from qkvflow.training.config import TrainConfig
     from tests.analysis.builders import filled
+    from tests.helpers import parse_config
     from tests.train_utils import TINY
 
     class Caught(Exception):
@@ -161,7 +161,7 @@ def test_the_optimizer_that_trains_decays_exactly_the_mask(monkeypatch):
     def trainer(config, optimizer, loss_fn, **kwargs):
         raise Caught(optimizer)
 
-    config = draccus.parse(TrainConfig, config_path=TINY, args=[])
+    config = parse_config(TINY, TrainConfig)
     lr, wd = config.optimizer.learning_rate, config.optimizer.weight_decay
     assert (lr, wd, config.optimizer.warmup) == (1e-2, 0.1, 0.0)  # tiny_train.yaml: step 0 runs at lr
     monkeypatch.setattr(loop, "Trainer", trainer)

@@ -49,14 +49,13 @@ def _save(model, run_dir) -> str:
 @pytest.fixture(scope="session")
 def diffeqformer_run(tmp_path_factory, corpus_root):
     """(config path, checkpoint dir) of a tiny DiffEqFormer over the pydoc tokenizer, saved untrained."""
-    import draccus
-
     from qkvflow.training.config import TrainConfig
     from qkvflow.training.session import with_corpus
+    from tests.helpers import parse_config
 
     workdir = tmp_path_factory.mktemp("diffeqformer_run")
     config_path = _write_config(workdir / "tiny.yaml", corpus_root, TINY_MODEL_YAML)
-    config = draccus.parse(TrainConfig, config_path=config_path, args=[])
+    config = parse_config(config_path, TrainConfig)
     vocab = Axis("vocab", len(with_corpus(config).data.the_tokenizer))
     return config_path, _save(filled(config.model, vocab), workdir / "checkpoints")
 
@@ -64,13 +63,12 @@ def diffeqformer_run(tmp_path_factory, corpus_root):
 @pytest.fixture(scope="session")
 def gpt2_run(tmp_path_factory, corpus_root):
     """(config path, checkpoint dir) of a tiny discrete Levanter GPT-2 with random weights."""
-    import draccus
-
     from qkvflow.training.config import TrainConfig
     from qkvflow.training.session import with_corpus
+    from tests.helpers import parse_config
 
     workdir = tmp_path_factory.mktemp("gpt2_run")
     config_path = _write_config(workdir / "gpt2.yaml", corpus_root, GPT2_YAML)
-    config = draccus.parse(TrainConfig, config_path=config_path, args=[])
+    config = parse_config(config_path, TrainConfig)
     vocab = Axis("vocab", len(with_corpus(config).data.the_tokenizer))
     return config_path, _save(filled(config.model, vocab), workdir / "checkpoints")

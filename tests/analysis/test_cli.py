@@ -4,13 +4,13 @@ import json
 import logging
 from pathlib import Path
 
-import draccus
 import numpy as np
 import pytest
 
 from qkvflow import cli
 from qkvflow.cli import analyze
 from qkvflow.errors import UserError
+from tests.helpers import parse_config
 
 TEXT = "def f(x): return x < 2"
 
@@ -59,7 +59,7 @@ def test_lyapunov_of_a_checkpoint_writes_page_and_figures(diffeqformer_run, tmp_
     run = ("--config_path", config, "--checkpoint", checkpoint)
     out = _run(capsys, "lyapunov", *run, "--text", TEXT, "--output", tmp_path)
     assert "".join(out["tokens"]) == TEXT and out["steps"] == 4
-    model, tokenizer = load_model(draccus.parse(TrainConfig, config_path=config, args=[]), checkpoint)
+    model, tokenizer = load_model(parse_config(config, TrainConfig), checkpoint)
     ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
     np.testing.assert_allclose(out["sensitivity"], token_lyapunov(model, ids).sensitivity, rtol=1e-4, atol=1e-5)
     page = Path(out["html"]).read_text()
@@ -91,7 +91,7 @@ def test_lyapunov_bad_text_is_a_user_error(diffeqformer_run, args, message):
     from qkvflow.training.session import with_corpus
 
     config, checkpoint = diffeqformer_run
-    tokenizer = with_corpus(draccus.parse(TrainConfig, config_path=config, args=[])).data.the_tokenizer
+    tokenizer = with_corpus(parse_config(config, TrainConfig)).data.the_tokenizer
     n = len(tokenizer.encode(args[1], add_special_tokens=False))  # Levanter's MarinTokenizer
     with pytest.raises(UserError, match=message.format(n=n)):
         analyze.main(["lyapunov", "--config_path", config, "--checkpoint", checkpoint, *args])

@@ -293,23 +293,23 @@ def test_bad_input_is_one_line_and_exit_2(argv, expected, tmp_path, tiny_config,
 def test_quality_configs_share_one_budget():
     """Every quality_<model>.yaml the bench can run parses, exists for each model name, and differs from
     the DiffEqFormer's only in `model` and the run id: same data, budget and optimizer for all."""
-    import draccus
     import yaml
 
     from qkvflow.training.config import TrainConfig
+    from tests.helpers import parse_config
 
     configs = quality.ROOT / "benchmarks" / "configs"
     reference = yaml.safe_load((configs / "quality_ode.yaml").read_text())
     for name in quality.MODELS + quality.EXTRA_MODELS:
         path = configs / f"quality_{name}.yaml"
         raw = yaml.safe_load(path.read_text())
-        parsed = draccus.parse(TrainConfig, config_path=str(path), args=[])
+        parsed = parse_config(path, TrainConfig)
         assert parsed.trainer.num_train_steps == 2000 and parsed.trainer.train_batch_size == 12
         strip = lambda c: {k: v for k, v in c.items() if k not in ("model", "trainer", "optimizer")}  # noqa: E731
         assert strip(raw) == strip(reference), path
         assert {**raw["trainer"], "id": None} == {**reference["trainer"], "id": None}, path
         assert raw["optimizer"] == reference["optimizer"], path  # the decay mask too: qkvflow's default for all
-    tuned = draccus.parse(TrainConfig, config_path=str(configs / "quality_ode_tuned.yaml"), args=[])
+    tuned = parse_config(configs / "quality_ode_tuned.yaml", TrainConfig)
     assert tuned.model.time_embed_norm and tuned.model.matrix_init == "fan_in"
 
 

@@ -27,16 +27,16 @@ def test_the_study_names_one_ode_and_gpt2_at_n_and_4n_over_3():
 
 
 def test_the_config_parses_as_a_sweep_of_both_methods(tmp_path):
-    import draccus
     import yaml
 
     from qkvflow.training.finetune import FinetuneConfig
+    from tests.helpers import parse_config
 
     corpora = {"train": [str(tmp_path / "train.jsonl")], "test": str(tmp_path / "test.jsonl"), "tokenizer": "tok"}
     raw = fd.finetune_config(tmp_path / "pre", "ode_n6-lr0.002-s1", tmp_path / "ft", [3, 4, 6, 8], 1, 150, corpora)
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(raw))
-    config = draccus.parse(FinetuneConfig, config_path=str(path), args=[])
+    config = parse_config(path, FinetuneConfig)
     assert config.sweep.depths == [3, 4, 6, 8] and config.sweep.methods == ["lora", "full"]
     assert config.sweep.learning_rate == {"lora": 1e-3, "full": 3e-4}
     assert config.pretrained.checkpoint == str(tmp_path / "pre" / "checkpoints" / "ode_n6-lr0.002-s1")

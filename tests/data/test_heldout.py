@@ -121,14 +121,15 @@ def test_yaml_selects_the_held_out_config(tmp_path: Path) -> None:
     import draccus
 
     from qkvflow.training.config import TrainConfig
+    from tests.helpers import parse_config
 
     path = tmp_path / "c.yaml"
     head = "data:\n  cache_dir: cache/owt\n  components:\n    owt:\n      source:\n        type: hf_heldout\n"
     path.write_text(head + "        id: Skylion007/openwebtext\n        validation_fraction: 0.0005\n")
-    data = draccus.parse(TrainConfig, config_path=str(path), args=[]).data.components["owt"].source
+    data = parse_config(path, TrainConfig).data.components["owt"].source
     assert isinstance(data, HeldOutHfDatasetSourceConfig)
     assert (data.id, data.validation_fraction, data.split_seed) == ("Skylion007/openwebtext", 0.0005, 0)
 
     path.write_text(head + "        id: Skylion007/openwebtext\n        validation_fraction: 2.0\n")
     with pytest.raises(draccus.utils.DecodingError):
-        draccus.parse(TrainConfig, config_path=str(path), args=[])
+        parse_config(path, TrainConfig)

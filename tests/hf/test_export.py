@@ -42,7 +42,6 @@ def _relative_error(a, b) -> float:
 
 def _save_run(workdir: Path, corpus_root: Path, model_yaml: str, *, seed=0):
     """(config path, checkpoint dir, model) of a random model of `model_yaml`, saved as training does."""
-    import draccus
     import levanter.checkpoint
     from haliax import Axis
 
@@ -50,11 +49,12 @@ def _save_run(workdir: Path, corpus_root: Path, model_yaml: str, *, seed=0):
     from qkvflow.training.config import TrainConfig
     from qkvflow.training.session import with_corpus
     from tests.analysis.builders import filled
+    from tests.helpers import parse_config
 
     workdir.mkdir(parents=True, exist_ok=True)
     config_path = workdir / "config.yaml"
     config_path.write_text(f"corpus:\n  name: pydoc\n  root: {corpus_root}\n{model_yaml}")
-    config = draccus.parse(TrainConfig, config_path=str(config_path), args=[])
+    config = parse_config(config_path, TrainConfig)
     vocab = Axis("vocab", len(with_corpus(config).data.the_tokenizer))
     model = filled(config.model, vocab, seed=seed, std=0.1)
     step = workdir / "checkpoints" / "step-0"
