@@ -45,7 +45,11 @@ def _load(path: str) -> dict:
         report = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise UserError(f"{path}: cannot read a depth report ({type(e).__name__}): expected a NAME_depth.json") from e
-    if not isinstance(report, dict) or not {"models", "iters", "seeds"} <= set(report):
+    if (
+        not isinstance(report, dict)
+        or not {"models", "iters", "seeds"} <= set(report)
+        or not isinstance(report["models"], dict)
+    ):
         raise UserError(f"{path}: not a bench compare depth report: expected the keys models, iters and seeds")
     return report
 

@@ -64,8 +64,9 @@ def test_merge_takes_every_model_and_the_union_of_a_shared_models_grids(tmp_path
             "model 'ode' at euler N=2 has test loss 2.6030, 2.6000 in {a}: more than --tolerance=0.001 apart",
         ),
         ({"models": {}}, [], "not a bench compare depth report: expected the keys models, iters and seeds"),
+        (_report([]), [], "not a bench compare depth report"),
     ],
-    ids=["iters", "seeds", "not-the-same-model", "not-a-report"],
+    ids=["iters", "seeds", "not-the-same-model", "not-a-report", "models-not-a-mapping"],
 )
 def test_reports_that_do_not_merge_are_refused_in_one_line(tmp_path, capsys, second, extra, message):
     a = _write(tmp_path, "a", _report({"ode": BASE_A}))
