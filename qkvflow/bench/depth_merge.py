@@ -99,10 +99,12 @@ def plot_deltas(result: dict, path) -> None:
     fig, axes = plt.subplots(1, len(solvers), figsize=(4.2 * len(solvers), 4.6), dpi=110, sharey=True, squeeze=False)
     colours = plt.get_cmap("tab20")
     for ax, solver in zip(axes[0], solvers):
+        ticks = set()  # the evaluation counts this solver was run at, labelled as they are
         for i, (model, rows) in enumerate(result["models"].items()):
             points = sorted((r for r in rows if r["solver"] == solver and r["nfe"]), key=lambda r: r["nfe"])
             if not points:
                 continue
+            ticks |= {r["nfe"] for r in points}
             y = [r["minus_trained"]["mean"] for r in points]
             bars = [[0.0, 0.0] if r["minus_trained"]["ci95"] is None else
                     [m - r["minus_trained"]["ci95"][0], r["minus_trained"]["ci95"][1] - m] for r, m in zip(points, y)]  # fmt: skip
@@ -111,10 +113,7 @@ def plot_deltas(result: dict, path) -> None:
         ax.axhline(0.0, color="black", lw=0.8)
         ax.axhline(0.01, color="grey", lw=0.8, ls=":", label="+0.01 (2N, 4N target)")
         ax.set_xscale("log")
-        ticks = sorted(
-            {r["nfe"] for rows in result["models"].values() for r in rows if r["solver"] == solver and r["nfe"]}
-        )
-        ax.xaxis.set_major_locator(FixedLocator(ticks))
+        ax.xaxis.set_major_locator(FixedLocator(sorted(ticks)))
         ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
         ax.xaxis.set_minor_locator(NullLocator())
         ax.set_yscale("symlog", linthresh=0.01)
