@@ -39,9 +39,7 @@ PAIRS = [
 ]
 
 
-def parse(path: Path, cls=TrainConfig, args=()):
-    """`path` and the overrides `args`, read as the verb that takes `cls` reads them."""
-    return parse_config(path, cls, args)
+parse = parse_config  # `path` and the overrides `args`, read as the verb that takes `cls` reads them
 
 
 def paper(name: str) -> TrainConfig:
