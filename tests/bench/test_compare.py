@@ -491,7 +491,8 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
 
     studies = ("tinyshakespeare", "pydoc", "beta2", "rk_blocks", "transevolve", "exits", "finetune_pretrain")
     dial = ("depth_dial", "depth_dial_pydoc", "depth_dial_screen", "depth_dial_screen_pydoc", "depth_dial_confirm",
-            "depth_dial_confirm_pydoc", "depth_dial_impulse", "depth_dial_rest", "depth_dial_rest_pydoc", "depth_dial_lr")  # fmt: skip
+            "depth_dial_confirm_pydoc", "depth_dial_impulse", "depth_dial_rest", "depth_dial_rest_pydoc", "depth_dial_lr",
+            "depth_dial_lr_wide")  # fmt: skip
     for name in (*studies, *dial):
         configs, study = _study_configs(name, tmp_path), _study(name, tmp_path)
         reference = next(iter(configs.values()))[0]
@@ -500,7 +501,9 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
             assert config.corpus == reference.corpus and same_trainer, (name, model)
             assert config.model.max_seq_len == 64 and config.optimizer.learning_rate == 1e-3, (name, model)
             grid = compare.learning_rates(study, model)
-            own = {"gpt2_params": [2.5e-4, 5e-4, 1e-3, 2e-3]} if name != "depth_dial_lr" else {"ode": [4e-3]}
+            own = {"depth_dial_lr": {"ode": [4e-3]}, "depth_dial_lr_wide": {"ode": [8e-3]}}.get(
+                name, {"gpt2_params": [2.5e-4, 5e-4, 1e-3, 2e-3]}
+            )
             assert grid == own.get(model, study["learning_rates"]), model
         if name == "tinyshakespeare":
             vocab = corpus_vocab_size("tinyshakespeare")
@@ -549,7 +552,7 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
                 slow, features = configs["slow_consistency"][0].model, {"time_scale": 4.0, "num_frequencies": 16}
                 consistency = dataclasses.replace(configs["consistency"][0].model, time_max_period=100.0, **features)
                 assert slow == consistency  # slow_time's features, nothing else changed
-            if name == "depth_dial_lr":  # the impulse screen's models, budget and grids at the rates it did not run
+            if name in ("depth_dial_lr", "depth_dial_lr_wide"):  # the impulse screen's models, budget and grids
                 impulse, screen = _study_configs("depth_dial_impulse", tmp_path), _study("depth_dial_impulse", tmp_path)
                 assert {m: configs[m][0].model for m in configs} == {m: impulse[m][0].model for m in configs}
                 assert (study["iters"], study["depth"], study["seeds"]) == (
@@ -558,7 +561,11 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
                     screen["seeds"],
                 )
                 rates = {m: {*compare.learning_rates(study, m), *compare.learning_rates(screen, m)} for m in configs}
-                assert rates == {"ode": {2e-3, 4e-3}, "wide_slow": {1e-3, 2e-3, 4e-3}}, rates
+                expected = {  # at the rates the impulse screen (2e-3) and the other learning-rate study did not run
+                    "depth_dial_lr": {"ode": {2e-3, 4e-3}, "wide_slow": {1e-3, 2e-3, 4e-3}},
+                    "depth_dial_lr_wide": {"ode": {2e-3, 8e-3}, "steps_wide": {2e-3, 4e-3}, "wide_jitter": {2e-3, 4e-3}},
+                }
+                assert rates == expected[name], rates
             if name.startswith("depth_dial_confirm"):  # enough passes over the data for 2000 steps
                 assert study["iters"] == 2000 and all(
                     c.epochs >= (20 if "pydoc" in name else 10) for c, _ in configs.values()
