@@ -563,7 +563,11 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
                 rates = {m: {*compare.learning_rates(study, m), *compare.learning_rates(screen, m)} for m in configs}
                 expected = {  # at the rates the impulse screen (2e-3) and the other learning-rate study did not run
                     "depth_dial_lr": {"ode": {2e-3, 4e-3}, "wide_slow": {1e-3, 2e-3, 4e-3}},
-                    "depth_dial_lr_wide": {"ode": {2e-3, 8e-3}, "steps_wide": {2e-3, 4e-3}, "wide_jitter": {2e-3, 4e-3}},
+                    "depth_dial_lr_wide": {
+                        "ode": {2e-3, 8e-3},
+                        "steps_wide": {2e-3, 4e-3},
+                        "wide_jitter": {2e-3, 4e-3},
+                    },
                 }
                 assert rates == expected[name], rates
             if name.startswith("depth_dial_confirm"):  # enough passes over the data for 2000 steps
