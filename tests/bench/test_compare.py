@@ -561,7 +561,7 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
                     screen["seeds"],
                 )
                 rates = {m: {*compare.learning_rates(study, m), *compare.learning_rates(screen, m)} for m in configs}
-                expected = {  # at the rates the impulse screen (2e-3) and the other learning-rate study did not run
+                expected = {  # the impulse screen's 2e-3 and each study's own rates, per model
                     "depth_dial_lr": {"ode": {2e-3, 4e-3}, "wide_slow": {1e-3, 2e-3, 4e-3}},
                     "depth_dial_lr_wide": {
                         "ode": {2e-3, 8e-3},
