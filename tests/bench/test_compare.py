@@ -492,7 +492,7 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
     studies = ("tinyshakespeare", "pydoc", "beta2", "rk_blocks", "transevolve", "exits", "finetune_pretrain")
     dial = ("depth_dial", "depth_dial_pydoc", "depth_dial_screen", "depth_dial_screen_pydoc", "depth_dial_confirm",
             "depth_dial_confirm_pydoc", "depth_dial_impulse", "depth_dial_rest", "depth_dial_rest_pydoc", "depth_dial_lr",
-            "depth_dial_lr_wide")  # fmt: skip
+            "depth_dial_lr_wide", "depth_dial_lr_pydoc")  # fmt: skip
     for name in (*studies, *dial):
         configs, study = _study_configs(name, tmp_path), _study(name, tmp_path)
         reference = next(iter(configs.values()))[0]
@@ -570,6 +570,14 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
                     },
                 }
                 assert rates == expected[name], rates
+            if name == "depth_dial_lr_pydoc":  # the pydoc screen's models, budget and seeds; its 2e-3 runs
+                screen_configs, screen = _study_configs("depth_dial_screen_pydoc", tmp_path), _study(
+                    "depth_dial_screen_pydoc", tmp_path
+                )
+                assert {m: c.model for m, (c, _) in configs.items()} == {m: screen_configs[m][0].model for m in configs}
+                assert (study["iters"], study["seeds"], study["base"]) == (screen["iters"], screen["seeds"], screen["base"])
+                rates = {m: {*compare.learning_rates(study, m), *compare.learning_rates(screen, m)} for m in configs}
+                assert rates == {"ode": {2e-3, 4e-3, 8e-3}, "steps_wide": {2e-3, 4e-3, 8e-3}}, rates
             if name.startswith("depth_dial_confirm"):  # enough passes over the data for 2000 steps
                 assert study["iters"] == 2000 and all(
                     c.epochs >= (20 if "pydoc" in name else 10) for c, _ in configs.values()
