@@ -571,11 +571,11 @@ def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
                 }
                 assert rates == expected[name], rates
             if name == "depth_dial_lr_pydoc":  # the pydoc screen's models, budget and seeds; its 2e-3 runs
-                screen_configs, screen = _study_configs("depth_dial_screen_pydoc", tmp_path), _study(
-                    "depth_dial_screen_pydoc", tmp_path
-                )
+                name_of_screen = "depth_dial_screen_pydoc"
+                screen_configs, screen = _study_configs(name_of_screen, tmp_path), _study(name_of_screen, tmp_path)
                 assert {m: c.model for m, (c, _) in configs.items()} == {m: screen_configs[m][0].model for m in configs}
-                assert (study["iters"], study["seeds"], study["base"]) == (screen["iters"], screen["seeds"], screen["base"])
+                budget = ("iters", "seeds", "base")
+                assert [study[k] for k in budget] == [screen[k] for k in budget]
                 rates = {m: {*compare.learning_rates(study, m), *compare.learning_rates(screen, m)} for m in configs}
                 assert rates == {"ode": {2e-3, 4e-3, 8e-3}, "steps_wide": {2e-3, 4e-3, 8e-3}}, rates
             if name.startswith("depth_dial_confirm"):  # enough passes over the data for 2000 steps
