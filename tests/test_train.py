@@ -354,3 +354,47 @@ def test_the_run_locks_cover_checkpoints_tracker_folders_and_the_log_file(tmp_pa
         assert all(os.path.exists(lock.path) for lock in locks.locks)
     assert not any(os.path.exists(lock.path) for lock in locks.locks)
     assert sorted(os.listdir(tmp_path)) == []  # the folders the locks created, empty, are removed with them
+
+
+@pytest.mark.parametrize("taken", [1, 3])
+def test_the_loader_builds_no_more_batches_than_the_run_can_take(taken):
+    """`bound_read_ahead(loader, taken)` on the loader `Trainer.data_loader` makes: after the run's `taken`
+    batches, Levanter's background thread has read at most `taken` more (its buffer) plus one read of up
+    to `taken` in flight, where by default it reads 32 at a time into a buffer of 128; the batches are the
+    dataset's first ones, in order. Fails when Levanter stops reading the two attributes it sets."""
+    import time
+
+    import haliax as hax
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+    from levanter.data.dataset import ListAsyncDataset
+    from levanter.trainer import Trainer, TrainerConfig
+
+    from qkvflow.training.loop import bound_read_ahead
+
+    batch, read = 2, []
+
+    class Counting(ListAsyncDataset):
+        async def get_batch(self, indices):
+            read.extend(indices)
+            return await super().get_batch(indices)
+
+    data = Counting([np.full((3,), i, dtype=np.int32) for i in range(1000)])
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("replica", "data", "model"))
+    # the loader as `Trainer.data_loader` makes it for a run, without building a run (it reads only these)
+    trainer = Trainer.__new__(Trainer)
+    trainer.config = TrainerConfig(train_batch_size=batch)
+    with hax.partitioning.set_mesh(mesh):
+        trainer.__dict__["device_mesh"] = mesh
+        trainer.__dict__["compute_axis_mapping"] = {"batch": ("replica", "data")}
+        loader = trainer.data_loader(data)
+        assert (loader.prefetch_size, loader.max_buffered_batches) == (32, 128)  # what the bound is below
+        bound_read_ahead(loader, taken)
+        batches = loader.iter_from_step(0)
+        got = [np.asarray(next(batches))[:, 0].tolist() for _ in range(taken)]
+    assert got == [[2 * b, 2 * b + 1] for b in range(taken)]
+    time.sleep(1.0)  # let the thread read what it will
+    # `taken` + a buffer of `taken` + one read of `taken` in flight; once more index 0 (the loader's probe
+    # of an example's shape), which set() drops
+    assert len(set(read)) <= 3 * taken * batch, sorted(set(read))

@@ -259,11 +259,13 @@ def train_run(
         step_info = callbacks.log_step_info(t.num_train_steps)
         progress = progress_hook(summary, t.num_train_steps, config.log_every, tokens_per_step)
 
-        batches = trainer.data_loader(train_set).iter_from_step(start)
         # Levanter's data restarts when it runs out: stop after `epochs` passes (one for `epochs: 0`)
-        batches = itertools.islice(batches, max(0, _steps_for_epochs(config, tokens, run.Pos.size) - start))
+        last = min(t.num_train_steps, _steps_for_epochs(config, tokens, run.Pos.size))
         if config.stop_after is not None:
-            batches = itertools.islice(batches, max(0, config.stop_after - start))
+            last = min(last, config.stop_after)
+        loader = trainer.data_loader(train_set)
+        bound_read_ahead(loader, last - start)
+        batches = itertools.islice(loader.iter_from_step(start), max(0, last - start))
         batches = faults.poison_loss(preemption.wrap(batches, start), start, inject)
         say("compiling the training step (the first step takes longest) ...")
         info = None
@@ -307,6 +309,19 @@ def train_run(
             if summary["steps"] < target:
                 logger.warning(f"The training data ran out after {summary['steps']} steps; set `epochs` to loop it.")
         return summary, info.state
+
+
+def bound_read_ahead(loader, batches: int) -> None:
+    """Let Levanter's `loader` build at most `batches` batches ahead of the step, the most a run that
+    takes `batches` more can use. `Trainer.data_loader` asks for 32 at a time and buffers up to 128,
+    so a short run or fine-tune spent a background thread on ~10x the batches it trained on (each
+    example mapped one by one), CPU the training step shares. Which batch comes at which step does
+    not change. tests/test_train.py counts the batches the loader reads."""
+    n = max(1, batches)
+    loader.prefetch_size = min(loader.prefetch_size, n)
+    buffered = loader.max_buffered_batches
+    if buffered is None or buffered > n:  # None: unbounded; < 0: no background thread, left as it is
+        loader.max_buffered_batches = n
 
 
 def _steps_for_epochs(config, tokens: dict, seq_len: int) -> int:
