@@ -5,6 +5,7 @@ Library code that reads a config file (fine-tuning reads its pretrained run's co
 function, so the command line and the library accept the same files; `qkvflow.cli` re-exports it.
 """
 
+import contextlib
 import json
 
 CONFIG_PATH = "--config_path"
@@ -104,8 +105,26 @@ def _parser(cls):
 
     key = (cls, _registries())
     if key not in _PARSERS:
-        _PARSERS[key] = ArgumentParser(config_class=cls, exit_on_error=True)
+        with _without_field_docstrings():
+            _PARSERS[key] = ArgumentParser(config_class=cls, exit_on_error=True)
     return _PARSERS[key]
+
+
+@contextlib.contextmanager
+def _without_field_docstrings():
+    """Within the block, draccus finds no field comments. They are only help text, and `_parser`'s
+    parsers never print help (`parse` builds a fresh parser for --help). Looking them up is most of
+    building a parser: Python 3.11's `inspect.getsource` parses a class's whole module for each class,
+    ~0.7 s of the first parse of TrainConfig in a process on the 2-core VM, in every `qkvflow` process.
+    tests/test_configfile.py checks the parse gives the same config and --help still lists comments."""
+    from draccus.wrappers import docstring
+
+    lookup = docstring.get_attribute_docstring
+    docstring.get_attribute_docstring = lambda cls, field_name: docstring.AttributeDocString()
+    try:
+        yield
+    finally:
+        docstring.get_attribute_docstring = lookup
 
 
 def _registries() -> tuple:
@@ -125,15 +144,15 @@ def _registries() -> tuple:
 
 
 def memoise_field_docstrings() -> None:
-    """Look each config field's comment up once per process, not once per parse.
+    """Look each config field's comment up once per process, not once per parser built.
 
-    draccus builds the help text of every field on every parse (help or not), finding a field's comment
+    draccus builds the help text of every field whenever it builds a parser, finding a field's comment
     by scanning its class's source, and its base classes' in turn: `draccus.wrappers.docstring.
-    get_attribute_docstring`, about 1,500 lookups and 0.2-0.6 s of each parse of TrainConfig on the
-    2-core VM, and the same again for every further parse in a process (`bench compare` reads each run's
-    config, a fine-tune its pretrained run's). A class's source does not change while the process runs,
-    so the answer is memoised; draccus's own source has the same cache commented out. The help text is
-    unchanged (tests/test_configfile.py), and that test fails when draccus moves the function."""
+    get_attribute_docstring`, about 1,500 lookups for TrainConfig. A parse's parser skips them
+    (`_without_field_docstrings`); a `--help` builds a parser with them, and a process may build several
+    (draccus's registries change as types are found). A class's source does not change while the process
+    runs, so the answer is memoised; draccus's own source has the same cache commented out. The help text
+    is unchanged (tests/test_configfile.py), and that test fails when draccus moves the function."""
     import functools
 
     from draccus.wrappers import docstring

@@ -1,5 +1,5 @@
-"""qkvflow.configfile: what the one config reader adds to draccus (memoised field comments, one parser per
-config class and registry state)."""
+"""qkvflow.configfile: what the one config reader adds to draccus (field comments memoised for help and
+skipped by a parse, one parser per config class and registry state)."""
 
 import dataclasses
 from pathlib import Path
@@ -7,20 +7,30 @@ from pathlib import Path
 from tests.train_utils import TINY
 
 
-def test_a_second_parse_reads_no_class_source_and_gives_the_same_config(monkeypatch):
-    """The first parse looks every field's comment up in its class's source; the second finds them all
-    memoised. Fails if draccus stops calling the lookup through its module (our cache then never runs)."""
+def test_a_parse_looks_up_no_field_comment_and_gives_what_a_parser_with_comments_gives(monkeypatch):
+    """Field comments are help text, which a parse's parser never prints (`--help` builds its own): building
+    it looks none up, and the config it gives is the one a parser built with every comment gives. Fails if
+    draccus stops calling the lookup through its module (then the lookups are not skipped)."""
     from draccus.wrappers import docstring
 
-    from qkvflow.configfile import parse
+    from qkvflow import configfile
     from qkvflow.training.config import TrainConfig
 
-    argv = ["--config_path", TINY, "--model.num_heads", "4"]
-    first = parse(TrainConfig, argv, "train")
-    reads, read_source = [], docstring._get_class_source
-    monkeypatch.setattr(docstring, "_get_class_source", lambda cls: reads.append(cls) or read_source(cls))
-    assert parse(TrainConfig, argv, "train") == first and first.model.num_heads == 4
-    assert reads == []
+    monkeypatch.setattr(configfile, "_PARSERS", {})  # this test builds the parser
+    configfile.memoise_field_docstrings()  # as `parse` does first; it then keeps the spy (already memoised)
+    looked_up, lookup = [], docstring.get_attribute_docstring
+
+    def spy(*args):
+        looked_up.append(args)
+        return lookup(*args)
+
+    spy.cache_info = lookup.cache_info
+    monkeypatch.setattr(docstring, "get_attribute_docstring", spy)
+    config = configfile.parse(TrainConfig, ["--config_path", TINY, "--model.num_heads", "4"], "train")
+    assert looked_up == [] and config.model.num_heads == 4
+    assert docstring.get_attribute_docstring is spy  # restored when the build ended
+    assert config == _fresh(TrainConfig, TINY, ["--model.num_heads", "4"])
+    assert looked_up  # the fresh parser did look them up, through the module
 
 
 def test_memoised_comments_are_draccus_own():
@@ -121,3 +131,4 @@ def test_help_comes_from_a_parser_no_parse_has_used(capsys):
     with only_named_types(None):
         ArgumentParser(config_class=TrainConfig, exit_on_error=True).parser.print_help()
     assert shown == capsys.readouterr().out and "[--trainer.seed int]" in shown
+    assert "inner grid times" in shown  # a field comment (DepthDialConfig.jitter's): help keeps them
