@@ -15,9 +15,10 @@ things are added around it:
   an unreachable dataset would hang for half an hour; here it fails at once in one line. A path
   ending in .yaml/.yml is read as a task definition (lm-eval's YAML keys, e.g. `dataset_path: json`
   with `dataset_kwargs: {data_files: ...}`); its local data files must exist.
-* lm-eval's index of its built-in tasks (about 15,000 YAML files, ~12 s to build on the 2-core VM) is
+* lm-eval's index of its built-in tasks (about 15,000 YAML files, 12-18 s to build on the 2-core VM) is
   built once per process (`task_manager`) and shared by the preload and by Levanter's loader for every
-  grid of a `qkvflow eval --tasks ... --steps ...` call (`shared_task_manager`), where each built its own.
+  grid of a `qkvflow eval --tasks ... --steps ...` call (`shared_task_manager`), where each built its own;
+  a call whose tasks are all task files builds none (`needs_index`).
 * `loglikelihood_rolling` (wikitext-style perplexity tasks), which Levanter's harness raises on
   (checked in tests/evaluation/test_harness.py), runs with lm-eval's window rules
   (qkvflow.evaluation.rolling). `generate_until` needs a KV-cache decoder inside Levanter's harness
@@ -103,7 +104,7 @@ def preload(spec: list) -> None:
     Relative `data_files` of a task file are made absolute (relative to the file) by `task_spec`."""
     import lm_eval.tasks as tasks
 
-    manager = task_manager()
+    manager = task_manager(needs_index(spec))
     for item in spec:
         name = item if isinstance(item, str) else item["task"]
         try:
@@ -121,23 +122,35 @@ def preload(spec: list) -> None:
 
 
 @functools.cache
-def task_manager():
-    """lm-eval's `TaskManager()`: the index of every built-in task, built once per process. It is not
-    changed by loading tasks (each load builds its tasks afresh), so one serves every load."""
+def task_manager(builtin: bool = True):
+    """lm-eval's `TaskManager()`: the index of every built-in task, built once per process; with
+    `builtin=False` an empty index (`include_defaults=False`), enough for task definitions alone
+    (`needs_index`). It is not changed by loading tasks (each load builds its tasks afresh), so one
+    serves every load."""
     import lm_eval.tasks as tasks
 
-    return tasks.TaskManager()
+    return tasks.TaskManager() if builtin else tasks.TaskManager(include_defaults=False)
+
+
+def needs_index(spec: list) -> bool:
+    """Whether loading `spec` (`task_spec`'s list) needs lm-eval's index of its built-in tasks. A task name
+    does, and so does a group (its members are looked up there); a task definition (a mapping with a
+    `task` name and no `group`) is built from its own keys alone (lm-eval 0.4's `TaskManager._load_spec`),
+    so a call that only names task files skips the 12-18 s of building the index.
+    tests/evaluation/test_harness.py loads a task file with each index and compares."""
+    return any(isinstance(item, str) or "group" in item for item in spec)
 
 
 @contextlib.contextmanager
-def shared_task_manager():
+def shared_task_manager(builtin: bool = True):
     """Within the block, `lm_eval.tasks.TaskManager()` without arguments, which Levanter's
-    `LmEvalHarnessConfig.to_task_dict` calls once per run, gives `task_manager()`'s instead of indexing
-    every task again; with arguments it builds one as before. It replaces the module attribute that
-    Levanter's call looks up; tests/evaluation/test_harness.py fails when Levanter stops calling it so."""
+    `LmEvalHarnessConfig.to_task_dict` calls once per run, gives `task_manager(builtin)`'s instead of
+    indexing every task again; with arguments it builds one as before. It replaces the module attribute
+    that Levanter's call looks up; tests/evaluation/test_harness.py fails when Levanter stops calling it
+    so."""
     import lm_eval.tasks as tasks
 
-    original, shared = tasks.TaskManager, task_manager()
+    original, shared = tasks.TaskManager, task_manager(builtin)
 
     def manager(*args, **kwargs):
         return original(*args, **kwargs) if args or kwargs else shared
@@ -191,7 +204,7 @@ def run(model, config, spec: list, max_examples: Optional[int] = None, *, log_sa
     harness_config = LmEvalHarnessConfig(task_spec=spec, max_examples=max_examples, log_samples=log_samples)
     with hax.partitioning.set_mesh(t.device_mesh), hax.axis_mapping(t.parameter_axis_mapping):
         model = hax.shard(SegmentPositions(model), t.parameter_axis_mapping)  # onto the trainer's mesh
-        with rolling.enabled(), shared_task_manager():
+        with rolling.enabled(), shared_task_manager(needs_index(spec)):
             return run_lm_eval_harness(
                 harness_config, model, config.data.the_tokenizer, t.EvalBatch, t.compute_axis_mapping, t.mp
             )

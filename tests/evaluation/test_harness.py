@@ -91,6 +91,36 @@ def test_multiple_choice_matches_log_likelihoods_from_the_logits(run, tmp_path):
     np.testing.assert_allclose(got, reference, rtol=0, atol=1e-4)
 
 
+def test_a_task_file_is_built_from_its_own_keys_whatever_the_index_holds(tmp_path):
+    """A call that names only task files builds no index of lm-eval's built-in tasks (12-18 s): a task
+    definition is built from its own keys, so an empty index gives the task a full one would. Checked
+    against an index that holds another task of the same name (a folder of its own, not the built-in
+    15,000): the definition wins there too. Names and groups need the index."""
+    import lm_eval.tasks as tasks
+
+    from qkvflow.evaluation import harness
+
+    spec = harness.task_spec(_write_task(tmp_path, [0, 1, 2, 3]))
+    assert not harness.needs_index(spec)
+    assert harness.needs_index(["arc_easy"]) and harness.needs_index([*spec, "arc_easy"])
+    assert harness.needs_index([{"group": "mine", "task": ["arc_easy"]}])
+    other = tmp_path / "index"
+    other.mkdir()
+    (other / "same_name.yaml").write_text(
+        open(tmp_path / "tiny_mc.yaml").read().replace("'{{question}}'", "'Q: {{question}}'")
+    )
+
+    def built(manager):
+        (task,) = harness._tasks(tasks.get_task_dict(spec, manager))
+        return task.config.doc_to_text, task.OUTPUT_TYPE, [task.doc_to_text(d) for d in task.test_docs()]
+
+    assert tasks.TaskManager(include_defaults=False, include_path=str(other)).all_tasks == ["qkvflow_tiny_mc"]
+    empty = harness.task_manager(False)
+    assert empty.all_tasks == []
+    assert built(empty) == built(tasks.TaskManager(include_defaults=False, include_path=str(other)))
+    assert built(empty) == ("{{question}}", "multiple_choice", QUESTIONS)
+
+
 def test_packed_requests_restart_their_positions():
     import haliax as hax
 
