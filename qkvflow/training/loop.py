@@ -260,9 +260,7 @@ def train_run(
         progress = progress_hook(summary, t.num_train_steps, config.log_every, tokens_per_step)
 
         # Levanter's data restarts when it runs out: stop after `epochs` passes (one for `epochs: 0`)
-        last = min(t.num_train_steps, _steps_for_epochs(config, tokens, run.Pos.size))
-        if config.stop_after is not None:
-            last = min(last, config.stop_after)
+        last = min(target, _steps_for_epochs(config, tokens, run.Pos.size))
         loader = trainer.data_loader(train_set)
         bound_read_ahead(loader, last - start)
         batches = itertools.islice(loader.iter_from_step(start), max(0, last - start))
