@@ -166,11 +166,13 @@ def test_cli_tasks_at_several_grids_and_one_line_refusals(run, tmp_path, capfd, 
     indexed, index = [], lm_eval.tasks.TaskManager.__init__
     with monkeypatch.context() as patch:
         patch.setattr(harness, "run", spy)
-        patch.setattr(lm_eval.tasks.TaskManager, "__init__", lambda *a, **k: indexed.append(1) or index(*a, **k))
+        patch.setattr(lm_eval.tasks.TaskManager, "__init__", lambda *a, **k: indexed.append(k) or index(*a, **k))
         assert cli_main([*base, "--tasks", task, "--steps", "1,2", "--output", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
     assert [s[:2] for s in seen] == [("euler", 1), ("euler", 2)]
-    assert len(indexed) == 1  # lm-eval's task index built once, by the preload, and shared by both grids' runs
+    # lm-eval's task index built once, by the preload, and shared by both grids' runs; empty, as the only
+    # task is a task file (`needs_index`)
+    assert indexed == [{"include_defaults": False}]
     rows = [line for line in out.splitlines() if "| qkvflow_tiny_mc | acc |" in line]
     assert rows == [
         f"| euler | N=1 | qkvflow_tiny_mc | acc | {seen[0][2]:.4f} | - |",
