@@ -45,12 +45,14 @@ import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import PreTrainedTokenizerFast
 
 from qkvflow.errors import UserError
+
+if TYPE_CHECKING:  # imported where used: transformers imports torch (~5 s), which training never needs
+    from transformers import PreTrainedTokenizerFast
 
 EOS = "<|endoftext|>"
 KINDS = ("bpe", "char")
@@ -99,6 +101,8 @@ def wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
     tok.post_processor = processors.TemplateProcessing(
         single=f"{EOS} $A {EOS}", pair=f"{EOS} $A {EOS} $B:1 {EOS}:1", special_tokens=[eos]
     )
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=EOS, eos_token=EOS, clean_up_tokenization_spaces=False,
         model_input_names=["input_ids", "attention_mask"],  # no token_type_ids in Levanter's cache

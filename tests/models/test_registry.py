@@ -154,6 +154,8 @@ def state(config):
 
 tiny, mistral = sys.argv[1:3]
 out = {"tiny": state(parse(TrainConfig, ["--config_path", tiny], "train"))}
+import qkvflow.cli.train, qkvflow.data.corpora, qkvflow.plotting, qkvflow.training.loop, qkvflow.training.session
+out["train imports"] = sorted({"torch", "transformers"} & set(sys.modules))  # before a Levanter model's parse
 out["mistral"] = state(parse(TrainConfig, ["--config_path", mistral, "--model.hidden_dim", "64"], "train"))
 out["gpt2"] = state(parse(TrainConfig, ["--config_path", mistral, "--model", "{type: gpt2}"], "train"))
 out["later lookup"] = LmConfig.get_choice_class("qwen").__name__
@@ -165,7 +167,7 @@ def test_a_parse_imports_only_the_levanter_model_types_it_names(tmp_path):
     """`qkvflow.configfile.parse` spares draccus's search of every levanter.models module (~4.5 s of each
     CLI start-up) when the config names its model types: qkvflow's own families, or Levanter's
     `levanter.models.<type>`. The search stays marked undone afterwards, so a later lookup still finds
-    every type."""
+    every type. The train verb's modules import neither transformers nor torch."""
     import json
     import subprocess
     import sys
@@ -186,6 +188,8 @@ def test_a_parse_imports_only_the_levanter_model_types_it_names(tmp_path):
         False,
     ]
     assert out["later lookup"] == "QwenConfig"
+    # what `qkvflow train` imports spares transformers, and with it torch (~5 s of every training process)
+    assert out["train imports"] == []
 
 
 def test_model_types_reads_the_file_and_the_overrides_and_gives_up_when_unsure(tmp_path):
