@@ -118,6 +118,7 @@ def test_the_ode_and_its_n_layer_discretisation_give_the_same_logits(flavour):
 @pytest.mark.gpu
 @pytest.mark.parametrize("flavour", ["gpt2", "llama"])
 def test_exported_hf_logits_match_the_accelerators(tmp_path, flavour):
+    needs()  # before torch's import (~7 s), which a skip on the CPU does not need
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     import jax
@@ -128,7 +129,6 @@ def test_exported_hf_logits_match_the_accelerators(tmp_path, flavour):
     from tests.analysis.builders import filled
     from tests.helpers import tiny_config
 
-    needs()
     config = tiny_config(flavour)
     ids = _tokens(config)
     with jax.default_matmul_precision(PRECISION):
