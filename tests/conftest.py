@@ -68,6 +68,19 @@ def _cheap_compiles() -> None:
 _cheap_compiles()
 
 
+def _collect_less() -> None:
+    """The test processes collect garbage as seldom as a `qkvflow` process does (qkvflow.cli.collect_less):
+    a test process holds the traced programs of every test before it, and at Python's default thresholds
+    tests/models/test_node_lm.py and tests/integrate spent 9.8 s of their 110 s collecting, 2.4 s of 103 s
+    at qkvflow's (`gc.callbacks` timing in one pytest process, 2026-11-28)."""
+    from qkvflow.cli import collect_less
+
+    collect_less()
+
+
+_collect_less()
+
+
 @pytest.fixture(scope="session")
 def corpus_root(tmp_path_factory):
     """The offline pydoc corpus and its tokenizer, built once per test session (its Levanter cache,
