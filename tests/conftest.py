@@ -71,8 +71,9 @@ _cheap_compiles()
 def _collect_less() -> None:
     """The test processes collect garbage as seldom as a `qkvflow` process does (qkvflow.cli.collect_less):
     a test process holds the traced programs of every test before it, and at Python's default thresholds
-    tests/models/test_node_lm.py and tests/integrate spent 9.8 s of their 110 s collecting, 2.4 s of 103 s
-    at qkvflow's (`gc.callbacks` timing in one pytest process, 2026-11-28)."""
+    tests/models/test_node_lm.py and tests/integrate spent 13.6 s of their 117 s collecting, 5.6 s of 108 s
+    at qkvflow's (`python benchmarks/gc_time.py [--thresholds 700,10,10] -m pytest -q -p no:cacheprovider
+    tests/models/test_node_lm.py tests/integrate`, one process, 2026-11-28)."""
     from qkvflow.cli import collect_less
 
     collect_less()

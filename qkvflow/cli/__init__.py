@@ -128,9 +128,9 @@ def collect_less() -> None:
     """Run Python's cyclic garbage collector less often: a process spends its first minute importing
     and tracing (JAX builds millions of short-lived Python objects, which reference counting frees), and
     at the default thresholds the collector ran 1,665 times in a tiny 8-step training run and took 2.8 s
-    of its 20 s, 0.8 s at these (`gc.callbacks` timing `qkvflow train --config_path
-    tests/configs/tiny_train.yaml`, 2026-11-28; benchmarks/README.md). Cycles are still collected, after
-    20,000 allocations instead of 700."""
+    of its 20 s, 0.8 s at these (`python benchmarks/gc_time.py [--thresholds 700,10,10] -m qkvflow train
+    --config_path tests/configs/tiny_train.yaml ...`, 2026-11-28; benchmarks/README.md). Cycles are still
+    collected, after 20,000 allocations instead of 700."""
     gc.set_threshold(*GC_THRESHOLDS)
 
 
