@@ -25,6 +25,29 @@ TINY = {"hidden_dim": 32, "num_layers": 2, "num_heads": 2, "max_seq_len": 32}
 VOCAB = 50257
 
 
+def write_tokenizer(folder: str) -> str:
+    """GPT-2's vocabulary size without its BPE (which Levanter would fetch from the Hub): a word-level
+    tokenizer, `t<i>` -> i for i in 1..50256 and `<unk>` -> 0, saved in the Hugging Face folder layout
+    (tokenizer.json, tokenizer_config.json, special_tokens_map.json) that Levanter and transformers load.
+    Written with the `tokenizers` library alone: importing transformers (and with it torch) cost this
+    script ~5 s per run."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    os.makedirs(folder, exist_ok=True)
+    word_level = Tokenizer(models.WordLevel({"<unk>": 0, **{f"t{i}": i for i in range(1, VOCAB)}}, unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    word_level.add_special_tokens(["<unk>"])
+    word_level.save(os.path.join(folder, "tokenizer.json"))
+    unk = {"content": "<unk>", "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+           "special": True}  # fmt: skip
+    config = {"added_tokens_decoder": {"0": unk}, "clean_up_tokenization_spaces": False,
+              "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>"}  # fmt: skip
+    for name, content in (("tokenizer_config.json", config), ("special_tokens_map.json", {"unk_token": "<unk>"})):
+        with open(os.path.join(folder, name), "w") as f:
+            json.dump(content, f, indent=2)
+    return folder
+
+
 def write_inputs(out: str, batch: int, steps: int, dry_run: bool) -> str:
     model = TINY if dry_run else SMALL
     seq = model["max_seq_len"]
@@ -33,15 +56,7 @@ def write_inputs(out: str, batch: int, steps: int, dry_run: bool) -> str:
         for _ in range(batch * (steps + 2)):  # one document per sequence, a few to spare
             words = (f"t{i}" for i in rng.integers(1, VOCAB, seq + 1))
             f.write(json.dumps({"text": " ".join(words)}) + "\n")
-    # GPT-2's vocabulary size without its BPE (which Levanter would fetch from the Hub): one word per id
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer_dir = os.path.join(out, "tokenizer")
-    vocab = {"<unk>": 0, **{f"t{i}": i for i in range(1, VOCAB)}}
-    word_level = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=word_level, unk_token="<unk>").save_pretrained(tokenizer_dir)
+    tokenizer_dir = write_tokenizer(os.path.join(out, "tokenizer"))
     config = {
         "data": {
             "tokenizer": tokenizer_dir,
