@@ -337,9 +337,9 @@ def test_output_is_never_a_folder_of_yours(tmp_path: Path, capsys) -> None:
 
 def test_own_text_trains_offline_end_to_end(sample: dict, tmp_path: Path) -> None:
     """`qkvflow tokenizer` then `qkvflow train --config_path configs/own_text.yaml` (its default paths),
-    one after the other in one fresh process (tests/train_utils.cli_in_one_process) with the Hugging Face
+    one after the other in one new process (tests/train_utils.cli_in_one_process) with the Hugging Face
     hub switched off; a tiny model, 4 steps."""
-    env = train_env(1, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONPATH=str(ROOT))
+    env = train_env(1, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     tiny = ["--model.hidden_dim", "32", "--model.num_heads", "2", "--model.max_seq_len", "32", "--model.time_embed_dim", "8",
             "--model.num_frequencies", "16", "--model.ode.num_steps", "2", "--trainer.num_train_steps", "4",
             "--trainer.train_batch_size", "4", "--trainer.steps_per_eval", "4", "--trainer.max_eval_batches", "1",
