@@ -7,8 +7,8 @@ modules preloaded) and forks a child per command line: a real process with its o
 status, environment, working folder and stdout/stderr files, that skips those imports.
 
 What it does not reproduce is a fresh interpreter's import of those modules, so the suite keeps real
-subprocesses where that is what a test checks (`tests/test_cli.py`, the launchers, `bench compare`'s
-own runs). A command line whose environment differs from the server's in a variable that is read at
+subprocesses where that is what a test checks (`tests/test_cli.py`, the launchers). Code under test
+that starts `python -m qkvflow` itself with `subprocess.run` (`bench compare`) is given `Subprocess`. A command line whose environment differs from the server's in a variable that is read at
 import time (`IMPORT_TIME`, e.g. JAX_ENABLE_X64) runs as an ordinary subprocess; the few such variables
 the tests set (EQX_ON_ERROR, TRANSFORMERS_VERBOSITY) are applied in the child instead (`AFTER_FORK`).
 The server starts before any XLA backend exists in it, so the fork is safe for JAX.
@@ -183,3 +183,27 @@ def run(argv, env: dict, cwd, timeout=None, entry: str = MAIN) -> subprocess.Com
             proc.wait()
             raise
         return subprocess.CompletedProcess(proc.args, code, out.read_text(), err.read_text())
+
+
+class Subprocess:
+    """A stand-in for the `subprocess` module of code that runs `python -m qkvflow ...` as
+    `subprocess.run(cmd, cwd=..., env=..., stdout=LOG, stderr=subprocess.STDOUT, timeout=...)` with LOG an
+    open file (`qkvflow bench compare`'s trainings and evaluations): such a command line runs through
+    `run` (a warm child when its environment allows), its stdout then its stderr appended to LOG; any
+    other call goes to the real module. `verbs` lists the verbs it ran so."""
+
+    STDOUT, PIPE, DEVNULL, CompletedProcess, TimeoutExpired = (subprocess.STDOUT, subprocess.PIPE,
+        subprocess.DEVNULL, subprocess.CompletedProcess, subprocess.TimeoutExpired)  # fmt: skip
+
+    def __init__(self):
+        self.verbs: list[str] = []
+
+    def run(self, cmd, *, cwd=None, env=None, stdout=None, stderr=None, timeout=None, **kwargs):
+        ours = list(cmd[:3]) == [sys.executable, "-m", "qkvflow"] and stderr == subprocess.STDOUT
+        if not ours or kwargs or not hasattr(stdout, "write"):
+            return subprocess.run(cmd, cwd=cwd, env=env, stdout=stdout, stderr=stderr, timeout=timeout, **kwargs)
+        self.verbs.append(cmd[3])
+        proc = run(list(cmd[3:]), dict(os.environ if env is None else env), cwd or os.getcwd(), timeout)
+        stdout.write(proc.stdout + proc.stderr)
+        stdout.flush()
+        return subprocess.CompletedProcess(list(cmd), proc.returncode)

@@ -14,6 +14,7 @@ import yaml
 from qkvflow.bench import compare, stats
 from qkvflow.errors import UserError
 from qkvflow.training.tracking import metrics_file
+from tests import warm
 
 T_975_4 = 2.7764451051977987  # Student t, 97.5% quantile, 4 degrees of freedom (statistical tables)
 
@@ -312,8 +313,11 @@ def test_every_run_gets_the_one_attention_kernel(study, monkeypatch):
 # --- one real run ----------------------------------------------------------------------------------
 
 
-def test_a_real_run_trains_on_selection_and_is_evaluated_on_test(tmp_path, corpus_root):
-    """The smallest study through the real verbs: one tiny GPT-2, one seed, three steps on pydoc."""
+def test_a_real_run_trains_on_selection_and_is_evaluated_on_test(tmp_path, corpus_root, monkeypatch):
+    """The smallest study through the real verbs: one tiny GPT-2, one seed, three steps on pydoc (its
+    `python -m qkvflow` command lines started from the suite's warm interpreter, tests/warm.py)."""
+    runs = warm.Subprocess()
+    monkeypatch.setattr(compare, "subprocess", runs)
     base = Path(__file__).resolve().parents[2] / "benchmarks" / "compare" / "base_pydoc.yaml"
     spec = {"base": str(base), "baseline": "tiny", "iters": 3, "learning_rates": [1e-3], "seeds": [0],
             "models": {"tiny": {"model": {"type": "gpt2", "max_seq_len": 32, "hidden_dim": 32, "num_heads": 2, "num_layers": 1},
@@ -323,6 +327,7 @@ def test_a_real_run_trains_on_selection_and_is_evaluated_on_test(tmp_path, corpu
     argv = [str(tmp_path / "study.yaml"), "--workdir", str(tmp_path / "work"), "--out_dir", str(tmp_path / "out"),
             "--corpus_root", str(corpus_root)]  # fmt: skip
     assert compare.main(argv) == 0
+    assert runs.verbs == ["train", "eval"]
     run = json.loads((tmp_path / "work" / "results" / "tiny-lr0.001-s0.json").read_text())
     test = json.loads((tmp_path / "work" / "results" / "tiny-lr0.001-s0.test.json").read_text())["test_loss"]
     assert 0 < run["selection_loss"] < 9 and 0 < test < 9 and run["selection_loss"] != test  # two different halves
@@ -402,8 +407,11 @@ def test_a_study_on_the_users_own_corpus_end_to_end(tmp_path, monkeypatch):
     """Issue 31: a base config with a `data:` section (a corpus made by `qkvflow tokenizer`, paths relative
     to the folder the study starts in): the selection and test halves are the validation documents at even
     and odd positions (built here from the file), the run trains evaluating on the first and is tested on
-    the second, and the report is written. A tiny GPT-2, one seed, three steps."""
+    the second, and the report is written. A tiny GPT-2, one seed, three steps (tests/warm.py starts its
+    command lines)."""
     monkeypatch.chdir(tmp_path)
+    runs = warm.Subprocess()
+    monkeypatch.setattr(compare, "subprocess", runs)
     _own_corpus(tmp_path)
     (tmp_path / "base.yaml").write_text(OWN_BASE)
     spec = {"base": "base.yaml", "baseline": "tiny", "iters": 3, "learning_rates": [1e-3], "seeds": [0],
@@ -412,6 +420,7 @@ def test_a_study_on_the_users_own_corpus_end_to_end(tmp_path, monkeypatch):
     (tmp_path / "study.yaml").write_text(yaml.safe_dump(spec))
     work = tmp_path / "work"
     assert compare.main([str(tmp_path / "study.yaml"), "--workdir", str(work)]) == 0
+    assert runs.verbs == ["train", "eval"]
     validation = [line for line in (tmp_path / "cache" / "own" / "validation.jsonl").read_text().splitlines() if line]
     assert len(validation) >= 4
     assert (work / "data" / "own.selection.jsonl").read_text().splitlines() == validation[0::2]
