@@ -39,6 +39,7 @@ PRELOAD = [
     "levanter.trainer",
     "levanter.checkpoint",
     "transformers",
+    "matplotlib.pyplot",  # the loss curve and depth plots (~0.7 s of a run that plots: `python -X importtime`)
 ]
 # Read after the fork (at XLA's backend start or by qkvflow while it runs), so a child may set its own;
 # EQX_ON_ERROR and TRANSFORMERS_VERBOSITY are read when equinox and transformers are imported, and
