@@ -1,4 +1,5 @@
-"""Checks that need an accelerator (`pytest -m gpu`, run by benchmarks/accelerator.sh), and one that they skip without.
+"""Checks that need an accelerator (`pytest -m gpu`, run by benchmarks/accelerator.sh, whose CPU dry run in
+tests/test_accelerator_script.py checks that each of them skips there).
 
 On a CPU backend every gpu-marked test skips, so the default suite (which collects them) stays CPU-only.
 `QKVFLOW_GPU_TESTS_ON_CPU=1 pytest -m gpu tests/test_gpu.py` runs them on the CPU anyway (two
@@ -146,18 +147,3 @@ def test_exported_hf_logits_match_the_accelerators(tmp_path, flavour):
 
     assert relative_error(torch_logits, jax_logits) < 1e-4  # as tests/hf/test_export.py
     assert relative_error(torch_logits, ode_logits) < 1e-4
-
-
-def test_the_gpu_tests_skip_on_the_cpu_unless_forced():
-    """Not gpu-marked: in the default suite, on the CPU, without the variable, the tests above skip
-    (not fail), and `pytest -m gpu` selects them."""
-    code = (
-        "import pytest, sys; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-m', 'gpu', "
-        "'tests/test_gpu.py', '-k', 'discretisation and gpt2', '-rs']))"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "QKVFLOW_GPU_TESTS_ON_CPU"}
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "1 skipped" in proc.stdout and "needs an accelerator" in proc.stdout, proc.stdout[-2000:]
