@@ -9,8 +9,6 @@ initialisation really puts on each device (for a tiny model).
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -149,10 +147,12 @@ print("RESULT", json.dumps(out))
 
 
 def test_prediction_matches_levanters_sharded_initialisation():
+    """On 8 simulated devices, in a child of the warm interpreter (tests/warm.py) whose XLA backend starts
+    with them."""
+    from tests import warm
+
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=with_host_devices(8))
-    proc = subprocess.run(
-        [sys.executable, "-c", _REAL_MESH], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
+    proc = warm.run([_REAL_MESH], env, cwd=ROOT, timeout=600, entry="tests.warm:exec_code")
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     for measured, predicted in json.loads(lines[0][len("RESULT ") :]):

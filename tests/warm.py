@@ -186,6 +186,13 @@ def run(argv, env: dict, cwd, timeout=None, entry: str = MAIN) -> subprocess.Com
         return subprocess.CompletedProcess(proc.args, code, out.read_text(), err.read_text())
 
 
+def exec_code(argv) -> int:
+    """An `entry` that runs the Python source `argv[0]` as `python -c` would (`sys.argv[1:]` the rest)."""
+    sys.argv = ["-c", *argv[1:]]
+    exec(compile(argv[0], "<string>", "exec"), {"__name__": "__main__"})
+    return 0
+
+
 class Subprocess:
     """A stand-in for the `subprocess` module of code that runs `python -m qkvflow ...` as
     `subprocess.run(cmd, cwd=..., env=..., stdout=LOG, stderr=subprocess.STDOUT, timeout=...)` with LOG an
