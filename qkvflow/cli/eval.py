@@ -1,6 +1,6 @@
 """`qkvflow eval`: perplexity and bits per byte of a checkpoint, at any solver grid; lm-eval tasks.
 
-    qkvflow eval --config_path CFG --checkpoint CKPT [--steps 2,4,8] [--solver euler,rk4]
+    qkvflow eval --config_path CFG --checkpoint CKPT [--steps 2,4,8 | --steps auto] [--solver euler,rk4]
                  [--tolerances 1e-2,1e-3 [--adaptive_solver tsit5]] [--output DIR [--overwrite]]
                  [--tasks T1,T2 [--max_examples K]] [--dotted.key value ...]
 
@@ -15,7 +15,11 @@ than the run's `trainer.max_eval_batches` cap is `--trainer.max_eval_batches nul
 The loss is the run's own evaluation (qkvflow.evaluation.perplexity); without --steps, --solver or
 --tolerances it is the model at its config's grid, and equals the run's last `eval/loss`. For a
 DiffEqFormer, --steps/--solver/--tolerances evaluate the same parameters at each grid
-(qkvflow.evaluation.depth); a baseline or a fine-tuned model has a fixed depth and refuses them. The table is printed; with
+(qkvflow.evaluation.depth); a baseline or a fine-tuned model has a fixed depth and refuses them.
+`--steps auto` evaluates the grids of --auto_grids (default N/4,N/2,N,2N,4N; each --solver) and marks
+the one with the fewest vector-field evaluations whose loss is within --auto_tolerance nats (default
+0.01) of the lowest (qkvflow.evaluation.auto_steps; --tolerances rows are shown, not candidates);
+`qkvflow generate --steps auto` decodes on the grid chosen that way. The table is printed; with
 --output it is also written as depth.md and depth.json, with the plot depth.png (perplexity against
 vector-field evaluations), into DIR (qkvflow.outputs: an absent or empty folder, or an earlier
 `qkvflow eval` output with --overwrite). --tasks runs lm-evaluation-harness tasks through Levanter's
@@ -35,6 +39,7 @@ from typing import Optional
 
 from qkvflow import outputs
 from qkvflow.errors import UserError
+from qkvflow.evaluation import auto_steps
 from qkvflow.training.config import TrainConfig
 from qkvflow.training.finetune import FinetuneConfig, is_finetune_config
 
@@ -50,7 +55,12 @@ class EvalOptions:
     """The run's checkpoints: checkpoints/<run_id> (its newest step-N) or a step-N folder."""
     steps: Optional[str] = None
     """Fixed solver grids to evaluate a DiffEqFormer at, comma-separated (e.g. 1,2,4,8,16, or relative to the trained
-    N = model.ode.num_steps: N/4,N/2,N,2N,4N); default: model.ode.num_steps."""
+    N = model.ode.num_steps: N/4,N/2,N,2N,4N), or auto (the grids of --auto_grids, the cheapest within
+    --auto_tolerance of the best marked); default: model.ode.num_steps."""
+    auto_grids: str = auto_steps.GRIDS
+    """With --steps auto: the candidate grids, as --steps takes them."""
+    auto_tolerance: float = auto_steps.TOLERANCE
+    """With --steps auto: nats per token above the lowest candidate loss that the chosen grid may lose."""
     solver: Optional[str] = None
     """Solvers for the fixed grids, comma-separated (euler, heun, midpoint, ralston, rk4, tsit5, dopri5); default: model.ode.solver."""
     tolerances: Optional[str] = None
@@ -109,6 +119,10 @@ def check(config: EvalConfig, config_path: Optional[str]) -> None:
             raise UserError(
                 f"{' and '.join(given)}: model.type={kind} has a fixed depth; solver grids apply to DiffEqFormer checkpoints"
             )
+    if is_auto(config):
+        auto_steps.check_tolerance(config.auto_tolerance)
+    elif (config.auto_grids, config.auto_tolerance) != (auto_steps.GRIDS, auto_steps.TOLERANCE):
+        raise UserError("--auto_grids and --auto_tolerance apply to --steps auto: expected --steps auto with them")
     if config.per_sequence and config.tolerances is None:
         raise UserError(
             "--per_sequence: needs --tolerances (a fixed grid takes the same evaluations for every sequence)"
@@ -124,10 +138,17 @@ def is_ode(model_config) -> bool:
     return registry.is_ode(model_config)
 
 
+def is_auto(config) -> bool:
+    return isinstance(config.steps, str) and config.steps.strip() == "auto"
+
+
 def points(config: EvalConfig):
     from qkvflow.evaluation.depth import grid_points, parse_list, parse_steps
 
-    steps = parse_steps(config.steps, config.model.ode.num_steps)
+    if is_auto(config):
+        steps = auto_steps.candidates(config.auto_grids, config.model.ode.num_steps)
+    else:
+        steps = parse_steps(config.steps, config.model.ode.num_steps)
     solvers = parse_list(config.solver, "solver", str, "comma-separated solver names, e.g. euler,rk4")
     tolerances = parse_list(config.tolerances, "tolerances", float, "comma-separated positive numbers, e.g. 1e-2,1e-3")
     return grid_points(config.model.ode, steps, solvers, tolerances, config.adaptive_solver)
@@ -135,27 +156,28 @@ def points(config: EvalConfig):
 
 def evaluate(config: EvalConfig, config_path: Optional[str] = None) -> dict:
     """The rows of the table (and lm-eval's results with --tasks) as a dict."""
-    import haliax as hax
-    import haliax.partitioning
-
-    from qkvflow.data import cache_lock
-    from qkvflow.evaluation import depth, perplexity
     from qkvflow.training.run_model import load_run_model
     from qkvflow.training.session import announce_corpus, with_corpus
 
     check(config, config_path)
     finetuned = isinstance(config, FinetuneConfig)
     grid = points(config) if not finetuned and is_ode(config.model) else None
+    each = None
     if config.tasks is not None:
         from qkvflow.evaluation import harness
 
         harness.check_installed()
         task_spec = harness.task_spec(config.tasks)
         harness.preload(task_spec)
+        lm_eval: list = []
+
+        def each(row, m):  # the same model at the same grid through lm-eval: one run per row
+            outputs = harness.run(m, config, task_spec, config.max_examples, log_samples=config.log_samples)
+            lm_eval.append({k: row[k] for k in ("solver", "grid", "steps", "tolerance", "nfe", "trained")} | outputs)
+
     announce_corpus(config)
     config = with_corpus(config)
     model, hf_tokenizer = load_run_model(config, config.checkpoint)  # a finetune run's: discretised, LoRA merged
-    t = config.trainer
     result: dict = {
         "checkpoint": config.checkpoint,
         "config_path": config_path,
@@ -163,6 +185,25 @@ def evaluate(config: EvalConfig, config_path: Optional[str] = None) -> dict:
     }
     if finetuned:
         result["finetune"] = config.finetune
+    result["rows"], result["eval_examples"] = score_grids(config, model, grid, hf_tokenizer, each)
+    if is_auto(config):
+        result["auto"] = mark_auto(result["rows"], config.auto_tolerance)
+    if config.tasks is not None:
+        result["lm_eval"] = lm_eval
+    return result
+
+
+def score_grids(config, model, grid, hf_tokenizer, each=None) -> tuple[list[dict], int]:
+    """(rows, examples): the loss of `model` at each `GridPoint` of `grid` (None: as loaded) on the
+    validation data of `config` (a corpus already resolved), as the run's evaluation computes it;
+    `each(row, model at that grid)` runs after each row."""
+    import haliax as hax
+    import haliax.partitioning
+
+    from qkvflow.data import cache_lock
+    from qkvflow.evaluation import depth, perplexity
+
+    t = config.trainer
     if not cache_lock.build(config.data, "validation"):  # tokenized on the first evaluation of this data
         raise UserError("data has no validation set: expected validation_urls (or a corpus) in the data config")
     # Outside the mesh, as training builds it (qkvflow.training.loop.make_evaluator): inside it, Levanter's
@@ -172,7 +213,7 @@ def evaluate(config: EvalConfig, config_path: Optional[str] = None) -> dict:
     with haliax.partitioning.set_mesh(t.device_mesh), hax.axis_mapping(t.parameter_axis_mapping):
         model = hax.shard(model, t.parameter_axis_mapping)  # onto the trainer's mesh, as training holds it
         counts = perplexity.count_targets(evaluator, hf_tokenizer)
-        rows, lm_eval = [], []
+        rows = []
         for point in grid or [None]:
             m = model if point is None else depth.with_ode(model, point.ode)
             try:
@@ -191,22 +232,29 @@ def evaluate(config: EvalConfig, config_path: Optional[str] = None) -> dict:
                            steps=None if point.adaptive else point.ode.num_steps, trained=depth.same_solve(point.ode, config.model.ode))  # fmt: skip
                 if point.adaptive:
                     row["nfe"], row["nfe_min"], row["nfe_max"] = depth.measured_evaluations(m, evaluator, t.mp)
-                    if config.per_sequence:
+                    if getattr(config, "per_sequence", False):
                         row["nfe_per_sequence"] = depth.distribution(depth.per_sequence_evaluations(m, evaluator, t.mp))
                 else:
                     row["nfe"] = depth.fixed_evaluations(point.ode)
             row.update(scored.as_dict())
             rows.append(row)
-            if config.tasks is not None:  # the same model at the same grid through lm-eval: one run per row
-                outputs = harness.run(m, config, task_spec, config.max_examples, log_samples=config.log_samples)
-                lm_eval.append(
-                    {k: row[k] for k in ("solver", "grid", "steps", "tolerance", "nfe", "trained")} | outputs
-                )
-        result["rows"] = rows
-        result["eval_examples"] = len(evaluator.dataset.as_sync_dataset())
-        if config.tasks is not None:
-            result["lm_eval"] = lm_eval
-    return result
+            if each is not None:
+                each(row, m)
+    return rows, len(evaluator.dataset.as_sync_dataset())
+
+
+def mark_auto(rows: list[dict], tolerance: float) -> dict:
+    """`--steps auto` over the fixed-grid rows: marks the chosen one (`auto`), returns what was chosen."""
+    fixed = [i for i, r in enumerate(rows) if r["tolerance"] is None]
+    chosen, best = auto_steps.choose([rows[i] for i in fixed], tolerance)
+    rows[fixed[chosen]]["auto"] = True
+    keep = ("solver", "steps", "nfe", "loss")
+    return {
+        "tolerance": tolerance,
+        "chosen": {k: rows[fixed[chosen]][k] for k in keep},
+        "best": {k: rows[fixed[best]][k] for k in keep},
+        "summary": auto_steps.summary([rows[i] for i in fixed], chosen, best, tolerance),
+    }
 
 
 def write(result: dict, config: EvalConfig, config_path: Optional[str]) -> list[str]:
@@ -215,6 +263,8 @@ def write(result: dict, config: EvalConfig, config_path: Optional[str]) -> list[
     with outputs.replacing(config.output, **_output_rules(config, config_path)) as folder:
         with open(os.path.join(folder, "depth.md"), "w") as f:
             f.write(depth.markdown_table(result["rows"]) + "\n")
+            if "auto" in result:
+                f.write("\n" + result["auto"]["summary"] + "\n")
             if config.per_sequence:
                 f.write("\n" + depth.per_sequence_table(result["rows"]) + "\n")
         with open(os.path.join(folder, "depth.json"), "w") as f:
@@ -273,6 +323,8 @@ def main(argv: list[str]) -> int:
     quiet_logging(config.verbose)
     result = evaluate(config, config_path)
     print(depth.markdown_table(result["rows"]))
+    if "auto" in result:
+        print(result["auto"]["summary"])
     if config.per_sequence:
         print(depth.per_sequence_table(result["rows"]))
     if "lm_eval" in result:

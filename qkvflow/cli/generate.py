@@ -1,14 +1,18 @@
 """`qkvflow generate`: text from a checkpoint of `qkvflow train` or `qkvflow finetune`, with KV caches.
 
     qkvflow generate --config_path CFG --checkpoint CKPT --prompt TEXT [--max_new_tokens K] [--temperature T]
-                     [--prompts_file F] [--output_jsonl F] [--steps N'] [--top_p P] [--top_k K] [--stop S]
+                     [--prompts_file F] [--output_jsonl F] [--steps N' | auto] [--top_p P] [--top_k K] [--stop S]
                      [--stop_token_ids '[ID, ...]'] [--seed S] [--stream true] [--dotted.key value ...]
 
 CFG is the config the checkpoint was trained with: a training config (as `qkvflow export` reads it)
 or a fine-tuning config (one with a `pretrained:` section; its fine-tuned, LoRA-merged model is
 decoded). Decoding runs on Levanter's `InferenceEngine` (`qkvflow.inference`): a DiffEqFormer on its
-fixed grid, or on `--steps N'` steps of the same solver; an adaptive solver is refused (pass
-`--model.ode.solver euler` or `--model.ode.adaptive false`). Temperature 0 (the default) is greedy.
+fixed grid, or on `--steps N'` steps of the same solver (an integer, or relative to the trained N: 2N,
+N/2); an adaptive solver is refused (pass `--model.ode.solver euler` or `--model.ode.adaptive false`).
+`--steps auto` first scores the grids of --auto_grids on the run's validation data, as `qkvflow eval
+--steps auto` does, and decodes on the one with the fewest vector-field evaluations within
+--auto_tolerance nats of the lowest loss (qkvflow.evaluation.auto_steps); the choice is printed on
+stderr. Temperature 0 (the default) is greedy.
 
 Prints each completion (the generated text without the prompt) on stdout, one per prompt in order;
 `--output_jsonl F` also writes one JSON object per prompt: prompt, completion, finish_reason, tokens.
@@ -24,6 +28,7 @@ from typing import List, Optional
 
 from qkvflow.cli import quiet_checkpoint_warnings
 from qkvflow.errors import UserError
+from qkvflow.evaluation import auto_steps
 from qkvflow.training.config import TrainConfig
 from qkvflow.training.finetune import FinetuneConfig, is_finetune_config
 
@@ -51,8 +56,12 @@ class GenerateOptions:
     """End a completion before the first of these tokens (excluded), e.g. '[0]'."""
     seed: int = 0
     """Sampling seed: the same seed, prompts and options give the same text."""
-    steps: Optional[int] = None
-    """N': decode a DiffEqFormer on this fixed grid instead of its trained ode.num_steps."""
+    steps: Optional[str] = None
+    """N': decode a DiffEqFormer on this fixed grid instead of its trained ode.num_steps (e.g. 8, or 2N), or auto."""
+    auto_grids: str = auto_steps.GRIDS
+    """With --steps auto: the candidate grids, as `qkvflow eval --steps` takes them."""
+    auto_tolerance: float = auto_steps.TOLERANCE
+    """With --steps auto: nats per token above the lowest candidate loss that the chosen grid may lose."""
     max_seqs: int = 8
     """Sequences the engine decodes at once."""
     stream: bool = False
@@ -121,21 +130,55 @@ def read_prompts(config: GenerateOptions) -> list[str]:
     return prompts
 
 
-def check_solver(config) -> None:
-    """Refuse an adaptive solver (or a bad --steps) before any model is loaded."""
+def decoding_steps(config):
+    """--steps as decoding takes it: None (the trained grid), N' (an int), or "auto"; bad values, an
+    adaptive solver and a model of fixed depth are refused before any model is loaded."""
     import dataclasses
 
+    from qkvflow.cli.eval import is_auto
+    from qkvflow.evaluation.depth import parse_steps
     from qkvflow.inference.schedule import schedule
     from qkvflow.models import registry
 
     if isinstance(config, FinetuneConfig):
-        return
-    if config.steps is not None and config.steps < 1:
-        raise UserError(f"--steps {config.steps} is invalid: expected an integer >= 1 (the fixed grid N')")
-    model = config.model
-    if registry.is_ode(model):
-        ode = model.ode if config.steps is None else dataclasses.replace(model.ode, num_steps=config.steps)
-        schedule(ode)
+        return None  # a fine-tuning config's own `steps` is its depth M, not a grid N' (refuse_grids)
+    model, auto = config.model, is_auto(config)
+    if auto:
+        auto_steps.check_tolerance(config.auto_tolerance)
+    elif (config.auto_grids, config.auto_tolerance) != (auto_steps.GRIDS, auto_steps.TOLERANCE):
+        raise UserError("--auto_grids and --auto_tolerance apply to --steps auto: expected --steps auto with them")
+    if config.steps is not None and not registry.is_ode(model):
+        raise UserError(
+            f"--steps {config.steps}: model.type={registry.type_name(model)} has a fixed depth; "
+            "a decoding grid applies to DiffEqFormer checkpoints"
+        )
+    if not registry.is_ode(model):
+        return None
+    trained = model.ode.num_steps
+    if auto:
+        candidates = auto_steps.candidates(config.auto_grids, trained)
+    else:
+        candidates = parse_steps(config.steps, trained) if config.steps is not None else [trained]
+        if len(candidates) != 1:
+            raise UserError(f"--steps {config.steps!r} is invalid: expected one grid N' (e.g. 8 or 2N) or auto")
+    for n in candidates:
+        schedule(dataclasses.replace(model.ode, num_steps=n))
+    return "auto" if auto else (None if config.steps is None else candidates[0])
+
+
+def choose_steps(config, model, tokenizer) -> int:
+    """--steps auto: N' scored on the run's validation data (qkvflow.cli.eval.score_grids)."""
+    from qkvflow.cli.eval import mark_auto, score_grids
+    from qkvflow.evaluation.depth import grid_points
+    from qkvflow.training.session import with_corpus
+
+    config = with_corpus(config)
+    ode = config.model.ode
+    grid = grid_points(ode, auto_steps.candidates(config.auto_grids, ode.num_steps))
+    rows, _ = score_grids(config, model, grid, tokenizer)
+    chosen = mark_auto(rows, config.auto_tolerance)
+    print(chosen["summary"], file=sys.stderr, flush=True)
+    return chosen["chosen"]["steps"]
 
 
 def load(config):
@@ -163,7 +206,7 @@ def run(config) -> list:
         raise UserError(f"--max_seqs {config.max_seqs} is invalid: expected an integer >= 1")
     if config.stream and len(prompts) > 1:
         raise UserError("--stream true takes one --prompt: expected --stream false with --prompts_file")
-    check_solver(config)
+    steps = decoding_steps(config)
     if config.checkpoint is None:
         raise UserError("--checkpoint is missing: expected checkpoints/<run_id> or one of its step-N folders")
     context = config.model.max_seq_len if config.model is not None else None
@@ -174,8 +217,8 @@ def run(config) -> list:
     stream = None
     if config.stream:
         stream = lambda i, text: print(text, end="", flush=True)  # noqa: E731
-    # a fine-tuning config's own `steps` is its depth M (the layers of the model it trained), not a grid N'
-    steps = None if isinstance(config, FinetuneConfig) else config.steps
+    if steps == "auto":
+        steps = choose_steps(config, model, tokenizer)
     completions = generate(
         model, tokenizer, prompts, options, steps=steps, sizes=EngineSizes(max_seqs=config.max_seqs), stream=stream
     )

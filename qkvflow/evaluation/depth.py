@@ -63,24 +63,26 @@ def parse_list(text, key: str, kind, expected: str) -> list:
     return values
 
 
-def parse_steps(text, trained: int) -> list[int]:
-    """`--steps`: integers, or multiples of the trained N written relative to it: `N/4,N/2,N,2N,4N` with
-    N = `trained` gives [N/4, N/2, N, 2N, 4N]; each must come out a whole number >= 1."""
+def parse_steps(text, trained: int, key: str = "steps") -> list[int]:
+    """`--steps` (or another option `key`): integers, or multiples of the trained N written relative to it:
+    `N/4,N/2,N,2N,4N` with N = `trained` gives [N/4, N/2, N, 2N, 4N]; each must come out a whole number >= 1."""
     import re
 
     expected = "comma-separated integers >= 1 or multiples of the trained N (e.g. N/2,N,2N,4N)"
     steps = []
-    for item in parse_list(text, "steps", str, expected):
+    for item in parse_list(text, key, str, expected):
         match = re.fullmatch(r"(\d+)?\s*\*?\s*N(?:\s*/\s*(\d+))?", item)
         if match is None:
             if not re.fullmatch(r"[+-]?\d+", item):
-                raise UserError(f"--steps {text!r} is invalid: expected {expected}")
+                raise UserError(f"--{key} {text!r} is invalid: expected {expected}")
+            if int(item) < 1:
+                raise UserError(f"--{key} {item} is invalid: expected integers >= 1 (fixed solver steps N)")
             steps.append(int(item))
             continue
         times, over = int(match.group(1) or 1), int(match.group(2) or 1)
         if over == 0 or (times * trained) % over or times * trained < over:
             raise UserError(
-                f"--steps {item} is invalid with the trained N={trained}: {times} x {trained} / {over} is not a "
+                f"--{key} {item} is invalid with the trained N={trained}: {times} x {trained} / {over} is not a "
                 "whole number of steps >= 1"
             )
         steps.append(times * trained // over)
@@ -223,7 +225,7 @@ COLUMNS = ("solver", "steps or tolerance", "vector-field evaluations", "loss", "
 def markdown_table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
     for r in rows:
-        grid = r["grid"] + (" (trained)" if r.get("trained") else "")
+        grid = r["grid"] + (" (trained)" if r.get("trained") else "") + (" (auto)" if r.get("auto") else "")
         nfe = r["nfe"]
         if nfe is None:
             nfe_text = "-"

@@ -222,6 +222,33 @@ def test_outputs_table_plot_and_overwrite_rules(shared, depth_run, capsys):
     assert (foreign / "keep.txt").read_text() == "x"
 
 
+def test_steps_auto_marks_the_fewest_evaluations_within_the_tolerance(shared, depth_run, capsys, tmp_path):
+    """`--steps auto` scores each candidate grid as --steps does (N = 1 and 2 equal the depth table's rows)
+    and marks the grid with the fewest evaluations among those within --auto_tolerance of the lowest loss,
+    worked out here from the rows it wrote."""
+    corpora, pretrained = shared
+    out_dir, tolerance = tmp_path / "auto", 0.02
+    rc, out, err = _eval(capsys, corpora, pretrained, "--steps", "auto", "--auto_grids", "4,1,2",
+                         "--auto_tolerance", str(tolerance), "--output", str(out_dir))  # fmt: skip
+    assert rc == 0, err
+    result = json.loads((out_dir / "depth.json").read_text())
+    rows = result["rows"]
+    assert [(r["solver"], r["steps"], r["nfe"]) for r in rows] == [("euler", 4, 4), ("euler", 1, 1), ("euler", 2, 2)]
+    earlier = {r["steps"]: r["loss"] for r in depth_run[1]["rows"] if r["tolerance"] is None}
+    for row in rows[1:]:
+        assert row["loss"] == pytest.approx(earlier[row["steps"]], rel=16 * EPS32, abs=0)
+    lowest = min(r["loss"] for r in rows)
+    expected = min((r for r in rows if r["loss"] <= lowest + tolerance), key=lambda r: r["nfe"])
+    assert [r["steps"] for r in rows if r.get("auto")] == [expected["steps"]]
+    assert result["auto"]["chosen"]["steps"] == expected["steps"]
+    assert result["auto"]["best"]["loss"] == lowest and result["auto"]["tolerance"] == tolerance
+    printed = [line for line in out.splitlines() if line.startswith("steps auto:")]
+    assert printed == [result["auto"]["summary"]] and f"euler N={expected['steps']} " in printed[0]
+    marked = [line for line in out.splitlines() if "(auto)" in line]
+    assert len(marked) == 1 and f"N={expected['steps']}" in marked[0]
+    assert result["auto"]["summary"] in (out_dir / "depth.md").read_text()
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -231,6 +258,9 @@ def test_outputs_table_plot_and_overwrite_rules(shared, depth_run, capsys):
         (["--solver", "rk5"], "--solver rk5 is invalid"),
         (["--tolerances", "1e-2", "--adaptive_solver", "euler"], "--adaptive_solver euler is invalid"),
         (["--per_sequence", "true"], "--per_sequence: needs --tolerances"),
+        (["--auto_tolerance", "0.1"], "--auto_grids and --auto_tolerance apply to --steps auto"),
+        (["--steps", "auto", "--auto_tolerance", "-1"], "--auto_tolerance -1.0 is invalid: expected a number of nats"),
+        (["--steps", "auto", "--auto_grids", "N/3"], "--auto_grids N/3 is invalid with the trained N=2"),
     ],
 )
 def test_bad_grids_are_refused_in_one_line(shared, capsys, args, message):

@@ -6,7 +6,7 @@ import equinox as eqx
 import pytest
 
 from qkvflow import cli
-from tests.inference.util import greedy_reference, round_off, training_framed
+from tests.inference.util import greedy_reference, on_grid, round_off, training_framed
 from tests.train_utils import TINY, reference_run
 
 CONTEXT = 32  # tests/configs/tiny_train.yaml: model.max_seq_len
@@ -53,6 +53,13 @@ def test_bad_input_is_one_line(capsys, corpus_root, tmp_path):
         args(corpus_root, missing, "--prompt", "x", "--model.ode.solver", "dopri5"),
         "model.ode.solver=dopri5 is adaptive: KV-cached decoding needs a fixed-step solver",
     )
+    one_error_line(capsys, args(corpus_root, missing, "--prompt", "x", "--steps", "2,4"), "expected one grid N'")
+    one_error_line(capsys, args(corpus_root, missing, "--prompt", "x", "--steps", "N/4"), "--steps N/4 is invalid")
+    one_error_line(
+        capsys,
+        args(corpus_root, missing, "--prompt", "x", "--auto_tolerance", "0.5"),
+        "--auto_grids and --auto_tolerance apply to --steps auto",
+    )
     long_prompt = "word " * 40
     one_error_line(
         capsys, args(corpus_root, missing, "--prompt", long_prompt), "more than the model's context max_seq_len=32"
@@ -79,6 +86,37 @@ def test_greedy_cli_equals_uncached_argmax(capsys, trained, tmp_path):
     assert record["tokens"] == expected
     assert printed == tokenizer.decode(expected) + "\n"
     assert record["prompt"] == prompt and record["finish_reason"] == "length"
+
+
+def test_steps_auto_decodes_on_the_grid_it_chose(capfd, trained, tmp_path, monkeypatch):
+    """`--steps auto` with a tolerance no loss gap reaches picks the cheapest candidate (N' = 1 of 2,1),
+    says so on stderr, and hands that grid to the decoder (whose use of N' tests/inference/
+    test_cached_decoding.py checks): the greedy tokens are those of the same weights on 1 Euler step."""
+    from qkvflow.cli.generate import read_config
+    from qkvflow.inference import generate as decoding
+    from qkvflow.training.run_model import load_model
+
+    grids = []
+    real = decoding.generate
+    monkeypatch.setattr(
+        decoding, "generate", lambda *a, steps=None, **k: grids.append(steps) or real(*a, steps=steps, **k)
+    )
+    corpus_root, checkpoint = trained
+    prompt, new = "The function", 8
+    argv = args(corpus_root, checkpoint, "--prompt", prompt, "--max_new_tokens", str(new))
+    out = tmp_path / "out.jsonl"
+    auto = ["--steps", "auto", "--auto_grids", "2,1", "--auto_tolerance", "100", "--output_jsonl", str(out)]
+    assert cli.main([*argv, *auto]) == 0
+    captured = capfd.readouterr()
+    assert captured.err.count("steps auto: euler N=1 (1 vector-field evaluations") == 1, captured.err
+    assert grids == [1]
+
+    config = read_config(argv[1:])
+    model, tokenizer = load_model(config, str(checkpoint))
+    expected, margin = greedy_reference(on_grid(model, 1), training_framed(tokenizer, prompt), new, context=CONTEXT)
+    assert margin > round_off(1, 32, 1.0)
+    assert json.loads(out.read_text())["tokens"] == expected
+    assert captured.out == tokenizer.decode(expected) + "\n"
 
 
 def test_stream_prints_the_same_text_as_the_completion(capfd, trained, tmp_path):

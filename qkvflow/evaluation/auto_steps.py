@@ -1,0 +1,69 @@
+"""`--steps auto`: the cheapest fixed grid whose loss is within a tolerance of the best one's.
+
+A DiffEqFormer can be solved on any grid at inference (`qkvflow.evaluation.depth`). `--steps auto`
+scores candidate grids g (by default N/4, N/2, N, 2N and 4N steps of the model's solver, the grids of
+the depth-dial study, docs/results.md "Depth as a dial") on validation data and runs at
+
+    g* = argmin  E(g)   over the g with  L(g) <= min_h L(h) + tol,
+
+where L(g) is the mean loss per target token at g, E(g) the vector-field evaluations of one forward
+pass, and tol the tolerance in nats (ties: the lower loss, then the earlier candidate). For a model
+whose flow is resolved the lowest loss is the finest grid's and g* is the coarsest grid that agrees
+with it; for a model bound to the grid it was trained on (today's default) g* is usually that grid.
+The reference is the lowest loss rather than the finest grid's, because on a grid-bound model the
+finest grid is not its best: "within tol of 4N" would there accept a grid far worse than N.
+
+The choice is made on the data it is scored on; to report a loss free of that selection, choose on
+the validation split and evaluate the chosen grid on a test split (`--corpus.eval_split test --steps K`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from qkvflow.errors import UserError
+
+GRIDS = "N/4,N/2,N,2N,4N"
+"""The candidates of `--steps auto` (`--auto_grids`), relative to the trained N."""
+TOLERANCE = 0.01
+"""`--auto_tolerance`: nats per token above the lowest loss (issue 33's bound for 2N and 4N against N)."""
+
+
+def candidates(text: str, trained: int) -> list[int]:
+    """The grids of `--auto_grids`, parsed as `--steps` (`qkvflow.evaluation.depth.parse_steps`); of the
+    default N/4,N/2,N,2N,4N, the fractions that are not whole numbers are left out (N = 2: 1, 2, 4, 8)."""
+    from qkvflow.evaluation.depth import parse_steps
+
+    if text.strip() == GRIDS:
+        return [trained * k // 4 for k in (1, 2, 4, 8, 16) if trained * k % 4 == 0]
+    return parse_steps(text, trained, key="auto_grids")
+
+
+def check_tolerance(tolerance: float) -> None:
+    if not (isinstance(tolerance, (int, float)) and math.isfinite(tolerance) and tolerance >= 0):
+        raise UserError(f"--auto_tolerance {tolerance!r} is invalid: expected a number of nats >= 0")
+
+
+def choose(rows: Sequence[dict], tolerance: float) -> tuple[int, int]:
+    """(chosen, best): indices into `rows` (dicts with `nfe` and `loss`) of g* and of the lowest loss."""
+    check_tolerance(tolerance)
+    finite = [i for i, r in enumerate(rows) if math.isfinite(r["loss"])]
+    if not finite:
+        raise UserError("--steps auto: every candidate grid gave a non-finite loss; pass --steps N explicitly")
+    best = min(finite, key=lambda i: (rows[i]["loss"], i))
+    within = [i for i in finite if rows[i]["loss"] <= rows[best]["loss"] + tolerance]
+    chosen = min(within, key=lambda i: (rows[i]["nfe"], rows[i]["loss"], i))
+    return chosen, best
+
+
+def summary(rows: Sequence[dict], chosen: int, best: int, tolerance: float) -> str:
+    """One line: what `--steps auto` chose, and against what."""
+    c, b = rows[chosen], rows[best]
+    line = (
+        f"steps auto: {c['solver']} N={c['steps']} ({c['nfe']:g} vector-field evaluations, loss {c['loss']:.4f}), "
+        f"the fewest evaluations within {tolerance:g} nats of the lowest loss"
+    )
+    if chosen == best:
+        return line + " (its own)"
+    return line + f" ({b['solver']} N={b['steps']}: {b['loss']:.4f}, {b['nfe']:g} evaluations)"
