@@ -57,7 +57,8 @@ class GenerateOptions:
     seed: int = 0
     """Sampling seed: the same seed, prompts and options give the same text."""
     steps: Optional[str] = None
-    """N': decode a DiffEqFormer on this fixed grid instead of its trained ode.num_steps (e.g. 8, or 2N), or auto."""
+    """N': decode a DiffEqFormer on this fixed grid instead of its trained ode.num_steps (e.g. 8, or 2N), or auto (the
+    grid of --auto_grids with the fewest evaluations within --auto_tolerance of the lowest validation loss)."""
     auto_grids: str = auto_steps.GRIDS
     """With --steps auto: the candidate grids, as `qkvflow eval --steps` takes them."""
     auto_tolerance: float = auto_steps.TOLERANCE
