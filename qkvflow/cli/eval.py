@@ -93,7 +93,7 @@ class FinetuneEvalConfig(FinetuneConfig, EvalOptions):
     a parallel transformer of fixed depth, so the solver grids do not apply (`refuse_grids`)."""
 
 
-GRID_OPTIONS = ("--steps", "--solver", "--tolerances", "--adaptive_solver")
+GRID_OPTIONS = ("--steps", "--solver", "--tolerances", "--adaptive_solver", "--auto_grids", "--auto_tolerance")
 
 
 def _output_rules(config: EvalConfig, config_path: Optional[str]) -> dict:

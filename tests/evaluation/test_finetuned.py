@@ -98,7 +98,8 @@ def test_grid_options_are_refused_for_a_finetune_config(tmp_path_factory, corpus
     """--steps and --solver are keys of the fine-tuning config (its depth M and discretisation): given
     to `qkvflow eval` they would rebuild another model, so they are refused before any work."""
     args, checkpoint, _, _ = finetuned(tmp_path_factory, corpus_root, "lora")
-    for extra in (["--steps", "2,4"], ["--solver=rk4"], ["--tolerances", "1e-3"]):
+    capfd.readouterr()  # what the fixture printed when this test built it
+    for extra in (["--steps", "2,4"], ["--solver=rk4"], ["--tolerances", "1e-3"], ["--auto_tolerance", "0.1"]):
         rc, _, err = _eval(capfd, args, checkpoint, *extra)
         key = extra[0].split("=")[0]
         assert rc == 2 and len(err.strip().splitlines()) == 1, err

@@ -36,7 +36,8 @@ def test_steps_is_refused_for_a_finetune_checkpoint(tmp_path_factory, corpus_roo
     """A fine-tuning config's `steps` is the depth M of the model it trained: --steps there would rebuild
     another model (and fail at restore), so it is refused in one line before anything is loaded."""
     args, checkpoint, _config, _summary = finetuned(tmp_path_factory, corpus_root, "lora")
-    argv = ["generate", *args, "--checkpoint", str(checkpoint), "--prompt", "x", "--steps", "2"]
-    assert cli.main(argv) == 2
-    err = capfd.readouterr().err.strip()
-    assert "\n" not in err and "--steps" in err and "qkvflow finetune" in err, err
+    for extra in (["--steps", "2"], ["--steps", "auto"], ["--auto_grids", "1,2"]):
+        argv = ["generate", *args, "--checkpoint", str(checkpoint), "--prompt", "x", *extra]
+        assert cli.main(argv) == 2
+        err = capfd.readouterr().err.strip()
+        assert "\n" not in err and f"{extra[0]}: " in err and "qkvflow finetune" in err, err
