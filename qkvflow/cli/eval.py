@@ -18,8 +18,9 @@ DiffEqFormer, --steps/--solver/--tolerances evaluate the same parameters at each
 (qkvflow.evaluation.depth); a baseline or a fine-tuned model has a fixed depth and refuses them.
 `--steps auto` evaluates the grids of --auto_grids (default N/4,N/2,N,2N,4N; each --solver) and marks
 the one with the fewest vector-field evaluations whose loss is within --auto_tolerance nats (default
-0.01) of the lowest (qkvflow.evaluation.auto_steps; --tolerances rows are shown, not candidates);
-`qkvflow generate --steps auto` decodes on the grid chosen that way. The table is printed; with
+0.01) of the lowest (qkvflow.evaluation.auto_steps; --tolerances rows are shown, not candidates); with a corpus,
+`--auto_split selection` chooses on that split and the table reports every grid on corpus.eval_split
+(e.g. `--corpus.eval_split test`). `qkvflow generate --steps auto` decodes on the grid chosen that way. The table is printed; with
 --output it is also written as depth.md and depth.json, with the plot depth.png (perplexity against
 vector-field evaluations), into DIR (qkvflow.outputs: an absent or empty folder, or an earlier
 `qkvflow eval` output with --overwrite). --tasks runs lm-evaluation-harness tasks through Levanter's
@@ -32,6 +33,7 @@ evaluations of each sequence solved alone (`nfe_per_sequence`; qkvflow.evaluatio
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -61,6 +63,8 @@ class EvalOptions:
     """With --steps auto: the candidate grids, as --steps takes them."""
     auto_tolerance: float = auto_steps.TOLERANCE
     """With --steps auto: nats per token above the lowest candidate loss that the chosen grid may lose."""
+    auto_split: Optional[str] = None
+    """With --steps auto and a corpus: choose on this split (selection, test or validation), report on corpus.eval_split."""
     solver: Optional[str] = None
     """Solvers for the fixed grids, comma-separated (euler, heun, midpoint, ralston, rk4, tsit5, dopri5); default: model.ode.solver."""
     tolerances: Optional[str] = None
@@ -93,7 +97,8 @@ class FinetuneEvalConfig(FinetuneConfig, EvalOptions):
     a parallel transformer of fixed depth, so the solver grids do not apply (`refuse_grids`)."""
 
 
-GRID_OPTIONS = ("--steps", "--solver", "--tolerances", "--adaptive_solver", "--auto_grids", "--auto_tolerance")
+AUTO_OPTIONS = ("--auto_grids", "--auto_tolerance", "--auto_split")
+GRID_OPTIONS = ("--steps", "--solver", "--tolerances", "--adaptive_solver", *AUTO_OPTIONS)
 
 
 def _output_rules(config: EvalConfig, config_path: Optional[str]) -> dict:
@@ -119,10 +124,7 @@ def check(config: EvalConfig, config_path: Optional[str]) -> None:
             raise UserError(
                 f"{' and '.join(given)}: model.type={kind} has a fixed depth; solver grids apply to DiffEqFormer checkpoints"
             )
-    if is_auto(config):
-        auto_steps.check_tolerance(config.auto_tolerance)
-    elif (config.auto_grids, config.auto_tolerance) != (auto_steps.GRIDS, auto_steps.TOLERANCE):
-        raise UserError("--auto_grids and --auto_tolerance apply to --steps auto: expected --steps auto with them")
+    check_auto(config)
     if config.per_sequence and config.tolerances is None:
         raise UserError(
             "--per_sequence: needs --tolerances (a fixed grid takes the same evaluations for every sequence)"
@@ -140,6 +142,41 @@ def is_ode(model_config) -> bool:
 
 def is_auto(config) -> bool:
     return isinstance(config.steps, str) and config.steps.strip() == "auto"
+
+
+def check_auto(config) -> None:
+    """The options of --steps auto (eval's and generate's): valid with it, refused without it."""
+    given = [
+        key
+        for key, value, default in zip(
+            AUTO_OPTIONS,
+            (config.auto_grids, config.auto_tolerance, config.auto_split),
+            (auto_steps.GRIDS, auto_steps.TOLERANCE, None),
+        )
+        if value != default
+    ]
+    if not is_auto(config):
+        if given:
+            raise UserError(f"{' and '.join(given)}: only with --steps auto (expected --steps auto, or no {given[0]})")
+        return
+    auto_steps.check_tolerance(config.auto_tolerance)
+    if config.auto_split is not None:
+        from qkvflow.data.corpora import EVAL_SPLITS
+
+        if config.corpus is None:
+            raise UserError(
+                f"--auto_split {config.auto_split}: needs a corpus: section (its selection and test halves); "
+                "with a data: section, choose on one validation set and evaluate --steps K on another"
+            )
+        if config.auto_split not in EVAL_SPLITS:
+            raise UserError(f"--auto_split {config.auto_split!r} is invalid: expected one of {', '.join(EVAL_SPLITS)}")
+
+
+def on_auto_split(config):
+    """`config` (before `with_corpus`) with its corpus evaluated on --auto_split: the data --steps auto scores."""
+    if config.auto_split is None:
+        return config
+    return dataclasses.replace(config, corpus=dataclasses.replace(config.corpus, eval_split=config.auto_split))
 
 
 def points(config: EvalConfig):
@@ -176,6 +213,7 @@ def evaluate(config: EvalConfig, config_path: Optional[str] = None) -> dict:
             lm_eval.append({k: row[k] for k in ("solver", "grid", "steps", "tolerance", "nfe", "trained")} | outputs)
 
     announce_corpus(config)
+    chooser = with_corpus(on_auto_split(config)) if is_auto(config) and config.auto_split is not None else None
     config = with_corpus(config)
     model, hf_tokenizer = load_run_model(config, config.checkpoint)  # a finetune run's: discretised, LoRA merged
     result: dict = {
@@ -187,7 +225,10 @@ def evaluate(config: EvalConfig, config_path: Optional[str] = None) -> dict:
         result["finetune"] = config.finetune
     result["rows"], result["eval_examples"] = score_grids(config, model, grid, hf_tokenizer, each)
     if is_auto(config):
-        result["auto"] = mark_auto(result["rows"], config.auto_tolerance)
+        scored = None
+        if chooser is not None:  # the candidates scored on --auto_split, the table on corpus.eval_split
+            scored, _ = score_grids(chooser, model, [p for p in grid if not p.adaptive], hf_tokenizer)
+        result["auto"] = mark_auto(result["rows"], config.auto_tolerance, scored, config.auto_split)
     if config.tasks is not None:
         result["lm_eval"] = lm_eval
     return result
@@ -243,18 +284,27 @@ def score_grids(config, model, grid, hf_tokenizer, each=None) -> tuple[list[dict
     return rows, len(evaluator.dataset.as_sync_dataset())
 
 
-def mark_auto(rows: list[dict], tolerance: float) -> dict:
-    """`--steps auto` over the fixed-grid rows: marks the chosen one (`auto`), returns what was chosen."""
-    fixed = [i for i, r in enumerate(rows) if r["tolerance"] is None]
-    chosen, best = auto_steps.choose([rows[i] for i in fixed], tolerance)
-    rows[fixed[chosen]]["auto"] = True
+def mark_auto(rows: list[dict], tolerance: float, scored: Optional[list[dict]] = None, split=None) -> dict:
+    """`--steps auto`: chooses among `scored` (the same grids scored on `split`; default: the fixed-grid
+    `rows` themselves), marks the chosen grid's row (`auto`), returns what was chosen and on what."""
+    fixed = [r for r in rows if r["tolerance"] is None]
+    candidates = fixed if scored is None else scored
+    chosen, best = auto_steps.choose(candidates, tolerance)
+    grid = lambda r: (r["solver"], r["steps"])  # noqa: E731
+    for r in fixed:
+        if grid(r) == grid(candidates[chosen]):
+            r["auto"] = True
     keep = ("solver", "steps", "nfe", "loss")
-    return {
+    out = {
         "tolerance": tolerance,
-        "chosen": {k: rows[fixed[chosen]][k] for k in keep},
-        "best": {k: rows[fixed[best]][k] for k in keep},
-        "summary": auto_steps.summary([rows[i] for i in fixed], chosen, best, tolerance),
+        "split": split,
+        "chosen": {k: candidates[chosen][k] for k in keep},
+        "best": {k: candidates[best][k] for k in keep},
+        "summary": auto_steps.summary(candidates, chosen, best, tolerance, split),
     }
+    if scored is not None:
+        out["scores"] = [{k: r[k] for k in keep} for r in scored]
+    return out
 
 
 def write(result: dict, config: EvalConfig, config_path: Optional[str]) -> list[str]:

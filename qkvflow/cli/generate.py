@@ -9,7 +9,8 @@ or a fine-tuning config (one with a `pretrained:` section; its fine-tuned, LoRA-
 decoded). Decoding runs on Levanter's `InferenceEngine` (`qkvflow.inference`): a DiffEqFormer on its
 fixed grid, or on `--steps N'` steps of the same solver (an integer, or relative to the trained N: 2N,
 N/2); an adaptive solver is refused (pass `--model.ode.solver euler` or `--model.ode.adaptive false`).
-`--steps auto` first scores the grids of --auto_grids on the run's validation data, as `qkvflow eval
+`--steps auto` first scores the grids of --auto_grids on the run's validation data (or a corpus's
+--auto_split), as `qkvflow eval
 --steps auto` does, and decodes on the one with the fewest vector-field evaluations within
 --auto_tolerance nats of the lowest loss (qkvflow.evaluation.auto_steps); the choice is printed on
 stderr. Temperature 0 (the default) is greedy.
@@ -63,6 +64,8 @@ class GenerateOptions:
     """With --steps auto: the candidate grids, as `qkvflow eval --steps` takes them."""
     auto_tolerance: float = auto_steps.TOLERANCE
     """With --steps auto: nats per token above the lowest candidate loss that the chosen grid may lose."""
+    auto_split: Optional[str] = None
+    """With --steps auto and a corpus: score the candidates on this split (selection, test or validation)."""
     max_seqs: int = 8
     """Sequences the engine decodes at once."""
     stream: bool = False
@@ -136,7 +139,7 @@ def decoding_steps(config):
     adaptive solver and a model of fixed depth are refused before any model is loaded."""
     import dataclasses
 
-    from qkvflow.cli.eval import is_auto
+    from qkvflow.cli.eval import check_auto, is_auto
     from qkvflow.evaluation.depth import parse_steps
     from qkvflow.inference.schedule import schedule
     from qkvflow.models import registry
@@ -144,10 +147,7 @@ def decoding_steps(config):
     if isinstance(config, FinetuneConfig):
         return None  # a fine-tuning config's own `steps` is its depth M, not a grid N' (refuse_grids)
     model, auto = config.model, is_auto(config)
-    if auto:
-        auto_steps.check_tolerance(config.auto_tolerance)
-    elif (config.auto_grids, config.auto_tolerance) != (auto_steps.GRIDS, auto_steps.TOLERANCE):
-        raise UserError("--auto_grids and --auto_tolerance apply to --steps auto: expected --steps auto with them")
+    check_auto(config)
     if config.steps is not None and not registry.is_ode(model):
         raise UserError(
             f"--steps {config.steps}: model.type={registry.type_name(model)} has a fixed depth; "
@@ -169,15 +169,15 @@ def decoding_steps(config):
 
 def choose_steps(config, model, tokenizer) -> int:
     """--steps auto: N' scored on the run's validation data (qkvflow.cli.eval.score_grids)."""
-    from qkvflow.cli.eval import mark_auto, score_grids
+    from qkvflow.cli.eval import mark_auto, on_auto_split, score_grids
     from qkvflow.evaluation.depth import grid_points
     from qkvflow.training.session import with_corpus
 
-    config = with_corpus(config)
+    config = with_corpus(on_auto_split(config))
     ode = config.model.ode
     grid = grid_points(ode, auto_steps.candidates(config.auto_grids, ode.num_steps))
     rows, _ = score_grids(config, model, grid, tokenizer)
-    chosen = mark_auto(rows, config.auto_tolerance)
+    chosen = mark_auto(rows, config.auto_tolerance, split=config.auto_split)
     print(chosen["summary"], file=sys.stderr, flush=True)
     return chosen["chosen"]["steps"]
 

@@ -13,14 +13,16 @@ with it; for a model bound to the grid it was trained on (today's default) g* is
 The reference is the lowest loss rather than the finest grid's, because on a grid-bound model the
 finest grid is not its best: "within tol of 4N" would there accept a grid far worse than N.
 
-The choice is made on the data it is scored on; to report a loss free of that selection, choose on
-the validation split and evaluate the chosen grid on a test split (`--corpus.eval_split test --steps K`).
+The choice is made on the data it is scored on. To report losses free of that selection, choose on
+one split and report on another: with a `corpus:` section, `qkvflow eval --steps auto --auto_split
+selection --corpus.eval_split test` scores the candidates on the selection half of the validation
+documents and every row of its table on the test half (`qkvflow.data.corpora.EVAL_SPLITS`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 from qkvflow.errors import UserError
 
@@ -57,11 +59,12 @@ def choose(rows: Sequence[dict], tolerance: float) -> tuple[int, int]:
     return chosen, best
 
 
-def summary(rows: Sequence[dict], chosen: int, best: int, tolerance: float) -> str:
-    """One line: what `--steps auto` chose, and against what."""
+def summary(rows: Sequence[dict], chosen: int, best: int, tolerance: float, split: Optional[str] = None) -> str:
+    """One line: what `--steps auto` chose, and against what (the losses of `rows`, scored on `split`)."""
     c, b = rows[chosen], rows[best]
+    on = f" on the {split} split" if split else ""
     line = (
-        f"steps auto: {c['solver']} N={c['steps']} ({c['nfe']:g} vector-field evaluations, loss {c['loss']:.4f}), "
+        f"steps auto: {c['solver']} N={c['steps']} ({c['nfe']:g} vector-field evaluations, loss {c['loss']:.4f}{on}), "
         f"the fewest evaluations within {tolerance:g} nats of the lowest loss"
     )
     if chosen == best:

@@ -2,6 +2,7 @@
 grids whose loss is within the tolerance of the lowest; the expected choices are worked out by hand."""
 
 import math
+import re
 
 import pytest
 
@@ -74,4 +75,33 @@ def test_defaults_are_pinned():
 
     assert (auto_steps.GRIDS, auto_steps.TOLERANCE) == ("N/4,N/2,N,2N,4N", 0.01)
     for options in (EvalOptions(), GenerateOptions()):
-        assert (options.steps, options.auto_grids, options.auto_tolerance) == (None, "N/4,N/2,N,2N,4N", 0.01)
+        assert (options.steps, options.auto_grids, options.auto_tolerance, options.auto_split) == (
+            None,
+            "N/4,N/2,N,2N,4N",
+            0.01,
+            None,
+        )
+
+
+def test_the_auto_options_are_checked_before_any_work():
+    """qkvflow.cli.eval.check_auto, shared by eval and generate."""
+    from types import SimpleNamespace
+
+    from qkvflow.cli.eval import check_auto
+
+    def options(steps="auto", grids=auto_steps.GRIDS, tolerance=auto_steps.TOLERANCE, split=None, corpus=True):
+        corpus = SimpleNamespace(eval_split="validation") if corpus else None
+        return SimpleNamespace(steps=steps, auto_grids=grids, auto_tolerance=tolerance, auto_split=split, corpus=corpus)
+
+    check_auto(options())
+    check_auto(options(split="selection"))
+    check_auto(options(steps=None))
+    for bad, message in [
+        (options(steps="4", grids="1,2"), "--auto_grids: only with --steps auto"),
+        (options(steps=None, tolerance=0.1, split="test"), "--auto_tolerance and --auto_split: only with --steps auto"),
+        (options(tolerance=-1.0), "--auto_tolerance -1.0 is invalid"),
+        (options(split="train"), "--auto_split 'train' is invalid: expected one of validation, selection, test"),
+        (options(split="test", corpus=False), "--auto_split test: needs a corpus: section"),
+    ]:
+        with pytest.raises(UserError, match=re.escape(message)):
+            check_auto(bad)

@@ -249,6 +249,31 @@ def test_steps_auto_marks_the_fewest_evaluations_within_the_tolerance(shared, de
     assert result["auto"]["summary"] in (out_dir / "depth.md").read_text()
 
 
+def test_steps_auto_chooses_on_one_split_and_reports_on_another(shared, capfd, tmp_path):
+    """`--auto_split selection --corpus.eval_split test`: the candidates are scored on the selection half, the
+    choice follows those scores (the rule worked out here), and the table's rows are the test half's.
+    (capfd: building a split's Levanter cache enables faulthandler on stderr, which needs a real file.)"""
+    corpora, pretrained = shared
+    out_dir, tolerance = tmp_path / "auto", 0.02
+    rc, out, err = _eval(capfd, corpora, pretrained, "--steps", "auto", "--auto_grids", "1,2", "--auto_tolerance",
+                         str(tolerance), "--auto_split", "selection", "--corpus.eval_split", "test", "--output", str(out_dir))  # fmt: skip
+    assert rc == 0, err
+    result = json.loads((out_dir / "depth.json").read_text())
+    scores, rows = result["auto"]["scores"], result["rows"]
+    assert (
+        [(r["solver"], r["steps"]) for r in scores]
+        == [(r["solver"], r["steps"]) for r in rows]
+        == [("euler", 1), ("euler", 2)]
+    )
+    assert all(a["loss"] != b["loss"] for a, b in zip(scores, rows))  # other documents
+    lowest = min(r["loss"] for r in scores)
+    expected = min((r for r in scores if r["loss"] <= lowest + tolerance), key=lambda r: r["nfe"])
+    assert result["auto"]["chosen"] == expected and result["auto"]["split"] == "selection"
+    assert [r["steps"] for r in rows if r.get("auto")] == [expected["steps"]]
+    assert f"loss {expected['loss']:.4f} on the selection split)" in result["auto"]["summary"]
+    assert result["auto"]["summary"] in out
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -258,7 +283,12 @@ def test_steps_auto_marks_the_fewest_evaluations_within_the_tolerance(shared, de
         (["--solver", "rk5"], "--solver rk5 is invalid"),
         (["--tolerances", "1e-2", "--adaptive_solver", "euler"], "--adaptive_solver euler is invalid"),
         (["--per_sequence", "true"], "--per_sequence: needs --tolerances"),
-        (["--auto_tolerance", "0.1"], "--auto_grids and --auto_tolerance apply to --steps auto"),
+        (["--auto_tolerance", "0.1"], "--auto_tolerance: only with --steps auto"),
+        (["--auto_split", "test"], "--auto_split: only with --steps auto"),
+        (
+            ["--steps", "auto", "--auto_split", "train"],
+            "--auto_split 'train' is invalid: expected one of validation, selection, test",
+        ),
         (["--steps", "auto", "--auto_tolerance", "-1"], "--auto_tolerance -1.0 is invalid: expected a number of nats"),
         (["--steps", "auto", "--auto_grids", "N/3"], "--auto_grids N/3 is invalid with the trained N=2"),
     ],

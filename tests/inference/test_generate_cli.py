@@ -58,7 +58,7 @@ def test_bad_input_is_one_line(capsys, corpus_root, tmp_path):
     one_error_line(
         capsys,
         args(corpus_root, missing, "--prompt", "x", "--auto_tolerance", "0.5"),
-        "--auto_grids and --auto_tolerance apply to --steps auto",
+        "--auto_tolerance: only with --steps auto",
     )
     long_prompt = "word " * 40
     one_error_line(
@@ -90,26 +90,30 @@ def test_greedy_cli_equals_uncached_argmax(capsys, trained, tmp_path):
 
 def test_steps_auto_decodes_on_the_grid_it_chose(capfd, trained, tmp_path, monkeypatch):
     """`--steps auto` with a tolerance no loss gap reaches picks the cheapest candidate (N' = 1 of 2,1),
-    says so on stderr, and hands that grid to the decoder (whose use of N' tests/inference/
-    test_cached_decoding.py checks): the greedy tokens are those of the same weights on 1 Euler step."""
+    scored on --auto_split's data, says so on stderr, and hands that grid to the decoder (whose use of N'
+    tests/inference/test_cached_decoding.py checks): the greedy tokens are those of the same weights on 1
+    Euler step."""
+    from qkvflow.cli import eval as evaluation
     from qkvflow.cli.generate import read_config
     from qkvflow.inference import generate as decoding
     from qkvflow.training.run_model import load_model
 
-    grids = []
-    real = decoding.generate
+    grids, splits = [], []
+    real, score = decoding.generate, evaluation.score_grids
     monkeypatch.setattr(
         decoding, "generate", lambda *a, steps=None, **k: grids.append(steps) or real(*a, steps=steps, **k)
     )
+    monkeypatch.setattr(evaluation, "score_grids", lambda c, *a: splits.append(c.corpus.eval_split) or score(c, *a))
     corpus_root, checkpoint = trained
     prompt, new = "The function", 8
     argv = args(corpus_root, checkpoint, "--prompt", prompt, "--max_new_tokens", str(new))
     out = tmp_path / "out.jsonl"
-    auto = ["--steps", "auto", "--auto_grids", "2,1", "--auto_tolerance", "100", "--output_jsonl", str(out)]
-    assert cli.main([*argv, *auto]) == 0
+    auto = ["--steps", "auto", "--auto_grids", "2,1", "--auto_tolerance", "100", "--auto_split", "selection"]
+    assert cli.main([*argv, *auto, "--output_jsonl", str(out)]) == 0
     captured = capfd.readouterr()
     assert captured.err.count("steps auto: euler N=1 (1 vector-field evaluations") == 1, captured.err
-    assert grids == [1]
+    assert "on the selection split), the fewest evaluations within 100 nats" in captured.err
+    assert grids == [1] and splits == ["selection"]
 
     config = read_config(argv[1:])
     model, tokenizer = load_model(config, str(checkpoint))
