@@ -10,10 +10,9 @@ decoded). Decoding runs on Levanter's `InferenceEngine` (`qkvflow.inference`): a
 fixed grid, or on `--steps N'` steps of the same solver (an integer, or relative to the trained N: 2N,
 N/2); an adaptive solver is refused (pass `--model.ode.solver euler` or `--model.ode.adaptive false`).
 `--steps auto` first scores the grids of --auto_grids on the run's validation data (or a corpus's
---auto_split), as `qkvflow eval
---steps auto` does, and decodes on the one with the fewest vector-field evaluations within
---auto_tolerance nats of the lowest loss (qkvflow.evaluation.auto_steps); the choice is printed on
-stderr. Temperature 0 (the default) is greedy.
+--auto_split), as `qkvflow eval --steps auto` does, and decodes on the one with the fewest vector-field
+evaluations within --auto_tolerance nats of the lowest loss (qkvflow.evaluation.auto_steps); the
+choice is printed on stderr. Temperature 0 (the default) is greedy.
 
 Prints each completion (the generated text without the prompt) on stdout, one per prompt in order;
 `--output_jsonl F` also writes one JSON object per prompt: prompt, completion, finish_reason, tokens.
