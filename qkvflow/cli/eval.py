@@ -18,9 +18,10 @@ DiffEqFormer, --steps/--solver/--tolerances evaluate the same parameters at each
 (qkvflow.evaluation.depth); a baseline or a fine-tuned model has a fixed depth and refuses them.
 `--steps auto` evaluates the grids of --auto_grids (default N/4,N/2,N,2N,4N; each --solver) and marks
 the one with the fewest vector-field evaluations whose loss is within --auto_tolerance nats (default
-0.01) of the lowest (qkvflow.evaluation.auto_steps; --tolerances rows are shown, not candidates); with a corpus,
-`--auto_split selection` chooses on that split and the table reports every grid on corpus.eval_split
-(e.g. `--corpus.eval_split test`). `qkvflow generate --steps auto` decodes on the grid chosen that way. The table is printed; with
+0.01) of the lowest (qkvflow.evaluation.auto_steps; --tolerances rows are shown, not candidates).
+With a corpus, `--auto_split selection` makes that choice on the selection half and the table reports
+every grid on corpus.eval_split (e.g. `--corpus.eval_split test`). `qkvflow generate --steps auto`
+decodes on the grid chosen that way. The table is printed; with
 --output it is also written as depth.md and depth.json, with the plot depth.png (perplexity against
 vector-field evaluations), into DIR (qkvflow.outputs: an absent or empty folder, or an earlier
 `qkvflow eval` output with --overwrite). --tasks runs lm-evaluation-harness tasks through Levanter's
