@@ -7,10 +7,11 @@ modules preloaded) and forks a child per command line: a real process with its o
 status, environment, working folder and stdout/stderr files, that skips those imports.
 
 What it does not reproduce is a fresh interpreter's import of those modules, so the suite keeps real
-subprocesses where that is what a test checks (`tests/test_cli.py`, the launchers). Code under test
-that starts `python -m qkvflow` itself with `subprocess.run` (`bench compare`) is given `Subprocess`. A command line whose environment differs from the server's in a variable that is read at
-import time (`IMPORT_TIME`, e.g. JAX_ENABLE_X64) runs as an ordinary subprocess; the few such variables
-the tests set (EQX_ON_ERROR, TRANSFORMERS_VERBOSITY) are applied in the child instead (`AFTER_FORK`).
+subprocesses where that is what a test checks (`tests/test_cli.py`, the launchers). Code under test that
+starts `python -m qkvflow` itself with `subprocess.run` (`bench compare`) is given `Subprocess`. A
+command line whose environment differs from the server's in a variable that is read at import time
+(`IMPORT_TIME`, e.g. JAX_ENABLE_X64) runs as an ordinary subprocess; the few such variables the tests
+set (EQX_ON_ERROR, TRANSFORMERS_VERBOSITY) are applied in the child instead (`AFTER_FORK`).
 The server starts before any XLA backend exists in it, so the fork is safe for JAX.
 `QKVFLOW_TESTS_WARM=0 pytest ...` starts every command line in a new interpreter instead.
 """
