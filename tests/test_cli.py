@@ -101,10 +101,11 @@ def test_help_all_lists_every_key(capsys):
     out = capsys.readouterr().out
     assert exit.value.code == 0
     assert "--trainer.checkpointer.base_path" in out and "--model.ode.num_steps" in out
+    assert len(out.splitlines()) > 2000  # qkvflow.cli.usage: "thousands of lines" (4,278 on 2026-11-28)
     said = re.search(
         r"`--help-all` lists every key with its default \(about ([\d,]+)\s", (ROOT / "README.md").read_text()
-    )
-    assert said and abs(len(out.splitlines()) / int(said.group(1).replace(",", "")) - 1) < 0.1, len(out.splitlines())
+    )  # a count in the README, if it keeps one, must still hold
+    assert not said or abs(len(out.splitlines()) / int(said.group(1).replace(",", "")) - 1) < 0.1, len(out.splitlines())
 
 
 def test_the_overview_lists_every_bench_mode(capsys):
