@@ -125,3 +125,16 @@ LONGEST_FIRST = [
 def pytest_collection_modifyitems(session, config, items):
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    """No "bringing up nodes..." lines under `-q`. pytest-xdist (3.8) writes its status line as each
+    worker is set up and again when collection is done; on a terminal it rewrites one line in place,
+    but when the output is a file or a pipe (CI, a log) each is a new line, and under `-q` both read
+    "bringing up nodes...". Quiet mode shows neither, as pytest -q without xdist shows no header (what
+    xdist's maintainers chose for -q in pytest-xdist#375). The reporter is xdist's own
+    `TerminalDistReporter`, registered before the session starts; without xdist nothing changes."""
+    reporter = session.config.pluginmanager.getplugin("terminaldistreporter")
+    if reporter is not None and session.config.option.verbose < 0 and hasattr(reporter, "ensure_show_status"):
+        reporter.ensure_show_status = lambda: None
