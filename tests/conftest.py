@@ -138,3 +138,21 @@ def pytest_sessionstart(session):
     reporter = session.config.pluginmanager.getplugin("terminaldistreporter")
     if reporter is not None and session.config.option.verbose < 0 and hasattr(reporter, "ensure_show_status"):
         reporter.ensure_show_status = lambda: None
+
+
+def pytest_sessionfinish(session):
+    """Free the session's compiled programs and collect its garbage while the session still runs. A test
+    process collects rarely (`_collect_less`), so its garbage, thousands of traced and compiled JAX
+    programs among it, waited for pytest's last collection in `pytest_unconfigure`. In an xdist worker
+    that comes after the worker has told the controller it finished; once every worker has, the
+    controller shuts their execnet gateways down, and execnet, when a worker's main thread is still busy
+    5 s later, sends that worker a SIGINT (execnet.gateway_base.WorkerGateway._terminate_execution). It
+    arrived during that collection, as a KeyboardInterrupt inside a weakref callback: the suite's
+    PytestUnraisableExceptionWarning (tests/test_suite_setup.py reproduces it). Here the collection happens before xdist reports the end (its
+    `pytest_sessionfinish` wrapper reports after every implementation), so the last one is short."""
+    import gc
+    import sys
+
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
+    gc.collect()
