@@ -141,18 +141,18 @@ def pytest_sessionstart(session):
 
 
 def pytest_sessionfinish(session):
-    """Free the session's compiled programs and collect its garbage while the session still runs. A test
-    process collects rarely (`_collect_less`), so its garbage, thousands of traced and compiled JAX
-    programs among it, waited for pytest's last collection in `pytest_unconfigure`. In an xdist worker
-    that comes after the worker has told the controller it finished; once every worker has, the
+    """Collect the session's garbage while the session still runs, then freeze what is left (`gc.freeze`:
+    later collections skip it). A test process collects rarely (`_collect_less`), so its garbage, traced
+    and compiled JAX programs among it, waited for pytest's last collection in `pytest_unconfigure`,
+    which also walked every live object (about a million in a worker that ran one test file). In an
+    xdist worker that comes after the worker has told the controller it finished; once every worker has, the
     controller shuts their execnet gateways down, and execnet, when a worker's main thread is still busy
     5 s later, sends that worker a SIGINT (execnet.gateway_base.WorkerGateway._terminate_execution). It
     arrived during that collection, as a KeyboardInterrupt inside a weakref callback: the suite's
-    PytestUnraisableExceptionWarning (tests/test_suite_setup.py reproduces it). Here the collection happens before xdist reports the end (its
-    `pytest_sessionfinish` wrapper reports after every implementation), so the last one is short."""
+    PytestUnraisableExceptionWarning (tests/test_suite_setup.py reproduces it). Here the collection
+    happens before xdist reports the end (its `pytest_sessionfinish` wrapper reports after every
+    implementation), and the last one has only what was allocated since."""
     import gc
-    import sys
 
-    if "jax" in sys.modules:
-        sys.modules["jax"].clear_caches()
     gc.collect()
+    gc.freeze()
