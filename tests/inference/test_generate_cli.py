@@ -93,7 +93,7 @@ def test_steps_auto_decodes_on_the_grid_it_chose(capfd, trained, tmp_path, monke
     scored on --auto_split's data, says so on stderr, and hands that grid to the decoder (whose use of N'
     tests/inference/test_cached_decoding.py checks): the greedy tokens are those of the same weights on 1
     Euler step."""
-    from qkvflow.cli import eval as evaluation
+    from qkvflow.evaluation import evaluate as evaluation
     from qkvflow.cli.generate import read_config
     from qkvflow.inference import generate as decoding
     from qkvflow.training.run_model import load_model
@@ -143,7 +143,8 @@ def test_stream_honours_stop_and_is_a_bare_flag(capfd, trained, tmp_path):
     --output_jsonl holds, cut before the first S; nothing past S reaches stdout. S is two characters from the
     middle of the unstopped completion, so decode rounds follow its first occurrence
     (test_streamer_never_sends_past_a_stop checks the streamer itself on a scripted engine)."""
-    from qkvflow.cli.generate import read_config, tokenizer_of
+    from qkvflow.cli.generate import read_config
+    from qkvflow.inference.completions import tokenizer_of
 
     corpus_root, checkpoint = trained
     argv = args(corpus_root, checkpoint, "--prompt", "The function", "--max_new_tokens", "24", "--temperature", "0")
