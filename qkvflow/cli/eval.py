@@ -73,7 +73,7 @@ class EvalOptions:
     tasks: Optional[str] = None
     """lm-evaluation-harness tasks, comma-separated (e.g. arc_easy,piqa), or paths of task YAML files."""
     max_examples: Optional[int] = None
-    """lm-eval's `limit`: at most this many examples per task."""
+    """lm-eval's `limit`: at most this many examples per task (an integer >= 1; with --tasks)."""
     log_samples: bool = False
     """With --tasks and --output: also keep lm-eval's per-document requests and scores (`samples` in depth.json)."""
     per_sequence: bool = False
@@ -95,7 +95,6 @@ class FinetuneEvalConfig(FinetuneConfig, EvalOptions):
 GRID_OPTIONS = ("--steps", "--solver", "--tolerances", "--adaptive_solver", *auto_steps.OPTIONS)
 
 
-
 def refuse_grids(argv: list[str], config_path: Optional[str]) -> None:
     """A `qkvflow finetune` checkpoint is a discretised model of fixed depth (its config's `steps: M`
     layers); there `steps` and `solver` are the fine-tuning config's own keys, so --steps/--solver
@@ -108,12 +107,24 @@ def refuse_grids(argv: list[str], config_path: Optional[str]) -> None:
         )
 
 
+def refuse_empty_tasks(argv: list[str]) -> None:
+    """`--tasks ","` (or `a,,b`): the list's own message, before the config parser reads "," as YAML."""
+    from qkvflow.evaluation.harness import task_names
+
+    for i, arg in enumerate(argv):
+        if arg.startswith("--tasks="):
+            task_names(arg.split("=", 1)[1])
+        elif arg == "--tasks" and i + 1 < len(argv):
+            task_names(argv[i + 1])
+
+
 def read_config(argv: list[str]):
     """EvalConfig for a `qkvflow train` config, FinetuneEvalConfig for a `qkvflow finetune` one (as
     `qkvflow generate` tells them apart: a `pretrained:` section)."""
     from qkvflow import cli
 
     config_path, _ = cli.split_config_path(argv)
+    refuse_empty_tasks(argv)
     cls = EvalConfig
     if is_finetune_config(config_path):
         refuse_grids(argv, config_path)

@@ -15,7 +15,8 @@ evaluations within --auto_tolerance nats of the lowest loss (qkvflow.evaluation.
 choice is printed on stderr. Temperature 0 (the default) is greedy.
 
 Prints each completion (the generated text without the prompt) on stdout, one per prompt in order;
-`--output_jsonl F` also writes one JSON object per prompt: prompt, completion, finish_reason, tokens.
+`--output_jsonl F` also writes one JSON object per prompt: prompt, completion, finish_reason, tokens
+(F is checked before any work: a file, not a folder, outside the checkpoint's run folder).
 `--stop S` ends a completion at the first S (excluded; `\\n` and `\\t` stand for newline and tab).
 """
 
@@ -39,7 +40,8 @@ class GenerateOptions:
     prompts_file: Optional[str] = None
     """A text file with one prompt per line (blank lines skipped), decoded in batches."""
     output_jsonl: Optional[str] = None
-    """Also write one JSON object per prompt: prompt, completion, finish_reason, tokens."""
+    """Also write one JSON object per prompt: prompt, completion, finish_reason, tokens (a file path, checked
+    before any work; not inside the checkpoint's run folder)."""
     max_new_tokens: int = 32
     temperature: float = 0.0
     """0: greedy (argmax); > 0: sample softmax(logits / temperature)."""
@@ -92,7 +94,6 @@ def read_config(argv: list[str]):
     return cli.parse(cls, argv, "generate", required="the config the checkpoint was trained with (YAML)")
 
 
-
 def main(argv: list[str]) -> int:
     from qkvflow.cli import usage
 
@@ -104,11 +105,13 @@ def main(argv: list[str]) -> int:
         )
         print(usage.short_help("qkvflow generate", GenerateConfig, summary, hide=hide))
         return 0
+    from qkvflow import cli
     from qkvflow.inference.completions import run
 
+    config_path, _ = cli.split_config_path(argv)
     config = read_config(usage.full_listing_args(argv))
     quiet_checkpoint_warnings()  # stdout and stderr stay the completions' and errors'
-    completions = run(config)
+    completions = run(config, config_path)
     for c in completions:
         if config.stream:
             print()

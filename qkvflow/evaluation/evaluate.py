@@ -27,10 +27,14 @@ FILES = ("depth.md", "depth.json", "depth.png")
 
 
 def _output_rules(config, config_path: Optional[str]) -> dict:
+    from qkvflow.training.run_model import run_folder
+
     protect = [("--checkpoint", config.checkpoint), ("--config_path", config_path)]
+    outside = [("the run folder of --checkpoint", run_folder(config.checkpoint))]
     if isinstance(config, FinetuneConfig):
         protect += [("pretrained.checkpoint", config.pretrained.checkpoint)]
-    return {"kind": KIND, "key": "--output", "overwrite": config.overwrite, "protect": protect}
+        outside += [("the run folder of pretrained.checkpoint", run_folder(config.pretrained.checkpoint))]
+    return {"kind": KIND, "key": "--output", "overwrite": config.overwrite, "protect": protect, "outside": outside}
 
 
 def check(config, config_path: Optional[str]) -> None:
@@ -50,6 +54,19 @@ def check(config, config_path: Optional[str]) -> None:
                 f"{' and '.join(given)}: model.type={kind} has a fixed depth; solver grids apply to DiffEqFormer checkpoints"
             )
     check_auto(config)
+    if config.max_examples is not None:
+        if config.tasks is None:
+            raise UserError(
+                "--max_examples: only with --tasks (examples per lm-eval task; expected --tasks T, or no --max_examples)"
+            )
+        if isinstance(config.max_examples, bool) or config.max_examples < 1:
+            raise UserError(
+                f"--max_examples {config.max_examples} is invalid: expected an integer >= 1 (examples per task)"
+            )
+    if config.tasks is not None:
+        from qkvflow.evaluation.harness import task_names
+
+        task_names(config.tasks)
     if config.per_sequence and config.tolerances is None:
         raise UserError(
             "--per_sequence: needs --tolerances (a fixed grid takes the same evaluations for every sequence)"

@@ -18,6 +18,8 @@ from qkvflow.errors import UserError
 from qkvflow.evaluation import auto_steps
 from qkvflow.training.finetune_config import FinetuneConfig
 
+ONE_GRID = "one grid N': an integer >= 1 or a multiple of the trained N (e.g. 8, 2N or N/2), or auto"
+
 
 def _unescape(text: str) -> str:
     return text.replace("\\n", "\n").replace("\\t", "\t")
@@ -79,9 +81,9 @@ def decoding_steps(config):
     if auto:
         candidates = auto_steps.candidates(config.auto_grids, trained)
     else:
-        candidates = parse_steps(config.steps, trained) if config.steps is not None else [trained]
+        candidates = [trained] if config.steps is None else parse_steps(config.steps, trained, expected=ONE_GRID)
         if len(candidates) != 1:
-            raise UserError(f"--steps {config.steps!r} is invalid: expected one grid N' (e.g. 8 or 2N) or auto")
+            raise UserError(f"--steps {config.steps!r} is invalid: expected {ONE_GRID}")
     for n in candidates:
         schedule(dataclasses.replace(model.ode, num_steps=n))
     return "auto" if auto else (None if config.steps is None else candidates[0])
@@ -118,7 +120,22 @@ def tokenizer_of(config):
     return tokenizer.as_hf_tokenizer() if hasattr(tokenizer, "as_hf_tokenizer") else tokenizer
 
 
-def run(config) -> list:
+def check_output(config, config_path=None) -> None:
+    """--output_jsonl: a file that can be written, not a file generate reads, not inside the checkpoint's
+    run folder (`qkvflow.outputs.check_file`); checked before any work, as `qkvflow export` checks --output."""
+    from qkvflow import outputs
+    from qkvflow.training.run_model import run_folder
+
+    if config.output_jsonl is None:
+        return
+    protect = [("--prompts_file", config.prompts_file), ("--config_path", config_path)]
+    outside = [("the run folder of --checkpoint", run_folder(config.checkpoint))]
+    outputs.check_file(config.output_jsonl, "--output_jsonl", protect=protect, outside=outside)
+
+
+def run(config, config_path=None) -> list:
+    """The completions of `config`'s prompts, printed by the caller; also written to --output_jsonl. Every
+    option and the output path are checked before the model is loaded."""
     from qkvflow.inference.generate import EngineSizes, encode_prompts, generate
 
     options = sampling_options(config)
@@ -130,6 +147,7 @@ def run(config) -> list:
     steps = decoding_steps(config)
     if config.checkpoint is None:
         raise UserError("--checkpoint is missing: expected checkpoints/<run_id> or one of its step-N folders")
+    check_output(config, config_path)
     context = config.model.max_seq_len if config.model is not None else None
     if context is not None:
         encode_prompts(tokenizer_of(config), prompts, context, options.max_new_tokens)

@@ -47,6 +47,7 @@ __all__ = [
     "load_run_model",
     "merged_model",
     "newest_step",
+    "run_folder",
 ]
 
 
@@ -122,6 +123,19 @@ def merged_model(model, base, lora: LoraConfig, lora_seed: int = 0):
     base_params, _ = partition_lora_params(add_lora(base, lora, lora_seed))
     _, lora_params = partition_lora_params(model)
     return merge_lora_modules(eqx.combine(base_params, lora_params, is_leaf=is_lora_param))
+
+
+def run_folder(checkpoint: str) -> str:
+    """The run folder of a checkpoint argument: the parent of a step folder (one that holds Levanter's
+    `metadata.json`, as `newest_step` tells them apart), else the argument itself (checkpoints/<run_id>).
+    What the verbs write nothing into: its step-N folders are the run's (`qkvflow.outputs.check_outside`)."""
+    import os
+
+    checkpoint = str(checkpoint)
+    if "://" in checkpoint:
+        return checkpoint
+    folder = os.path.normpath(os.path.expanduser(checkpoint))
+    return os.path.dirname(folder) if os.path.isfile(os.path.join(folder, "metadata.json")) else folder
 
 
 # --- a run's model ---------------------------------------------------------------------------------------
