@@ -32,6 +32,8 @@ from collections.abc import Iterable, Iterator
 from qkvflow.errors import UserError
 
 MARKER = "qkvflow_output.json"
+Pairs = Iterable[tuple[str, str]]
+"""(description, path) pairs: the paths an output must not hold (`protect`) or lie inside (`outside`)."""
 
 
 def is_remote(path) -> bool:
@@ -98,7 +100,7 @@ def _local(path) -> str | None:
     return None if path is None or is_remote(path) else os.path.realpath(os.path.expanduser(str(path)))
 
 
-def check_outside(path, key: str, outside: Iterable[tuple[str, str]] = ()) -> None:
+def check_outside(path, key: str, outside: Pairs = ()) -> None:
     """Raise `UserError` if `path` lies inside a folder of `outside`, (description, folder) pairs such as
     ("the run folder of --checkpoint", "checkpoints/run"); `path` being that folder itself is the
     caller's `protect` rule."""
@@ -109,7 +111,7 @@ def check_outside(path, key: str, outside: Iterable[tuple[str, str]] = ()) -> No
             raise UserError(f"{key}={str(path)!r} is inside {what} {str(folder)!r}: choose another {key} outside it")
 
 
-def check_file(path, key: str, *, protect: Iterable[tuple[str, str]] = (), outside: Iterable[tuple[str, str]] = ()):
+def check_file(path, key: str, *, protect: Pairs = (), outside: Pairs = ()) -> None:
     """Raise `UserError` (one line naming `key` and `path`) unless a file can be written at `path`: a local
     path that is not a folder, not one of the files of `protect` (description, path) that the verb reads,
     not inside a folder of `outside` (`check_outside`), and whose folder can be written (`check_writable`)."""
@@ -129,13 +131,7 @@ def check_file(path, key: str, *, protect: Iterable[tuple[str, str]] = (), outsi
 
 
 def check_replaceable(
-    path,
-    *,
-    kind: str,
-    key: str,
-    overwrite: bool = True,
-    protect: Iterable[tuple[str, str]] = (),
-    outside: Iterable[tuple[str, str]] = (),
+    path, *, kind: str, key: str, overwrite: bool = True, protect: Pairs = (), outside: Pairs = ()
 ) -> None:
     """Raise `UserError` (one line naming `key` and `path`) unless `path` may be replaced by a new
     output of `kind`. `protect` lists (description, path) pairs that must survive, e.g.
@@ -185,13 +181,7 @@ def check_replaceable(
 
 @contextlib.contextmanager
 def replacing(
-    path,
-    *,
-    kind: str,
-    key: str,
-    overwrite: bool = True,
-    protect: Iterable[tuple[str, str]] = (),
-    outside: Iterable[tuple[str, str]] = (),
+    path, *, kind: str, key: str, overwrite: bool = True, protect: Pairs = (), outside: Pairs = ()
 ) -> Iterator[str]:
     """Yield a fresh temporary sibling of `path` to write the new output into; when the block ends
     without an error, mark it and swap it in for `path` (the old folder is renamed aside, the new one

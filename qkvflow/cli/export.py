@@ -84,6 +84,11 @@ def layers(text, trained: int) -> int:
 
     if text is None:
         return trained
+    if str(text).strip() == "auto":  # the choice needs validation data and options of its own: eval makes it
+        raise UserError(
+            "export: --steps auto is not taken: export writes one depth M; choose it with `qkvflow eval "
+            "--steps auto` (its marked grid N') and pass that N' as --steps"
+        )
     if str(text).strip().lstrip("+-").isdigit() and int(text) < 1:
         raise UserError(f"export: --steps {text} is invalid: expected an integer >= 1 (the number of layers)")
     steps = parse_steps(text, trained, expected=ONE_DEPTH)

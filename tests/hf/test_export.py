@@ -343,6 +343,8 @@ def test_bad_input_is_refused_with_one_line(runs, tmp_path, capsys, corpus_root)
     for steps in ("2.5N", "N,2N"):  # export writes one depth M (issue 56, item 20: eval's forms, one of them)
         err = _refused(capsys, [*args, "--steps", steps, "--output", str(tmp_path / "a")])
         assert f"--steps {steps!r} is invalid: expected one number of layers M: an integer >= 1 or a multiple" in err
+    err = _refused(capsys, [*args, "--steps", "auto", "--output", str(tmp_path / "a")])
+    assert "--steps auto is not taken: export writes one depth M; choose it with `qkvflow eval --steps auto`" in err
     assert "--solver rk4 is invalid: expected one of ['euler']" in _refused(
         capsys, [*args, "--solver", "rk4", "--output", str(tmp_path / "a")]
     )
