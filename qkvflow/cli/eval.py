@@ -12,7 +12,8 @@ Every other `--dotted.key value` overrides CFG as in `qkvflow train`: another va
 `--data.components.NAME.source.validation_urls '[...]'` (or a whole `--data '{...}'`), all of it rather
 than the run's `trainer.max_eval_batches` cap is `--trainer.max_eval_batches null`.
 
-The loss is the run's own evaluation (qkvflow.evaluation.perplexity); without --steps, --solver or
+This module parses and dispatches; the work is qkvflow.evaluation.evaluate. The loss is the run's own
+evaluation (qkvflow.evaluation.perplexity); without --steps, --solver or
 --tolerances it is the model at its config's grid, and equals the run's last `eval/loss`. For a
 DiffEqFormer, --steps/--solver/--tolerances evaluate the same parameters at each grid
 (qkvflow.evaluation.depth); a baseline or a fine-tuned model has a fixed depth and refuses them.

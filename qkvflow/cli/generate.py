@@ -18,6 +18,7 @@ Prints each completion (the generated text without the prompt) on stdout, one pe
 `--output_jsonl F` also writes one JSON object per prompt: prompt, completion, finish_reason, tokens
 (F is checked before any work: a file, not a folder, outside the checkpoint's run folder).
 `--stop S` ends a completion at the first S (excluded; `\\n` and `\\t` stand for newline and tab).
+This module parses and dispatches; the work is qkvflow.inference.completions.
 """
 
 import dataclasses

@@ -17,6 +17,10 @@ The choice is made on the data it is scored on. To report losses free of that se
 one split and report on another: with a `corpus:` section, `qkvflow eval --steps auto --auto_split
 selection --corpus.eval_split test` scores the candidates on the selection half of the validation
 documents and every row of its table on the test half (`qkvflow.data.corpora.EVAL_SPLITS`).
+
+The rule on a verb's options, shared by `qkvflow eval` and `qkvflow generate`: `check_auto` (the
+--auto_* options valid with --steps auto, refused without it), `on_auto_split` (the config whose data
+the candidates are scored on) and `mark_auto` (the choice among scored rows, marked in the table).
 """
 
 from __future__ import annotations
