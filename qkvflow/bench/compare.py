@@ -448,7 +448,8 @@ def settle(pool: Pool, study: dict, model: str, queued: list, workdir: Path, arg
         ]
     if added:
         study["models"][model]["learning_rates"] = grid  # not part of the model's definition (identity)
-    return mine, {"learning_rate": best, "grid": grid, "added": added, "edge": side}
+    stopped = bool(side and added and len(added) >= args.extend_grid)  # still at the edge: the limit stopped it
+    return mine, {"learning_rate": best, "grid": grid, "added": added, "edge": side, "limit_reached": stopped}
 
 
 def _joined(study: dict, workdir: Path) -> None:

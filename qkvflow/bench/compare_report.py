@@ -22,7 +22,8 @@ REPORT_FIELDS = {"params": "parameter_count", "train_flops": "training_flops"}
 
 def report(study: dict, runs: list[dict], tests: dict, flops: dict, chosen: dict) -> dict:
     """The report's data; `chosen[model]` holds the chosen `learning_rate`, the `grid` it was chosen from,
-    the rates `--extend_grid` `added` and the grid's `edge` side of the choice (or None)."""
+    the rates `--extend_grid` `added`, the grid's `edge` side of the choice (or None), and whether the
+    extension stopped at its limit with the choice still at the edge (`limit_reached`)."""
     models = {}
     for model in study["models"]:
         mine = [r for r in runs if r["model"] == model]
@@ -36,6 +37,7 @@ def report(study: dict, runs: list[dict], tests: dict, flops: dict, chosen: dict
             "learning_rates": choice["grid"],
             "edge": choice["edge"],
             "added_learning_rates": choice["added"],
+            "extend_limit_reached": choice["limit_reached"],
             "selection": {f"{lr:g}": stats.summarise(v.values()).__dict__ for lr, v in sorted(by_lr.items())},
             "test": {"per_seed": {str(k): v for k, v in sorted(test.items())}, **s.__dict__},
             "parameter_count": next((r["parameter_count"] for r in mine if r["parameter_count"]), None),
@@ -119,7 +121,9 @@ def _notes(rows: dict) -> list[str]:
         )
     added = [f"{m} {e['added_learning_rates']}" for m, e in rows.items() if e["added_learning_rates"]]
     if added:
-        notes.append(f"\nAdded by --extend_grid: {', '.join(added)}.")
+        stopped = [m for m, e in rows.items() if e["extend_limit_reached"]]
+        limit = f" Stopped at the limit, still at the edge: {', '.join(stopped)}." if stopped else ""
+        notes.append(f"\nAdded by --extend_grid: {', '.join(added)}.{limit}")
     return notes
 
 

@@ -83,9 +83,10 @@ def test_extend_grid_adds_rates_beyond_the_edge_until_its_limit_and_reads_finish
         "0.008",
     }
     assert (gpt2["best_learning_rate"], gpt2["added_learning_rates"]) == (2.5e-4, [5e-4, 2.5e-4])
+    assert ode["extend_limit_reached"] and gpt2["extend_limit_reached"]
     assert ode["test"]["per_seed"] == {str(s): pytest.approx(2.0 - 0.3 + 0.01 * s + 0.05) for s in (0, 1)}
     assert (
-        "Added by --extend_grid: gpt2 [0.0005, 0.00025], ode [0.004, 0.008]."
+        "Added by --extend_grid: gpt2 [0.0005, 0.00025], ode [0.004, 0.008]. Stopped at the limit, still at the edge: gpt2, ode."
         in (study / "out" / "study.md").read_text()
     )
     again = Falling()
@@ -102,6 +103,9 @@ def test_extend_grid_stops_once_the_choice_is_interior(study, monkeypatch):
     assert _main(study, monkeypatch, fake, "--extend_grid", "--models", "ode") == 0  # the default limit, 3
     ode = _result(study)["models"]["ode"]
     assert (ode["best_learning_rate"], ode["edge"], ode["added_learning_rates"]) == (4e-3, None, [4e-3, 8e-3])
+    assert not ode["extend_limit_reached"] and (
+        "ode [0.004, 0.008]. Stopped at the limit, still at the edge: gpt2." in (study / "out" / "study.md").read_text()
+    )  # gpt2, the baseline that joined, rises with the rate: three rates added, all below
     assert _trained(fake, "ode") == [1e-3, 2e-3, 4e-3, 8e-3]
     with pytest.raises(SystemExit):
         _main(study, monkeypatch, FakeRuns(), "--extend_grid", "0")
