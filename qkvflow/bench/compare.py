@@ -21,23 +21,25 @@ one grid does not fit every model, its own `learning_rates` (`--learning_rates` 
    study's own vocabulary before anything trains: qkvflow.bench.matching), the achieved ratio.
 
 The report is <name>.json, a markdown table <name>.md and a figure <name>.png (each model's test loss
-per seed, and mean +- sd), written into the work folder's `report/`, or into `--out_dir`: a folder for this report
-alone, checked and replaced as every qkvflow output is (qkvflow.outputs: absent, empty, or an earlier
-report; never inside the repository's shipped folders). The paths written are printed. The base config and
-every model's run config (parsed as `qkvflow train` parses it: qkvflow.bench.run_configs) are checked, and
-the matched widths solved, before the work folder is claimed.
+per seed, and mean +- sd; qkvflow.bench.compare_report), written into the work folder's `report/`, or
+into `--out_dir`: a folder for this report alone, checked and replaced as every qkvflow output is
+(qkvflow.outputs: absent, empty, or an earlier report; never the work folder or a folder holding it,
+never inside the repository's shipped folders). The paths written are printed. The base config and every
+model's run config (parsed as `qkvflow train` parses it: qkvflow.bench.run_configs) are checked, and the
+matched widths solved, before the work folder is claimed.
 
 `--models A,B` runs a subset; the baseline joins it when left out (its finished runs read back, the
 missing ones trained), which a line says.
 
-It is resumable: a finished run leaves `results/<run>.json` and is not trained again; an
-interrupted run resumes from its checkpoint (the same `trainer.id`, qkvflow's exact resume); more
-seeds, learning rates and models may be added to a study between invocations, and a model with no run
-yet may be redefined. The work folder holds `study.json`, written when the study starts
-(qkvflow.bench.study_folder): a folder without it (and not empty) or holding another study is refused, and only checkpoints of this study's runs are removed (after a model's test
-evaluation, unless --keep_checkpoints). `--jobs K` runs K trainings or evaluations at once, each its own
-process as always (a GPU shared by small models, or spare cores), a model's test evaluations ahead of the
-trainings still waiting (`Pool`); the results are the same.
+It is resumable: a finished run leaves `results/<run>.json` and is not trained again; an interrupted run
+resumes from its checkpoint (the same `trainer.id`, qkvflow's exact resume); more seeds, learning rates
+and models may be added to a study between invocations, and a model with no run yet may be redefined.
+The work folder holds `study.json`, written when the study starts (qkvflow.bench.study_folder): a folder
+without it (and not empty) or holding another study is refused, and only checkpoints of this study's
+runs are removed (after a model's test evaluation, unless --keep_checkpoints). `--jobs K` runs K
+trainings or evaluations at once, each its own process as always (a GPU shared by small models, or spare
+cores), a model's test evaluations ahead of the trainings still waiting (qkvflow.bench.pool); the results
+are the same. docs/compare.md is the guide.
 """
 
 import argparse

@@ -84,7 +84,8 @@ def markdown(result: dict) -> str:
         f"{result.get('title') or result['study']}: {result['iters']} steps, seeds {result['seeds']}, peak lr chosen from "
         f"{result['learning_rates']}{grids} on the selection split; test split below. Baseline: {result['baseline']}.",
         "",
-        "| model | params | train FLOPs |" + " matched |" * matched + " best lr | test loss (mean ± sd) | Δ to baseline [95% CI] | verdict |",
+        "| model | params | train FLOPs |" + " matched |" * matched
+        + " best lr | test loss (mean ± sd) | Δ to baseline [95% CI] | verdict |",
         "|---|---:|---:|" + "---|" * matched + "---:|---:|---:|---|",
     ]  # fmt: skip
     for name, m in rows.items():

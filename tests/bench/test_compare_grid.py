@@ -20,7 +20,8 @@ def study(tmp_path):
     base = {"corpus": {"name": "pydoc"}, "model": {"type": "gpt2"}, "trainer": {"train_batch_size": 2}}
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
     spec = {"base": "base.yaml", "baseline": "gpt2", "iters": 5, "learning_rates": [1e-3, 2e-3], "seeds": [0, 1],
-            "models": {"gpt2": {"model": {"type": "gpt2", "hidden_dim": 8}}, "ode": {"model": {"type": "diffeqformer_gpt2"}}}}  # fmt: skip
+            "models": {"gpt2": {"model": {"type": "gpt2", "hidden_dim": 8}},
+                       "ode": {"model": {"type": "diffeqformer_gpt2"}}}}  # fmt: skip
     (tmp_path / "study.yaml").write_text(yaml.safe_dump(spec))
     return tmp_path
 
@@ -86,8 +87,8 @@ def test_extend_grid_adds_rates_beyond_the_edge_until_its_limit_and_reads_finish
     assert ode["extend_limit_reached"] and gpt2["extend_limit_reached"]
     assert ode["test"]["per_seed"] == {str(s): pytest.approx(2.0 - 0.3 + 0.01 * s + 0.05) for s in (0, 1)}
     assert (
-        "Added by --extend_grid: gpt2 [0.0005, 0.00025], ode [0.004, 0.008]. Stopped at the limit, still at the edge: gpt2, ode."
-        in (study / "out" / "study.md").read_text()
+        "Added by --extend_grid: gpt2 [0.0005, 0.00025], ode [0.004, 0.008]. "
+        "Stopped at the limit, still at the edge: gpt2, ode." in (study / "out" / "study.md").read_text()
     )
     again = Falling()
     assert _main(study, monkeypatch, again, "--extend_grid", "3") == 0
@@ -117,8 +118,8 @@ def test_a_subset_without_the_baseline_trains_it_in_a_new_work_folder(study, mon
     assert _trained(fake, "gpt2") == [1e-3, 2e-3] and _trained(fake, "ode") == [1e-3, 2e-3]
     out = capsys.readouterr().out
     assert (
-        f"--models leaves out the baseline gpt2: it joins them, and 4 of its 4 runs are not in {study / 'work' / 'results'} and are trained"
-        in out
+        "--models leaves out the baseline gpt2: it joins them, and 4 of its 4 runs are not in "
+        f"{study / 'work' / 'results'} and are trained" in out
     )
     result = _result(study)
     assert list(result["models"]) == ["gpt2", "ode"] and result["models"]["ode"]["difference_to_baseline"][
