@@ -198,3 +198,34 @@ def test_the_shipped_matched_baselines_are_matched_on_their_own_corpus(tmp_path,
     assert compare.training_flops(configs["gpt2_flops"][1], study["iters"]) == pytest.approx(
         flops(configs["gpt2_flops"][0].model), rel=1e-12
     )
+
+
+def test_a_study_on_the_users_own_corpus_is_matched_at_its_tokenizers_vocabulary(tmp_path, monkeypatch):
+    """A `data:` base config (a `qkvflow tokenizer` folder): the vocabulary is the tokenizer's length, read
+    here with transformers, and the width is the formula's closest at it."""
+    from transformers import AutoTokenizer
+
+    from tests.bench.test_compare import OWN_BASE, _own_corpus
+
+    monkeypatch.chdir(tmp_path)
+    _own_corpus(tmp_path)
+    (tmp_path / "base.yaml").write_text(OWN_BASE)
+    vocab = len(AutoTokenizer.from_pretrained(str(tmp_path / "cache" / "own")))
+    models = {"deep": {"model": _gpt2(hidden_dim=64, num_heads=4, num_layers=4)},
+              "wide": {"match": {"params": "deep"}, "model": _gpt2(num_heads=4, num_layers=1)}}  # fmt: skip
+    spec = {
+        "base": "base.yaml",
+        "baseline": "deep",
+        "iters": 3,
+        "learning_rates": [1e-3],
+        "seeds": [0],
+        "models": models,
+    }
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump(spec))
+    study = _resolved(tmp_path / "study.yaml", tmp_path / "work")
+    target = gpt2_params(vocab, 64, 4, 64)
+    expected = min(range(4, 2048, 4), key=lambda d: abs(gpt2_params(vocab, 64, 1, d) / target - 1))
+    assert study["matched"]["wide"]["vocab_size"] == vocab and study["matched"]["wide"]["solved"] == {
+        "hidden_dim": expected
+    }
+    assert not (tmp_path / "work").exists()  # solved before anything is written
