@@ -25,8 +25,11 @@ def _gpt2(**shape) -> dict:
     return {"type": "gpt2", "max_seq_len": 64, "embed_pdrop": 0.0, "resid_pdrop": 0.0, "attn_pdrop": 0.0, **shape}
 
 
-def _write(folder: Path, corpus: dict, models: dict) -> Path:
-    (folder / "base.yaml").write_text(yaml.safe_dump({"corpus": corpus, "trainer": {"train_batch_size": 2}}))
+def _write(folder: Path, corpus, models: dict) -> Path:
+    """study.yaml (baseline `deep`, one rate, one seed) and its base.yaml: a bundled `corpus` (a mapping), or
+    the text of a whole base config."""
+    base = corpus if isinstance(corpus, str) else yaml.safe_dump({"corpus": corpus, "trainer": {"train_batch_size": 2}})
+    (folder / "base.yaml").write_text(base)
     spec = {
         "base": "base.yaml",
         "baseline": "deep",
@@ -209,20 +212,10 @@ def test_a_study_on_the_users_own_corpus_is_matched_at_its_tokenizers_vocabulary
 
     monkeypatch.chdir(tmp_path)
     _own_corpus(tmp_path)
-    (tmp_path / "base.yaml").write_text(OWN_BASE)
     vocab = len(AutoTokenizer.from_pretrained(str(tmp_path / "cache" / "own")))
     models = {"deep": {"model": _gpt2(hidden_dim=64, num_heads=4, num_layers=4)},
               "wide": {"match": {"params": "deep"}, "model": _gpt2(num_heads=4, num_layers=1)}}  # fmt: skip
-    spec = {
-        "base": "base.yaml",
-        "baseline": "deep",
-        "iters": 3,
-        "learning_rates": [1e-3],
-        "seeds": [0],
-        "models": models,
-    }
-    (tmp_path / "study.yaml").write_text(yaml.safe_dump(spec))
-    study = _resolved(tmp_path / "study.yaml", tmp_path / "work")
+    study = _resolved(_write(tmp_path, OWN_BASE, models), tmp_path / "work")
     target = gpt2_params(vocab, 64, 4, 64)
     expected = min(range(4, 2048, 4), key=lambda d: abs(gpt2_params(vocab, 64, 1, d) / target - 1))
     assert study["matched"]["wide"]["vocab_size"] == vocab and study["matched"]["wide"]["solved"] == {
