@@ -51,3 +51,165 @@ def test_every_path_the_docs_name_exists(doc):
         if path not in TO_BE_WRITTEN and not _exists(path, doc):
             missing.append(path)
     assert not missing, f"{doc.relative_to(ROOT)} names paths that do not exist: {missing}"
+
+
+# Every `qkvflow ...` command line of the docs parses with its verb's own parser (qkvflow.cli.dryparse):
+# a renamed or removed flag, or a value of the wrong type, fails here as a renamed path fails above.
+FENCE = re.compile(r"^\s*(```|~~~)")
+PROMPT = re.compile(r"^(?:\$ )?(?:[\w./-]*/)?qkvflow (\S.*)$")  # `qkvflow ...`, `.venv/bin/qkvflow ...`
+OUTPUT_LINE = re.compile(r"^[\w-]+( [\w-]+)?: ")  # `qkvflow tokenizer: error: ...`, printed, not typed
+STAND_INS = {  # placeholders of the docs -> a value the verb parses; a config must exist (main checks it)
+    "CFG": "configs/quickstart.yaml",
+    "CKPT": "checkpoints/quickstart",
+    "<CKPT>": "checkpoints/quickstart",
+    "RUN_ID": "run",
+    "DIR": "out",
+    "W": "work",
+    "N": "4",
+    "M": "4",
+    "STUDY.yaml": "benchmarks/compare/tinyshakespeare.yaml",
+}
+FINETUNE_CONFIG = "configs/finetune/quickstart_lora.yaml"
+ARRIVING = {"plan"}  # verbs documented ahead of their merge (docs/plan.md): checked once qkvflow.cli has them
+
+
+def command_lines(text: str) -> list[tuple[int, str]]:
+    """(line number, the arguments after `qkvflow`) of every command line: each line of a fenced block
+    that starts with `qkvflow` (continued over trailing backslashes), and each inline `qkvflow VERB ...`
+    code span that gives the verb an argument (a bare `qkvflow train` names the verb; it is no command)."""
+    found, fenced, held = [], False, None
+    for number, line in enumerate(text.splitlines(), 1):
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        if fenced:
+            stripped = line.strip()
+            if held is not None:
+                held[1] += " " + stripped.rstrip("\\")
+            elif (m := PROMPT.match(stripped)) and not OUTPUT_LINE.match(m.group(1)):
+                held = [number, m.group(1).rstrip("\\")]
+            if held is not None and not stripped.endswith("\\"):
+                found.append(tuple(held))
+                held = None
+        else:
+            found += [(number, m.group(1)) for m in re.finditer(r"`qkvflow ([^`]+)`", line)]
+    return [(n, c) for n, c in found if not OUTPUT_LINE.match(c)]
+
+
+def as_argv(command: str) -> list[str] | None:
+    """The argv a reader would type for a documented `command`: the shell's words up to a comment, pipe
+    or `&&`; `[--optional ...]` brackets dropped, keeping what they hold; `...` and `[--dotted.key value
+    ...]` dropped; the first of `a|b` alternatives; placeholders replaced (STAND_INS). None when the line
+    names a verb or mode but gives it nothing to parse."""
+    import shlex
+
+    command = re.sub(r"\[--dotted\.key value \.\.\.\]|(?<!\S)\.\.\.(?!\S)", " ", command)
+    lexer = shlex.shlex(command, posix=True, punctuation_chars="|&;")
+    lexer.whitespace_split, lexer.commenters = True, "#"
+    words = []
+    for word in lexer:
+        if word in ("|", "||", "&&", ";", "&"):
+            break
+        words.append(word)
+    words = [w[1:] if w.startswith("[-") else w for w in words]  # `[--ode]`, not a YAML list `'[a.jsonl]'`
+    words = [w[:-1] if w.endswith("]") and w.count("]") > w.count("[") else w for w in words]
+    words = [w.split("|")[0] if w.startswith("-") or re.fullmatch(r"[\w.,|]+", w) else w for w in words if w]
+    words = [STAND_INS.get(w, w) for w in words]
+    if words[:1] == ["bench"]:
+        return words if len(words) > 2 else None
+    return words if len(words) > 1 else None
+
+
+def completed(argv: list[str]) -> list[str]:
+    """A documented fragment (`qkvflow eval --steps auto`, `qkvflow analyze spectra --num_times 49`)
+    with what the verb needs besides: the quickstart's config, or the fine-tuning example's."""
+    verb = argv[0]
+    analysis = verb == "analyze" and argv[1:2] in (["spectra"], ["lyapunov"])
+    needs_config = verb in ("train", "describe", "eval", "generate", "export", "finetune", "sweep") or analysis
+    if argv[:2] == ["bench", "compare"] and "--workdir" not in argv:
+        return argv + ["--workdir", STAND_INS["W"]]
+    if not needs_config or any(a.startswith("--config_path") for a in argv):
+        return argv
+    extra = ["--config_path", FINETUNE_CONFIG if verb in ("finetune", "sweep") else STAND_INS["CFG"]]
+    if verb in ("export", "eval", "generate") or analysis:
+        extra += [] if "--checkpoint" in argv else ["--checkpoint", STAND_INS["CKPT"]]
+    if verb == "export" and "--output" not in argv:
+        extra += ["--output", STAND_INS["DIR"]]
+    if argv[1:2] == ["lyapunov"] and "--text" not in argv:
+        extra += ["--text", "a"]
+    return argv + extra
+
+
+def documented_commands() -> list[tuple[str, str]]:
+    return [
+        (f"{doc.relative_to(ROOT)}:{n}", command)
+        for doc in DOCS
+        for n, command in command_lines(doc.read_text())
+        if as_argv(command) is not None
+    ]
+
+
+def test_the_command_extraction_reads_what_a_reader_would_type():
+    text = "\n".join(
+        [
+            "run `qkvflow train` first, then `qkvflow eval --steps auto`; `qkvflow bench compare` alone.",
+            "```bash",
+            "qkvflow export --config_path CFG --checkpoint <CKPT> \\",
+            "    --steps 8 [--ode] [--overwrite]   # discretise",
+            "qkvflow tokenizer: error: --files: 'x' is not UTF-8 text",
+            "qkvflow tokenizer --files A.txt ... --output DIR [--kind bpe|char] | tee log",
+            "```",
+        ]
+    )
+    lines = command_lines(text)
+    assert [n for n, _ in lines] == [1, 1, 1, 3, 6]
+    argvs = [as_argv(c) for _, c in lines]
+    assert argvs[0] is None and argvs[2] is None
+    assert argvs[1] == ["eval", "--steps", "auto"]
+    assert argvs[3] == [
+        "export", "--config_path", "configs/quickstart.yaml", "--checkpoint", "checkpoints/quickstart",
+        "--steps", "8", "--ode", "--overwrite",
+    ]  # fmt: skip
+    assert argvs[4] == ["tokenizer", "--files", "A.txt", "--output", "out", "--kind", "bpe"]
+    assert completed(argvs[1]) == [
+        "eval", "--steps", "auto", "--config_path", "configs/quickstart.yaml", "--checkpoint", "checkpoints/quickstart"
+    ]  # fmt: skip
+
+
+def test_a_renamed_flag_is_caught(monkeypatch):
+    """The check itself: a flag the verb does not have, or a value it cannot read, is refused with the
+    verb's line; the same command with the real flag parses to the value given."""
+    from qkvflow.cli.dryparse import parse_only
+    from qkvflow.errors import UserError
+
+    monkeypatch.chdir(ROOT)
+    config = parse_only(["train", "--config_path", "configs/quickstart.yaml", "--trainer.num_train_steps", "7"])
+    assert config.trainer.num_train_steps == 7
+    with pytest.raises(UserError, match="num_train_step"):
+        parse_only(["train", "--config_path", "configs/quickstart.yaml", "--trainer.num_train_step", "7"])
+    with pytest.raises(UserError, match="--max_new_token"):
+        parse_only(completed(["generate", "--max_new_token", "3"]))
+    with pytest.raises(UserError, match="--layers"):
+        parse_only(completed(["export", "--layers", "8"]))
+    with pytest.raises(UserError, match="invalid int value"):
+        parse_only(["bench", "compare", "s.yaml", "--workdir", "w", "--iters", "many"])
+    args = parse_only(["bench", "compare", "s.yaml", "--workdir", "w", "--iters", "9"])
+    assert (args.study, args.workdir, args.iters) == ("s.yaml", "w", 9)
+    namespace, train_config = parse_only(completed(["export", "--steps", "8", "--model.ode.num_steps", "6"]))
+    assert namespace.steps == 8 and train_config.model.ode.num_steps == 6
+
+
+@pytest.mark.parametrize("where, command", documented_commands(), ids=[w for w, _ in documented_commands()])
+def test_every_documented_command_parses(where, command, monkeypatch):
+    from qkvflow.cli import VERBS
+    from qkvflow.cli.dryparse import parse_only
+    from qkvflow.errors import UserError
+
+    argv = completed(as_argv(command))
+    if argv[0] in ARRIVING and argv[0] not in VERBS:
+        pytest.skip(f"`qkvflow {argv[0]}` is documented ahead of its merge")
+    monkeypatch.chdir(ROOT)
+    try:
+        parse_only(argv)
+    except UserError as e:
+        pytest.fail(f"{where}: `qkvflow {command}` does not parse: {e}")
