@@ -102,7 +102,7 @@ def test_help_all_lists_every_key(capsys):
     assert exit.value.code == 0
     assert "--trainer.checkpointer.base_path" in out and "--model.ode.num_steps" in out
     said = re.search(
-        r"`--help-all` lists every key with its default \(about ([\d,]+)\s", (ROOT / "README.md").read_text()
+        r"`--help-all` lists every key with its default \(about ([\d,]+)\s", (ROOT / "docs" / "training.md").read_text()
     )
     assert said and abs(len(out.splitlines()) / int(said.group(1).replace(",", "")) - 1) < 0.1, len(out.splitlines())
 

@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "launch/README.md", ROOT / "configs/README.md", ROOT / "benchmarks/README.md"]  # on the site too
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *PAGES]
 FOLDERS = ("configs", "docs", "benchmarks", "launch", "qkvflow", "tests")
-PATH = re.compile(r"(?<![\w/.~-])((?:%s)/[\w./-]*\w)" % "|".join(FOLDERS))
+# a path runs on through placeholders (`a_{x,y}.yaml`, `<cfg>`), which PLACEHOLDER then skips whole
+PATH = re.compile(r"(?<![\w/.~-])((?:%s)/[\w./{}<>$*,-]*[\w}>*])" % "|".join(FOLDERS))
 CONFIG_PATH = re.compile(r"--config_path[= ]+([^\s`'\"),\]]+)")
 PLACEHOLDER = re.compile(r"[<>${}*]|(^|/)[A-Z_]+(\.|/|$)")  # <run_id>, $VAR, {name}, *, VERB.py
 TO_BE_WRITTEN = {"qkvflow/models/my_family.py"}  # docs/architecture.md: the file a new model family adds
@@ -34,7 +36,7 @@ def test_the_parser_finds_paths_and_skips_placeholders():
     text = (
         "run `qkvflow train --config_path configs/quickstart.yaml` and see docs/own_text.md, "
         "tests/test_train.py::test_x, --config_path=my.yaml, configs/<name>.yaml, checkpoints/run/step-3, "
-        "qkvflow/cli/VERB.py."
+        "qkvflow/cli/VERB.py, benchmarks/configs/quality_{ode,gpt2}.yaml."
     )
     assert _named(text) == {"configs/quickstart.yaml", "docs/own_text.md", "tests/test_train.py", "my.yaml"}
 
@@ -60,6 +62,7 @@ PROMPT = re.compile(r"^(?:\$ )?(?:[\w./-]*/)?qkvflow (\S.*)$")  # `qkvflow ...`,
 OUTPUT_LINE = re.compile(r"^[\w-]+( [\w-]+)?: ")  # `qkvflow tokenizer: error: ...`, printed, not typed
 STAND_INS = {  # placeholders of the docs -> a value the verb parses; a config must exist (main checks it)
     "CFG": "configs/quickstart.yaml",
+    "CONFIG": "configs/quickstart.yaml",
     "CKPT": "checkpoints/quickstart",
     "<CKPT>": "checkpoints/quickstart",
     "RUN_ID": "run",
@@ -115,6 +118,8 @@ def as_argv(command: str) -> list[str] | None:
     words = [w[:-1] if w.endswith("]") and w.count("]") > w.count("[") else w for w in words]
     words = [w.split("|")[0] if w.startswith("-") or re.fullmatch(r"[\w.,|]+", w) else w for w in words if w]
     words = [STAND_INS.get(w, w) for w in words]
+    if not words or words[0].isupper():  # `qkvflow VERB --help`: any verb
+        return None
     if words[:1] == ["bench"]:
         return words if len(words) > 2 else None
     return words if len(words) > 1 else None
@@ -126,8 +131,11 @@ def completed(argv: list[str]) -> list[str]:
     verb = argv[0]
     analysis = verb == "analyze" and argv[1:2] in (["spectra"], ["lyapunov"])
     needs_config = verb in ("train", "describe", "eval", "generate", "export", "finetune", "sweep") or analysis
-    if argv[:2] == ["bench", "compare"] and "--workdir" not in argv:
-        return argv + ["--workdir", STAND_INS["W"]]
+    if argv[:2] == ["bench", "compare"]:
+        study = [] if argv[2:3] and not argv[2].startswith("-") else [STAND_INS["STUDY.yaml"]]
+        return argv[:2] + study + argv[2:] + ([] if "--workdir" in argv else ["--workdir", STAND_INS["W"]])
+    if argv[:2] == ["bench", "speed"] and not any(a.startswith("--config_path") for a in argv):
+        return argv + ["--config_path", "benchmarks/configs/speed.yaml"]
     if not needs_config or any(a.startswith("--config_path") for a in argv):
         return argv
     extra = ["--config_path", FINETUNE_CONFIG if verb in ("finetune", "sweep") else STAND_INS["CFG"]]
@@ -210,6 +218,30 @@ def test_every_documented_command_parses(where, command, monkeypatch):
         pytest.skip(f"`qkvflow {argv[0]}` is documented ahead of its merge")
     monkeypatch.chdir(ROOT)
     try:
-        parse_only(argv)
+        try:
+            parse_only(argv)
+        except UserError as e:  # `qkvflow eval --tasks` in a sentence names the flag: given a value, it parses
+            named = as_argv(command)
+            if "expected one argument" not in str(e) or not named[-1].startswith("--"):
+                raise
+            parse_only(completed(named + ["1"]))
     except UserError as e:
         pytest.fail(f"{where}: `qkvflow {command}` does not parse: {e}")
+
+
+def test_the_documentation_site_builds_strict(tmp_path):
+    """`mkdocs build --strict` (mkdocs.yml), offline, as CI would publish it: a broken link or anchor, a
+    page missing from the nav, a docstring cross-reference that resolves nowhere or a failing hook ends
+    the build. The pages kept outside docs/ come with their links pointed at the site's pages and files,
+    and the configuration page is generated (tests/test_reference.py checks its rows)."""
+    from mkdocs.commands.build import build
+    from mkdocs.config import load_config
+
+    site = tmp_path / "site"
+    build(load_config(str(ROOT / "mkdocs.yml"), strict=True, site_dir=str(site)))
+    index = (site / "index.html").read_text()
+    assert 'href="install.html"' in index and 'href="docs/install.md"' not in index  # README's link, on the site
+    assert "<code>model.ode.num_steps</code>" in (site / "config.html").read_text()
+    assert 'src="repo/benchmarks/results/depth_at_inference.png"' in (site / "evaluate.html").read_text()
+    assert (site / "repo/benchmarks/results/depth_at_inference.png").is_file()
+    assert "qkvflow.nn.time_dependent.TimeDependentWeight" in (site / "api/nn.html").read_text()

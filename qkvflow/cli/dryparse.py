@@ -46,6 +46,10 @@ def parse_only(argv: list[str]):
             status = cli.main(list(argv))
     except Parsed as parsed:
         return parsed.value
+    except SystemExit as e:  # argparse's own --help
+        if e.code:
+            raise UserError(f"qkvflow {verb}: exit status {e.code}") from None
+        return None
     if status:
         lines = [line for line in err.getvalue().splitlines() if line.strip()]
         raise UserError(lines[-1] if lines else f"qkvflow {verb}: exit status {status}")
