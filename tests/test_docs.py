@@ -1,8 +1,15 @@
-"""The paths that README.md and docs/*.md name exist: every `--config_path FILE` of a command and every
-file of the repository they point at (configs/, docs/, benchmarks/, launch/, qkvflow/, tests/), so a
-renamed or removed file cannot leave a command in the docs that fails at its first argument. Files that
-a command writes (runs/, checkpoints/, exports/, benchmarks/results/ made by a rerun) are not checked:
-only paths under the repository's own folders, without placeholders (<run_id>, $VAR, {name}, *)."""
+"""The documentation checked as a reader would use it, in three parts.
+
+* Paths. The paths that README.md, docs/*.md and the folder READMEs on the site name exist: every
+  `--config_path FILE` of a command and every file of the repository they point at (configs/, docs/,
+  benchmarks/, launch/, qkvflow/, tests/), so a renamed or removed file cannot leave a command in the docs
+  that fails at its first argument. Files that a command writes (runs/, checkpoints/, exports/,
+  benchmarks/results/ made by a rerun) are not checked: only paths under the repository's own folders,
+  without placeholders (<run_id>, $VAR, {name}, *).
+* Commands. Every `qkvflow ...` command line there parses with its verb's own parser, so a renamed or
+  removed flag fails as a renamed path does.
+* The site. `mkdocs build --strict` builds it (mkdocs.yml), so a broken link, a page left out of the nav
+  or a docstring reference that resolves nowhere fails."""
 
 import re
 from pathlib import Path

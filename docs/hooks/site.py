@@ -1,4 +1,4 @@
-"""MkDocs hooks of the documentation site (mkdocs.yml, `hooks:`).
+r"""MkDocs hooks of the documentation site (mkdocs.yml, `hooks:`).
 
 * **Pages that live outside docs/.** README.md (the home page), launch/README.md, configs/README.md,
   benchmarks/README.md and CHANGELOG.md stay where a reader of the repository finds them and are pages
@@ -8,6 +8,7 @@
   pointed at what it names on the site: a page of docs/, an imported page, or a repository file the
   docs show (a figure, a config), which is copied into the site under `repo/`. A link to nothing stays
   as written, and `mkdocs build --strict` fails on it.
+* **Tables** show `\|` inside inline code as `|`, as GitHub does (`on_page_content`).
 * **The configuration reference** (docs/config.md) is generated from the config dataclasses at every
   build (`qkvflow.cli.reference`), in place of the `CONFIG_REFERENCE` marker.
 """
@@ -126,3 +127,17 @@ def on_page_markdown(markdown, page, config, files):
 
         markdown = markdown.replace(CONFIG_REFERENCE, reference())
     return markdown
+
+
+CELL = re.compile(r"<td>.*?</td>", re.DOTALL)
+INLINE_CODE = re.compile(r"<code>(.*?)</code>", re.DOTALL)
+
+
+def on_page_content(html, page, config, files):
+    """A pipe inside inline code in a table cell is written `\\|` in markdown (GitHub shows `|`);
+    Python-Markdown keeps the backslash, so it is dropped here."""
+
+    def cell(m):
+        return INLINE_CODE.sub(lambda c: "<code>" + c.group(1).replace("\\|", "|") + "</code>", m.group(0))
+
+    return CELL.sub(cell, html)
