@@ -137,7 +137,7 @@ def completed(argv: list[str]) -> list[str]:
     with what the verb needs besides: the quickstart's config, or the fine-tuning example's."""
     verb = argv[0]
     analysis = verb == "analyze" and argv[1:2] in (["spectra"], ["lyapunov"])
-    needs_config = verb in ("train", "describe", "eval", "generate", "export", "finetune", "sweep") or analysis
+    needs_config = verb in ("train", "describe", "plan", "eval", "generate", "export", "finetune", "sweep") or analysis
     if argv[:2] == ["bench", "compare"]:
         study = [] if argv[2:3] and not argv[2].startswith("-") else [STAND_INS["STUDY.yaml"]]
         return argv[:2] + study + argv[2:] + ([] if "--workdir" in argv else ["--workdir", STAND_INS["W"]])
