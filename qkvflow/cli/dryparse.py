@@ -7,9 +7,10 @@ they return:
 
 * `qkvflow.configfile.parse` (re-exported as `qkvflow.cli.parse`), how every config-driven verb reads
   its config file and `--dotted.key value` overrides with draccus;
-* the verb's own `argparse` parser (`prog="qkvflow VERB ..."`: export, analyze, every `bench` mode).
-  When it leaves arguments over (`parse_known_args`), they are the overrides of the run's training
-  config, as `export` and `analyze` pass them on, and are parsed so, against its `--config_path`.
+* the verb's own `argparse` parser (`prog="qkvflow VERB ..."`: export, analyze, plan, every `bench`
+  mode). When it leaves arguments over (`parse_known_args`), they are the overrides of a config read
+  from the `--config_path` (the verb's option, or among the leftovers), as `export`, `analyze` and
+  `plan` pass them on, and are parsed so (`LEFTOVER_CONFIG`).
 
 Whatever the verb would refuse before that point (an unknown verb, a missing config file, a Levanter
 1.2 key) is refused as it would be. A renamed or removed flag, or a value of the wrong type, raises
@@ -22,6 +23,17 @@ import contextlib
 import io
 
 from qkvflow.errors import UserError
+
+LEFTOVER_CONFIG = {"plan": ("qkvflow.plan.config", "PlanConfig")}
+"""The config class that a verb's argparse leftovers are parsed into, where it is not the training config
+(export and analyze: `TrainConfig`; `plan` adds its own keys to it)."""
+
+
+def _leftover_config(verb: str) -> type:
+    import importlib
+
+    module, name = LEFTOVER_CONFIG.get(verb, ("qkvflow.training.config", "TrainConfig"))
+    return getattr(importlib.import_module(module), name)
 
 
 class Parsed(BaseException):
@@ -97,15 +109,14 @@ def _stopped_seams(verb: str):
         finally:
             depth[0] -= 1
         path = getattr(namespace, "config_path", None)
-        if rest and path is None:
-            raise UserError(f"unrecognized arguments: {' '.join(rest)}")
-        if path is None:
+        args = rest if path is None else [configfile.CONFIG_PATH, path, *rest]
+        if path is None and configfile.split_config_path(rest)[0] is None:
+            if rest:
+                raise UserError(f"unrecognized arguments: {' '.join(rest)}")
             raise Parsed((namespace, None))
-        from qkvflow.training.config import TrainConfig
-
         depth[0] += 1
         try:
-            config = real_parse(TrainConfig, [configfile.CONFIG_PATH, path, *rest], verb)
+            config = real_parse(_leftover_config(verb), args, verb)
         finally:
             depth[0] -= 1
         raise Parsed((namespace, config))
