@@ -162,7 +162,10 @@ def test_chooses_on_selection_reports_test_and_resumes_an_interrupted_grid(study
     )  # identical per-seed shifts: a zero-width interval
     assert (gpt2["parameter_count"], ode["parameter_count"]) == (10, 40)
     assert not any((study / "work" / "checkpoints").iterdir())  # this study's checkpoints, removed once evaluated
-    assert "| ode | 0.00M | 5e+09 | 0.002 (at the grid's edge) | 1.8600 ± 0.0100 | -0.1000" in (study / "out" / "study.md").read_text()
+    assert (
+        "| ode | 0.00M | 5e+09 | 0.002 (at the grid's edge) | 1.8600 ± 0.0100 | -0.1000"
+        in (study / "out" / "study.md").read_text()
+    )
     assert (study / "out" / "study.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the figure beside the table
     # a third invocation trains nothing
     third = FakeRuns()
