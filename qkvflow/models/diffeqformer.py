@@ -45,6 +45,7 @@ from qkvflow.models.depth_dial import DepthDialConfig
 from qkvflow.models.flavour import GPT2, LLAMA, Flavour
 from qkvflow.models.generator import HyperGenerator, SharedGenerator
 from qkvflow.models.official import OfficialGenerator
+from qkvflow.models.official import final_norm as official_final_norm
 from qkvflow.models.registry import register
 from qkvflow.nn.random import normal
 
@@ -110,7 +111,8 @@ class DiffEqFormerConfig(LmConfig):
     the Linear layers of Levanter's GPT-2 and Llama baselines."""
     layer_norm_epsilon: float = 1e-5
     use_bias: Optional[bool] = None
-    """None: True for GPT-2, False for Llama."""
+    """None: True for GPT-2, False for Llama. False with variant official also drops the norms' shifts and
+    the final norm's bias, as the authors' code does (qkvflow.models.official)."""
     activation_function: ActivationFunctionEnum = ActivationFunctionEnum.gelu_new
     tie_word_embeddings: Optional[bool] = None
     """None: True for GPT-2, False for Llama."""
@@ -300,9 +302,9 @@ class DiffEqFormerLMHeadModel(LmHeadModel[DiffEqFormerConfig]):
         if flavour.learned_positions:
             positions = hnn.Embedding.init(config.max_Pos, Embed, key=k_pos, initializer_range=std / 2)
         specs = flavour.field.weight_specs(config)
-        make = OfficialGenerator if config.variant == "official" else GENERATORS[config.generator]
-        generator = make.init(specs, config, key=k_gen)
-        final_norm = flavour.init_norm(Embed, config.layer_norm_epsilon)
+        official = config.variant == "official"
+        generator = (OfficialGenerator if official else GENERATORS[config.generator]).init(specs, config, key=k_gen)
+        final_norm = official_final_norm(config) if official else flavour.init_norm(Embed, config.layer_norm_epsilon)
         lm_head = None if config.tied_embeddings else normal(k_head, (Embed, Vocab)) * std
         return cls(config, Vocab, tokens, positions, generator, final_norm, lm_head)
 

@@ -3,7 +3,8 @@
     dx/dt = O(t) Attn(LN_a(x; t)) + W2(t) gelu(W1(t) LN_m(x; t) + b1(t)) + b2(t)
 
 Attention and feed-forward read the same x (in parallel, as in the DiffEqFormer), each through its
-own pre-norm with time-dependent scale and shift.
+own pre-norm with time-dependent scale and shift (no shift when the generator gives none: `variant:
+official` with `use_bias: false`).
 """
 
 import haliax.nn as hnn
@@ -29,7 +30,7 @@ def weight_specs(config) -> dict[str, WeightSpec]:
 
 
 def _norm(x: NamedArray, weights: dict, name: str, config) -> NamedArray:
-    norm = hnn.LayerNorm(config.Embed, weights[name], weights[f"{name}_bias"], eps=config.layer_norm_epsilon)
+    norm = hnn.LayerNorm(config.Embed, weights[name], weights.get(f"{name}_bias"), eps=config.layer_norm_epsilon)
     return norm(x)
 
 
