@@ -72,23 +72,33 @@ def official_weights(gen, t, num_frequencies, max_period=1e4):
     return out
 
 
+def official_branches(x, w, eps):
+    """The block's two branches at one time, attention A(x) and feed-forward M(x), from the weights w."""
+    causal = np.tril(np.ones((len(x), len(x)), bool))
+    h = layer_norm(x, w["attn_norm"], w.get("attn_norm_bias", 0.0), eps)
+    q, kk, v = (np.einsum("pe,ehd->phd", h, w[a]) + w.get(f"{a}_bias", 0.0) for a in "qkv")
+    scores = np.where(causal, np.einsum("phd,shd->hps", q, kk) / math.sqrt(q.shape[-1]), -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    attn = np.einsum("hps,shd->phd", p / p.sum(-1, keepdims=True), v)
+    attn = np.einsum("phd,hde->pe", attn, w["o"]) + w.get("o_bias", 0.0)
+    m = layer_norm(x, w["mlp_norm"], w.get("mlp_norm_bias", 0.0), eps)
+    ff = gelu_tanh(m @ w["w1"] + w.get("w1_bias", 0.0)) @ w["w2"] + w.get("w2_bias", 0.0)
+    return attn, ff
+
+
+def official_embedding(model, tokens):
+    """x_0 = E[ids] + P[positions]."""
+    x = _np(model.token_embeddings.weight, "vocab", "embed")[tokens]
+    return x + _np(model.position_embeddings.weight, "position", "embed")[: len(tokens)]
+
+
 def official_logits(model, ids, grid, max_period=1e4):
     c = model.config
-    n, eps, tokens = c.ode.num_steps, c.layer_norm_epsilon, np.asarray(ids.array)
-    x = _np(model.token_embeddings.weight, "vocab", "embed")[tokens]
-    x = x + _np(model.position_embeddings.weight, "position", "embed")[: len(tokens)]
-    causal = np.tril(np.ones((len(tokens), len(tokens)), bool))
+    n, eps = c.ode.num_steps, c.layer_norm_epsilon
+    x = official_embedding(model, np.asarray(ids.array))
     for k in range(n):
         t = (k + 1) / n if grid == "right" else k / n
-        w = official_weights(model.generator, t, c.num_frequencies, max_period)
-        h = layer_norm(x, w["attn_norm"], w.get("attn_norm_bias", 0.0), eps)
-        q, kk, v = (np.einsum("pe,ehd->phd", h, w[a]) + w.get(f"{a}_bias", 0.0) for a in "qkv")
-        scores = np.where(causal, np.einsum("phd,shd->hps", q, kk) / math.sqrt(q.shape[-1]), -np.inf)
-        p = np.exp(scores - scores.max(-1, keepdims=True))
-        attn = np.einsum("hps,shd->phd", p / p.sum(-1, keepdims=True), v)
-        attn = np.einsum("phd,hde->pe", attn, w["o"]) + w.get("o_bias", 0.0)
-        m = layer_norm(x, w["mlp_norm"], w.get("mlp_norm_bias", 0.0), eps)
-        ff = gelu_tanh(m @ w["w1"] + w.get("w1_bias", 0.0)) @ w["w2"] + w.get("w2_bias", 0.0)
+        attn, ff = official_branches(x, official_weights(model.generator, t, c.num_frequencies, max_period), eps)
         x = x + (attn + ff) / n
     norm = model.final_norm
     x = layer_norm(x, _np(norm.weight, "embed"), 0.0 if norm.bias is None else _np(norm.bias, "embed"), eps)

@@ -13,6 +13,7 @@ from haliax import NamedArray
 from qkvflow.models.generator import WeightSpec
 
 from .common import affine, attention_specs, self_attention
+from .dropout import branch_dropout
 
 
 def weight_specs(config) -> dict[str, WeightSpec]:
@@ -34,8 +35,13 @@ def _norm(x: NamedArray, weights: dict, name: str, config) -> NamedArray:
     return norm(x)
 
 
-def vector_field(weights: dict, x: NamedArray, *, config, mask, pos_ids=None, attend_fn=None) -> NamedArray:
+def vector_field(
+    weights: dict, x: NamedArray, *, config, mask, pos_ids=None, attend_fn=None, key=None
+) -> NamedArray:
+    """F(W(t), x) (module docstring); with `key`, each branch's residual dropout (`fields.dropout`)."""
     attn = self_attention(_norm(x, weights, "attn_norm", config), weights, config, mask, attend_fn=attend_fn)
     h = affine(_norm(x, weights, "mlp_norm", config), weights, "w1", config.Embed)
     ff = affine(config.activation_function.to_fn()(h), weights, "w2", config.Mlp)
+    if key is not None:  # a training step (qkvflow.models.fields.dropout)
+        attn, ff = branch_dropout(attn, ff, config.resid_pdrop, key)
     return attn + ff
