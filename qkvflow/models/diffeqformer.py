@@ -188,6 +188,13 @@ class DiffEqFormerConfig(LmConfig):
             f"0 with the adaptive solver ode.solver={self.ode.solver!r} (fresh masks at every time defeat "
             "step-size control; use a fixed-step solver)",
         )
+        _check(
+            self.resid_pdrop == 0 or self.ode.adjoint != "backsolve",
+            "resid_pdrop",
+            self.resid_pdrop,
+            "0 with ode.adjoint: backsolve (its backward solve meets other times, so other masks, than the "
+            "forward one; use recursive_checkpoint)",
+        )
 
     def _check_variant(self):
         _check(self.variant in ("qkvflow", "official"), "variant", self.variant, "'qkvflow' or 'official'")
