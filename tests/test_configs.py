@@ -144,7 +144,10 @@ def test_the_authors_recipe_configs(setting: str) -> None:
     assert (opt.learning_rate, opt.weight_decay, opt.beta1, opt.beta2, opt.epsilon) == (lr, 0.1, 0.9, 0.999, eps)
     assert (opt.max_grad_norm, opt.warmup, opt.min_lr_ratio, opt.lr_schedule) == (1.0, 0.01, 0.1, "cosine")
     _, flags, _ = paths_and_flags(model, with_decay_mask(opt, model))  # the mask the training loop builds
-    assert {path for path, decays in flags.items() if decays} == {"token_embeddings.weight", "position_embeddings.weight"}
+    assert {path for path, decays in flags.items() if decays} == {
+        "token_embeddings.weight",
+        "position_embeddings.weight",
+    }
 
 
 @pytest.mark.parametrize("setting", ["wikitext103_small", "owt_small"])

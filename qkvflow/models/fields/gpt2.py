@@ -35,9 +35,7 @@ def _norm(x: NamedArray, weights: dict, name: str, config) -> NamedArray:
     return norm(x)
 
 
-def vector_field(
-    weights: dict, x: NamedArray, *, config, mask, pos_ids=None, attend_fn=None, key=None
-) -> NamedArray:
+def vector_field(weights: dict, x: NamedArray, *, config, mask, pos_ids=None, attend_fn=None, key=None) -> NamedArray:
     """F(W(t), x) (module docstring); with `key`, each branch's residual dropout (`fields.dropout`)."""
     attn = self_attention(_norm(x, weights, "attn_norm", config), weights, config, mask, attend_fn=attend_fn)
     h = affine(_norm(x, weights, "mlp_norm", config), weights, "w1", config.Embed)

@@ -28,9 +28,7 @@ def _norm(x: NamedArray, weights: dict, name: str, config) -> NamedArray:
     return hnn.RmsNorm(config.Embed, weights[name], None, eps=config.layer_norm_epsilon, dtype=jnp.float32)(x)
 
 
-def vector_field(
-    weights: dict, x: NamedArray, *, config, mask, pos_ids=None, attend_fn=None, key=None
-) -> NamedArray:
+def vector_field(weights: dict, x: NamedArray, *, config, mask, pos_ids=None, attend_fn=None, key=None) -> NamedArray:
     """F(W(t), x) (module docstring); with `key`, each branch's residual dropout (`fields.dropout`)."""
     rotary = config.rope.build(config.HeadSize)
     attn = self_attention(_norm(x, weights, "attn_norm", config), weights, config, mask, rotary, pos_ids, attend_fn)
