@@ -37,8 +37,8 @@ def _cheap_compiles() -> None:
     (`--xla_backend_optimization_level=0`) and, on the jaxlib these flags were measured with (0.10),
     XLA's classic fusion emitters (`--xla_cpu_use_fusion_emitters=false`; another jaxlib may not know
     the flag, and XLA aborts on an unknown one). A subset of the suite took 631 s of user CPU with both,
-    805 s with -O0 alone and 1,007 s at XLA's defaults (2026-11-27, a niced study beside it; README,
-    "Tests"), measured by setting XLA_FLAGS to each choice in
+    805 s with -O0 alone and 1,007 s at XLA's defaults (2026-11-27, a niced study beside it; docs/contributing.md,
+    "Keeping the suite fast"), measured by setting XLA_FLAGS to each choice in
 
         /usr/bin/time -f %U .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile \
             tests/test_faults.py tests/models/test_lm.py tests/test_accelerator_script.py tests/integrate tests/nn

@@ -75,6 +75,12 @@ def load_model(config: TrainConfig, checkpoint: str, *, vocab_size: int | None =
             model = levanter.checkpoint.load_checkpoint(shape, path, subpath="model", mesh=mesh)
     except (KeyError, ValueError, FileNotFoundError) as e:
         absent = missing_arrays(path, e)
+        other = absent and other_variant(config.model, path, Vocab)
+        if other:  # the run's model with the other `variant`: name the config key (issue 56)
+            raise UserError(
+                f"checkpoint {path!r} holds a model of model.variant={other!r} but the config has "
+                f"model.variant={config.model.variant!r}: pass --model.variant {other} (the run's variant)"
+            ) from None
         if absent:  # most likely another model: name it rather than suggest resume options
             raise UserError(
                 f"checkpoint {path!r} does not hold a {type(config.model).__name__} model as the config describes: "
@@ -90,6 +96,34 @@ def load_model(config: TrainConfig, checkpoint: str, *, vocab_size: int | None =
     if announce:
         loaded(path)
     return model, tokenizer
+
+
+def other_variant(model_config, checkpoint: str, Vocab: Axis) -> str | None:
+    """The other `model.variant` (qkvflow or official) whose arrays `checkpoint` holds, all of them, when
+    `model_config` names one and its own arrays are missing; None otherwise (read from array names alone)."""
+    import dataclasses
+
+    from levanter.utils.jax_utils import leaf_key_paths
+
+    from qkvflow.training.checkpoint_arrays import array_shapes
+
+    variant = getattr(model_config, "variant", None)
+    if variant is None:
+        return None
+    stored = {name.removeprefix("model/").replace("/", ".") for name in array_shapes(checkpoint)}
+    for other in ("qkvflow", "official"):
+        if other == variant:
+            continue
+        try:
+            shape = eqx.filter_eval_shape(
+                dataclasses.replace(model_config, variant=other).build, Vocab, key=jrandom.PRNGKey(0)
+            )
+        except Exception:  # noqa: BLE001 (a config the other variant refuses, e.g. a Llama flavour)
+            continue
+        names = {p for p in jax.tree_util.tree_leaves(leaf_key_paths(shape)) if isinstance(p, str)}
+        if names and names <= stored:
+            return other
+    return None
 
 
 SHOWN = 3

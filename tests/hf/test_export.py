@@ -142,7 +142,7 @@ def test_other_depths_match_the_discrete_model_generate_and_overwrite(runs, tmp_
 
     config_path, checkpoint, model = runs["diffeqformer_llama"]
     out = tmp_path / "hf"
-    _export(capsys, config_path, checkpoint, out, "--steps", "2")
+    assert _export(capsys, config_path, checkpoint, out, "--steps", "N/2")["layers"] == N // 2  # eval's forms
     first = json.loads((out / MARKER).read_text())
     assert first["kind"] == "hf_export" and "model.safetensors" in first["files"]
     summary = _export(capsys, config_path, checkpoint, out, "--steps", "6", "--overwrite")  # swaps the first out
@@ -340,6 +340,11 @@ def test_bad_input_is_refused_with_one_line(runs, tmp_path, capsys, corpus_root)
     args = ["--config_path", config_path, "--checkpoint", checkpoint]
     err = _refused(capsys, [*args, "--steps", "0", "--output", str(tmp_path / "a")])
     assert "--steps 0 is invalid: expected an integer >= 1" in err
+    for steps in ("2.5N", "N,2N"):  # export writes one depth M (issue 56, item 20: eval's forms, one of them)
+        err = _refused(capsys, [*args, "--steps", steps, "--output", str(tmp_path / "a")])
+        assert f"--steps {steps!r} is invalid: expected one number of layers M: an integer >= 1 or a multiple" in err
+    err = _refused(capsys, [*args, "--steps", "auto", "--output", str(tmp_path / "a")])
+    assert "--steps auto is not taken: export writes one depth M; choose it with `qkvflow eval --steps auto`" in err
     assert "--solver rk4 is invalid: expected one of ['euler']" in _refused(
         capsys, [*args, "--solver", "rk4", "--output", str(tmp_path / "a")]
     )
@@ -492,12 +497,17 @@ def test_overwrite_never_replaces_what_export_did_not_write(runs, tmp_path, caps
         (str(work), config_path, "is or holds the current folder"),
         (str(run_folder), config_path, f"is or holds --checkpoint {checkpoint!r}"),
         (checkpoint, config_path, f"is or holds --checkpoint {checkpoint!r}"),
+        (f"{checkpoint}/step-0/exp", config_path, f"is inside the run folder of --checkpoint {checkpoint!r}"),
+        (f"{checkpoint}/exp", config_path, f"is inside the run folder of --checkpoint {checkpoint!r}"),
         (str(work / "configs"), str(own_config), f"is or holds --config_path {str(own_config)!r}"),
         (str(work / "theirs"), config_path, "is not empty and was not written by qkvflow"),
     ]
     for output, config, reason in cases:
         err = _refused(capsys, ["--config_path", config, "--checkpoint", checkpoint, "--output", output, "--overwrite"])
         assert f"--output={output!r}" in err and reason in err, err
+    step = f"{checkpoint}/step-0"  # a step folder as --checkpoint: its run folder is kept apart all the same
+    err = _refused(capsys, ["--config_path", config_path, "--checkpoint", step, "--output", f"{checkpoint}/exp"])
+    assert f"is inside the run folder of --checkpoint {checkpoint!r}" in err, err
     assert (_snapshot(tmp_path), _snapshot(run_folder)) == before
     assert sorted(p.name for p in work.iterdir()) == ["configs", "here", "theirs"]
 
