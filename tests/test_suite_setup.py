@@ -21,7 +21,7 @@ def test_the_session_compiles_cheaply_and_subprocesses_keep_it():
     assert os.environ["JAX_COMPILATION_CACHE_DIR"] and os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"
 
 
-SLOW_GARBAGE = '''
+SLOW_GARBAGE = """
 import gc
 import time
 import weakref
@@ -44,7 +44,7 @@ def test_leaves_garbage_that_takes_seconds_to_collect():
         a, b = Node(), Node()
         a.b, b.a = b, a
         KEEP.append(weakref.ref(a, _slow))
-'''
+"""
 
 
 def test_an_xdist_worker_ends_without_warnings_or_status_lines(tmp_path):

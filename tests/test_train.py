@@ -113,8 +113,8 @@ def test_stop_and_resume_reproduces_uninterrupted_losses(four_device_runs):
     ],
 )
 def test_the_summary_says_how_the_run_ended(summary, stop_after, line):
-    """"done" only at num_train_steps (8 here) or when the data's epochs end the run; a `stop_after` stop says
-    what to run to continue (the same command would find nothing to train)."""
+    """The summary says "done" only at num_train_steps (8 here) or when the epochs end the run; a stop_after
+    stop says what to run to continue (the same command would find nothing to train)."""
     import dataclasses
 
     from qkvflow.cli.train import headline

@@ -37,7 +37,9 @@ def test_the_model_section_lists_every_registered_type_and_the_variant(capsys, m
     from qkvflow.models import registry
     from qkvflow.models.flavour import GPT2
 
-    monkeypatch.setitem(registry._FAMILIES, "zz_declared_here", registry.Family("zz_declared_here", object, GPT2, False))
+    monkeypatch.setitem(
+        registry._FAMILIES, "zz_declared_here", registry.Family("zz_declared_here", object, GPT2, False)
+    )
     out = _help(capsys, "train")
     section = re.search(r"^  model {2,}(.*?)^  \w", out, re.MULTILINE | re.DOTALL)
     assert section, out

@@ -454,7 +454,9 @@ def test_a_damaged_checkpoint_is_named_in_one_line(runs, tmp_path, capsys):
         copy = tmp_path / f"run{i}"
         shutil.copytree(checkpoint, copy)  # a new path: nothing read before is cached
         os.truncate(copy / "step-0" / "d" / name, size)
-        rc = main(["export", "--config_path", config_path, "--checkpoint", str(copy), "--output", str(tmp_path / f"o{i}")])
+        rc = main(
+            ["export", "--config_path", config_path, "--checkpoint", str(copy), "--output", str(tmp_path / f"o{i}")]
+        )
         err = capsys.readouterr().err
         if not damaged:  # only values of older versions cut: nothing the export reads
             assert rc == 0, err
