@@ -125,3 +125,34 @@ LONGEST_FIRST = [
 def pytest_collection_modifyitems(session, config, items):
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    """No "bringing up nodes..." lines under `-q`. pytest-xdist (3.8) writes its status line as each
+    worker is set up and again when collection is done; on a terminal it rewrites one line in place,
+    but when the output is a file or a pipe (CI, a log) each is a new line, and under `-q` both read
+    "bringing up nodes...". Quiet mode shows neither, as pytest -q without xdist shows no header (what
+    xdist's maintainers chose for -q in pytest-xdist#375). The reporter is xdist's own
+    `TerminalDistReporter`, registered before the session starts; without xdist nothing changes."""
+    reporter = session.config.pluginmanager.getplugin("terminaldistreporter")
+    if reporter is not None and session.config.option.verbose < 0 and hasattr(reporter, "ensure_show_status"):
+        reporter.ensure_show_status = lambda: None
+
+
+def pytest_sessionfinish(session):
+    """Collect the session's garbage while the session still runs, then freeze what is left (`gc.freeze`:
+    later collections skip it). A test process collects rarely (`_collect_less`), so its garbage, traced
+    and compiled JAX programs among it, waited for pytest's last collection in `pytest_unconfigure`,
+    which also walked every live object (about a million in a worker that ran one test file). In an
+    xdist worker that comes after the worker has told the controller it finished; once every worker has, the
+    controller shuts their execnet gateways down, and execnet, when a worker's main thread is still busy
+    5 s later, sends that worker a SIGINT (execnet.gateway_base.WorkerGateway._terminate_execution). It
+    arrived during that collection, as a KeyboardInterrupt inside a weakref callback: the suite's
+    PytestUnraisableExceptionWarning (tests/test_suite_setup.py reproduces it). Here the collection
+    happens before xdist reports the end (its `pytest_sessionfinish` wrapper reports after every
+    implementation), and the last one has only what was allocated since."""
+    import gc
+
+    gc.collect()
+    gc.freeze()

@@ -201,8 +201,10 @@ def test_lora_stop_and_resume_reproduces_the_uninterrupted_run(lora_run, shared,
     first = run_cli("finetune", tmp_path, *args, "--stop_after", "3")
     assert first.returncode == 0 and "step 3/6" in first.stdout and "step 4/6" not in first.stdout, first.stderr[-3000:]
     assert not json.loads((tmp_path / "checkpoints" / "tiny-ft" / "finetune_summary.json").read_text())["finished"]
+    assert "== qkvflow finetune: stopped after step 3 of 6 (stop_after 3); run the same command without" in first.stdout
     second = run_cli("finetune", tmp_path, *args)
     assert second.returncode == 0 and "resuming run tiny-ft after step 3" in second.stdout, second.stderr[-3000:]
+    assert "== qkvflow finetune: done ==" in second.stdout
     assert losses(tmp_path, "tiny-ft") == losses(whole, "tiny-ft")
 
 

@@ -21,14 +21,16 @@ import json
 import os
 
 from qkvflow import outputs
-from qkvflow.cli import quiet_checkpoint_warnings
+from qkvflow.cli import quiet_checkpoint_warnings, usage
 from qkvflow.errors import UserError
 
 KIND = "hf_export"
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qkvflow export", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="qkvflow export", description=__doc__.split("\n\n")[0], epilog=usage.footer("export")
+    )
     parser.add_argument("--checkpoint", required=True, help="checkpoints/<run_id> or one of its step-N folders")
     parser.add_argument("--config_path", required=True, help="the run's training config (YAML)")
     parser.add_argument(
