@@ -172,7 +172,11 @@ def compile_step(config, Vocab, Batch, dtype: str, target_text: str, optimizer=N
     from qkvflow.bench.speed import DTYPES, bench_optimizer, train_step
 
     optimizer = optimizer or bench_optimizer()
-    topology = topologies.get_topology_desc(platform="cuda", target_config=target_text, topology="1x1x1")
+    try:
+        topology = topologies.get_topology_desc(platform="cuda", target_config=target_text, topology="1x1x1")
+    except Exception as e:  # noqa: BLE001  (no plugin, or a target text XLA cannot read)
+        first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise SystemExit(f"kernel_count: cannot describe a CUDA target ({first}); install the gpu extra") from None
     mesh = topologies.make_mesh(topology, (1,), ("data",))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     static, *inputs = abstract_inputs(config, Vocab, Batch, dtype, optimizer)
