@@ -10,9 +10,8 @@ differ only here:
   weights; time enters only as a bias c * t added to the output of every affine map.
 """
 
-import math
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Optional
 
 import equinox as eqx
 import haliax as hax
@@ -22,32 +21,11 @@ import jax.numpy as jnp
 import jax.random as jrandom
 from haliax import Axis, NamedArray
 
+from qkvflow.models.weight_spec import WeightSpec, matrix_std
 from qkvflow.nn.projection import project_stacked
 from qkvflow.nn.random import normal
 from qkvflow.nn.time_dependent import TimeDependentWeight, TimeEmbed, TimeMLP
 from qkvflow.nn.time_embedding import SinusoidalTimeEmbedding
-
-
-@dataclass(frozen=True)
-class WeightSpec:
-    """Named shape of one layer weight. A matrix maps `in_axes` to `out_axes`."""
-
-    out_axes: tuple[Axis, ...]
-    kind: Literal["matrix", "bias", "norm"]
-    in_axes: tuple[Axis, ...] = ()
-
-    @property
-    def axes(self) -> tuple[Axis, ...]:
-        return (*self.in_axes, *self.out_axes)
-
-
-def matrix_std(spec: WeightSpec, config) -> float:
-    """Initial std of a generated matrix: initializer_range ("normal", HF GPT-2's 0.02), or
-    1/sqrt(fan_in) ("fan_in", haliax's Linear default, which Levanter's GPT-2 and Llama use)."""
-    if config.matrix_init == "fan_in":
-        return math.prod(a.size for a in spec.in_axes) ** -0.5
-    return config.initializer_range
-
 
 STACK = "stacked"
 """The leading axis of a stack of hypernetworks (time MLPs or projections)."""

@@ -37,7 +37,7 @@ def stacked_model(model):
     generator = getattr(model, "generator", None)
     if not isinstance(generator, PerWeightGenerator):
         return model
-    return eqx.tree_at(lambda m: m.generator, model, generator.stacked(_specs(model)))
+    return eqx.tree_at(lambda m: m.generator, model, HyperGenerator.from_per_weight(generator, _specs(model)))
 
 
 def per_weight_shape(build, *args, **kwargs):

@@ -2,8 +2,8 @@
 
 Checkpoints and ODE exports (format version 2) written before the stacked `HyperGenerator` hold this
 layout, `generator.weights.<name>.{proj, mlp.lin{1,2}.{weight,bias}}`. It computes the same W(t) as the
-stacked generator, one small product per weight; `stacked()` converts it (the arrays are stacked, not
-changed), `HyperGenerator.per_weight()` converts back. `qkvflow.models.layout` uses both to read and write
+stacked generator, one small product per weight; `HyperGenerator.from_per_weight` converts it (the
+arrays are stacked, not changed), `HyperGenerator.per_weight()` converts back. `qkvflow.models.layout` uses both to read and write
 the previous layout.
 """
 
@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import jax.random as jrandom
 from haliax import NamedArray
 
+from qkvflow.models.weight_spec import matrix_std
 from qkvflow.nn.time_dependent import TimeDependentWeight, TimeMLP
 from qkvflow.nn.time_embedding import SinusoidalTimeEmbedding
 
@@ -45,7 +46,7 @@ class PerWeightGenerator(eqx.Module):
         shared_mlp = None if own else TimeMLP.init(embedding.TimeFeature, d, key=k_shared)
         weights = {}
         for k, (name, spec) in zip(keys, specs.items()):
-            std = _matrix_std(spec, config) if spec.kind == "matrix" else 0.0
+            std = matrix_std(spec, config) if spec.kind == "matrix" else 0.0
             offset = 1.0 if spec.kind == "norm" else 0.0
             weights[name] = TimeDependentWeight.init(
                 spec.axes,
@@ -90,15 +91,3 @@ class PerWeightGenerator(eqx.Module):
         s = hax.vmap(self.time_embedding, Times)(times)
         shared = self.shared_mlp(s) if self.shared_mlp is not None else None
         return {name: w(s, shared) for name, w in self.weights.items()}
-
-    def stacked(self, specs: dict):
-        """The same generator in the stacked layout (`qkvflow.models.generator.HyperGenerator`)."""
-        from qkvflow.models.generator import HyperGenerator
-
-        return HyperGenerator.from_per_weight(self, specs)
-
-
-def _matrix_std(spec, config) -> float:
-    from qkvflow.models.generator import matrix_std
-
-    return matrix_std(spec, config)

@@ -62,7 +62,7 @@ def test_init_is_the_per_weight_init_stacked_bit_for_bit(case):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert ours.offset == theirs.offset and ours.normalise == theirs.normalise
     # a round trip through the per-weight layout gives back the same stacks
-    back = stacked.per_weight().stacked(specs)
+    back = HyperGenerator.from_per_weight(stacked.per_weight(), specs)
     for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(stacked), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -76,7 +76,7 @@ def test_stacked_weights_equal_the_per_weight_equation(case):
     keys = jrandom.split(jrandom.PRNGKey(5), len(leaves))
     leaves = [x + 0.1 * jrandom.normal(k, x.shape) if x.dtype == jnp.float32 else x for x, k in zip(leaves, keys)]
     per_weight = jax.tree_util.tree_unflatten(treedef, leaves)
-    stacked = per_weight.stacked(specs)
+    stacked = HyperGenerator.from_per_weight(per_weight, specs)
     times = np.array([0.0, 0.25, 0.6, 1.0], np.float32)
     table = stacked.at_times(hax.named(jnp.asarray(times), "ode_time"))
     for k, t in enumerate(times):
