@@ -47,6 +47,19 @@ def newest_step(checkpoint: str, name: str = "checkpoint") -> str:
     return path
 
 
+def _holds_per_weight_layout(shape, path: str) -> bool:
+    """Whether the checkpoint `path` holds a DiffEqFormer's hypernetworks per weight (the layout before
+    stacking, `qkvflow.models.layout`) where the model `shape` stacks them."""
+    if not layout.is_stacked(shape):
+        return False
+    from qkvflow.training.checkpoint_arrays import array_shapes
+
+    try:
+        return layout.holds_per_weight(array_shapes(path))
+    except Exception:  # noqa: BLE001  (unreadable metadata: Levanter's restore below names the problem)
+        return False
+
+
 def loaded(path: str) -> None:
     """Say which step folder a verb loaded (stderr: stdout is the verb's own output)."""
     print(f"loaded checkpoint {path}", file=sys.stderr, flush=True)
@@ -99,19 +112,6 @@ def load_model(config: TrainConfig, checkpoint: str, *, vocab_size: int | None =
     if announce:
         loaded(path)
     return model, tokenizer
-
-
-def _holds_per_weight_layout(shape, path: str) -> bool:
-    """Whether the checkpoint `path` holds a DiffEqFormer's hypernetworks per weight (the layout before
-    stacking, `qkvflow.models.layout`) where the model `shape` stacks them."""
-    if not layout.is_stacked(shape):
-        return False
-    from qkvflow.training.checkpoint_arrays import array_shapes
-
-    try:
-        return layout.holds_per_weight(array_shapes(path))
-    except Exception:  # noqa: BLE001  (unreadable metadata: Levanter's restore below names the problem)
-        return False
 
 
 SHOWN = 3
