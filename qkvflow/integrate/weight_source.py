@@ -92,7 +92,7 @@ class WeightSource(eqx.Module):
         offset = time_offset(generator, config)
         table = None
         if config.weight_cache == "precompute":
-            table = generate_batched(generator, times + offset if shift is None else times + offset + shift)
+            table = _table(generator, times + offset if shift is None else times + offset + shift)
         return WeightSource(generator, times, table, offset, shift)
 
     def __call__(self, t):
@@ -101,7 +101,18 @@ class WeightSource(eqx.Module):
         k = jnp.argmin(jnp.abs(self.times - t))
         if self.table is None:
             return self.generator(self.times[k] + self.offset + (0.0 if self.shift is None else self.shift[k]))
-        return jax.tree_util.tree_map(lambda w: w["ode_time", k], self.table, is_leaf=hax.is_named_array)
+        row = jax.tree_util.tree_map(lambda w: w["ode_time", k], self.table, is_leaf=hax.is_named_array)
+        return self.generator.split(row) if hasattr(self.generator, "stacked_at_times") else row
+
+
+def _table(generator, times: jax.Array) -> dict:
+    """The precomputed table: `generate_batched`'s, or for a generator with stacked hypernetworks its
+    stacks (`stacked_at_times`), so that a step reads one array per stack and its gradient accumulates
+    into one array per stack rather than one per weight."""
+    if not hasattr(generator, "stacked_at_times"):
+        return generate_batched(generator, times)
+    with jax.named_scope("weight_generation"):
+        return generator.stacked_at_times(hax.named(times, hax.Axis("ode_time", times.shape[0])))
 
 
 def generate_batched(generator, times: jax.Array) -> dict:

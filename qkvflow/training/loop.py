@@ -36,7 +36,7 @@ from levanter.utils.jax_utils import parameter_count
 from levanter.utils.tree_utils import inference_mode
 
 from qkvflow.errors import UserError
-from qkvflow.training import faults, weight_decay
+from qkvflow.training import faults, moments, weight_decay
 from qkvflow.training.checkpoints import restore_error
 from qkvflow.training.tracking import JsonlTrackerConfig, drop_steps_from, metrics_file
 
@@ -180,7 +180,10 @@ def train_run(
     config, t = run.config, run.config.trainer
     t = dataclasses.replace(t, crash_on_nan=False, crash_on_inf=False)  # the guard decides, after the step
     optimizer_config = weight_decay.with_decay_mask(config.optimizer, config.model)
-    optimizer = faults.guard_nonfinite(optimizer_config.build(t.num_train_steps), inject)
+    optimizer = moments.with_hypernetwork_mu_dtype(
+        optimizer_config.build(t.num_train_steps), config.hypernetwork_mu_dtype
+    )
+    optimizer = faults.guard_nonfinite(optimizer, inject)
     guard = faults.NonFiniteGuard(optimizer, config.nonfinite, t.num_train_steps, verb=run.verb)
     summary: dict = {}
     target = min(t.num_train_steps, config.stop_after or math.inf)
