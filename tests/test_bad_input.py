@@ -446,7 +446,9 @@ RESUME = [
             "--model.num_frequencies",
             "16",
         ],
-        "has no array model.",
+        # the stacked hypernetworks: Llama's SwiGLU field generates one matrix more than GPT-2's (7 against 6),
+        # so the matrix MLPs' stack differs in length before any array is missing
+        "but this config's DiffEqFormerLlamaConfig needs (stacked=7",
     ),
     (
         "other-width",

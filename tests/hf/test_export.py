@@ -434,7 +434,8 @@ def test_a_damaged_checkpoint_is_named_in_one_line(runs, tmp_path, capsys):
     the checkpoint and an array whose bytes were cut (or the database file when its index node was).
     Which values the writer packed into which file depends on its timing, so what each cut damages is
     read from the database's own layout (`_ocdbt_layout`): every data file cut in half, then each file
-    cut inside its last value where that is an array's (only that array damaged: it must be the one named)."""
+    cut inside its last value where that is an array's (only that array damaged: it must be the one named;
+    a file whose last value is the index node has no such cut)."""
     import shutil
 
     from qkvflow.cli import main
@@ -447,7 +448,9 @@ def test_a_damaged_checkpoint_is_named_in_one_line(runs, tmp_path, capsys):
     cuts = [(name, (step / "d" / name).stat().st_size // 2) for name in sorted(layout)]
     alone = [(name, max(items)) for name, items in sorted(layout.items()) if max(items)[2] != "index"]
     cuts += [(name, (start + end) // 2) for name, (start, end, _) in alone]
-    assert alone, layout  # the newest version's index node is in one file; values in others
+    # `alone` may be empty: with the stacked hypernetworks the writer often packs every value and the index
+    # node into one file, whose last value is then the index; the halves above still cut arrays and index.
+    assert any(what != "index" for items in layout.values() for *_, what in items), layout
     named = []
     for i, (name, size) in enumerate(cuts):
         damaged = {what for start, end, what in layout[name] if end > size}
