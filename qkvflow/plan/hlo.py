@@ -210,12 +210,16 @@ def trip_count(instr: Instr) -> int | None:
     return None if n is None else int(n)
 
 
-def walk(module: Module, name: str | None = None, weight: int = 1, stats: dict | None = None, unknown: int = 1):
+def walk(
+    module: Module, name: str | None = None, weight: int = 1, stats: dict | None = None, unknown: int = 1, loops=True
+):
     """(instruction, times it runs per step) for every instruction that launches a kernel; a loop whose
-    trip count XLA does not know is taken to run `unknown` times."""
+    trip count XLA does not know is taken to run `unknown` times; `loops=False` leaves loops out."""
     stats = stats if stats is not None else {}
     for instr in module.computations[name or module.entry]:
         op = instr.opcode
+        if op == "while" and not loops:
+            continue
         if op == "while":
             n = trip_count(instr)
             if n is None:
@@ -226,14 +230,14 @@ def walk(module: Module, name: str | None = None, weight: int = 1, stats: dict |
             yield from walk(module, instr.called("body")[0], weight * n, stats, unknown)
         elif op in ("call", "async-start"):
             for c in instr.called("to_apply") + instr.called("calls"):
-                yield from walk(module, c, weight, stats, unknown)
+                yield from walk(module, c, weight, stats, unknown, loops)
         elif op == "conditional":
             branches = instr.called("branch_computations") or (
                 instr.called("true_computation") + instr.called("false_computation")
             )
             best = max(branches, key=lambda b: sum(w for _, w in walk(module, b, 1, {}, unknown)), default=None)
             if best is not None:
-                yield from walk(module, best, weight, stats, unknown)
+                yield from walk(module, best, weight, stats, unknown, loops)
         elif op not in FREE:
             yield instr, weight
 
@@ -249,19 +253,18 @@ def count_kernels(hlo, unknown_trip_count: int = 1) -> dict:
     `by_opcode` (launches), `loops` and `unknown_trip_counts`."""
     module = _module(hlo)
     stats: dict = {}
-    launches, static, once, fusions = 0, 0, 0, 0
+    launches, static, fusions = 0, 0, 0
     by_opcode, custom = Counter(), Counter()
     for instr, weight in walk(module, stats=stats, unknown=unknown_trip_count):
         launches += weight
         static += 1
-        once += weight if weight == 1 else 0
         by_opcode[instr.opcode] += weight
         fusions += instr.opcode == "fusion"
         if instr.opcode == "custom-call":
             custom[(instr.attr("custom_call_target") or "?").strip('"')] += weight
     return {
         "launches": launches,
-        "once_per_step": once,
+        "once_per_step": sum(w for _, w in walk(module, unknown=unknown_trip_count, loops=False)),
         "static": static,
         "fusions": fusions,
         "custom_calls": dict(custom),

@@ -12,7 +12,7 @@ fused attention 4 B H S_q S_kv D forward and 2.5 times that backward (FlashAtten
 halved for a causal mask. Everything else (elementwise work, reductions) is counted as bytes only.
 B_k: its operands plus its result, except that an operand a fusion only reads through
 `dynamic-slice` counts as the slices read, and a fusion whose root is a `dynamic-update-slice`
-writes in place (twice the update's bytes). Each collective takes its ring traffic over the link:
+writes in place: the update's bytes, not the buffer's. Each collective takes its ring traffic over the link:
 
     all-gather, reduce-scatter: (n - 1)/n x bytes / L;  all-reduce: 2 (n - 1)/n x bytes / L
 
@@ -97,7 +97,7 @@ def _fusion_bytes(module: hlo.Module, instr: hlo.Instr) -> float | None:
             read += hlo.nbytes(param.type)
     root = next((i for i in body if i.root), None)
     if root is not None and root.opcode == "dynamic-update-slice":
-        return read + 2 * hlo.nbytes(module.operand_types(root)[1])
+        return read + hlo.nbytes(module.operand_types(root)[1])
     return read + hlo.nbytes(instr.type)
 
 

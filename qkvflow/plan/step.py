@@ -105,10 +105,13 @@ def _step(trainer):
     return step
 
 
-def shard_bytes(tree) -> int:
-    """Bytes of `tree`'s arrays (ShapeDtypeStructs with shardings) on the fullest device."""
+def shard_bytes(tree, floating: bool = False) -> int:
+    """Bytes of `tree`'s arrays (ShapeDtypeStructs with shardings) on the fullest device; `floating`:
+    of its floating-point arrays only (a model's parameters, not its flags)."""
     total = 0
     for leaf in jax.tree_util.tree_leaves(tree):
+        if floating and not jnp.issubdtype(getattr(leaf, "dtype", jnp.int32), jnp.inexact):
+            continue
         if isinstance(leaf, jax.ShapeDtypeStruct):
             shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
             total += int(np.prod(shape, dtype=np.int64)) * jnp.dtype(leaf.dtype).itemsize
@@ -184,8 +187,8 @@ def compile_step(config, target: Target, devices: list, vocab_size: int, batch: 
         t.train_batch_size,
         str(getattr(getattr(model_config, "attn_backend", None), "value", model_config.attn_backend)),
         str(compute),
-        shard_bytes(state.model),
+        shard_bytes(state.model, floating=True),
         shard_bytes(state.opt_state),
         shard_bytes(example),
-        shard_bytes(state.trainable_model),
+        shard_bytes(state.trainable_model, floating=True),
     )

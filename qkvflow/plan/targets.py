@@ -48,7 +48,7 @@ def _gpu(name, spec, memory, bf16, tf32, hbm, link, network, source):
 
 TARGETS = {
     "H100-80GB": _gpu(
-        "H100-80GB", "h100_80gb.txtpb", 84_978_434_048, 989.4e12, 494.7e12, 3.35e12, 450 * GB, 50 * GB,
+        "H100-80GB", "h100_80gb.txtpb", 84_978_434_048, 989.4e12, 494.7e12, 3.35232e12, 450 * GB, 50 * GB,
         "XLA's h100_sxm.txtpb; NVIDIA H100 SXM product brief",
     ),
     "H200": _gpu(

@@ -1,0 +1,79 @@
+"""The parts of a plan that need no compile: targets, topologies, usable memory, the batch search."""
+
+import pytest
+
+from qkvflow.errors import UserError
+from qkvflow.plan import backend, planner, targets
+
+
+def test_targets_are_found_by_name_and_an_unknown_one_is_refused_with_the_list():
+    assert targets.get("h100-80gb").name == "H100-80GB"
+    assert targets.get("H200").memory_bytes == 150_000_000_000
+    assert targets.get("cpu:4").name == "cpu:4" and targets.cpu_devices(targets.get("cpu:4")) == 4
+    assert targets.get("A100-80GB", device_memory=123).memory_bytes == 123
+    with pytest.raises(UserError, match=r"--target 'H300' is unknown: expected one of H100-80GB, H200, A100-80GB, cpu:N"):
+        targets.get("H300")
+
+
+@pytest.mark.parametrize("name", sorted(targets.TARGETS))
+def test_every_gpu_target_ships_its_spec_with_its_memory(name):
+    target = targets.TARGETS[name]
+    text = target.spec_text()
+    assert text.startswith("# ") and "openxla/xla" in text.splitlines()[0] + text.splitlines()[1]
+    assert f"device_memory_size: {target.memory_bytes}" in text
+    assert f"memory_bandwidth: {int(target.hbm_bytes_per_s)}" in text
+
+
+def test_topologies_put_eight_gpus_on_a_node():
+    assert backend.topology_string(1, 8) == "1x1x1"
+    assert backend.topology_string(8, 8) == "1x1x8"
+    assert backend.topology_string(16, 8) == "1x2x8"
+    with pytest.raises(UserError, match="not a whole number of 8-device nodes"):
+        backend.topology_string(12, 8)
+
+
+def test_a_gpu_may_use_the_fraction_jax_preallocates(monkeypatch):
+    gpu = targets.get("H100-80GB")
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    assert planner.usable_memory(gpu)[0] == int(0.75 * 84_978_434_048)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", ".9")
+    assert planner.usable_memory(gpu)[0] == int(0.9 * 84_978_434_048)
+    assert planner.usable_memory(targets.get("cpu:1", device_memory=1000))[0] == 1000
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "most")
+    with pytest.raises(UserError, match="XLA_PYTHON_CLIENT_MEM_FRACTION='most' is invalid"):
+        planner.usable_memory(gpu)
+
+
+def test_the_batch_splits_over_the_data_parallel_axes():
+    assert planner.data_parallel({"data": 4, "replica": 2, "model": 2, "replica_dcn": 1}) == 8
+
+
+def brute_force(total, limit):
+    b = 0
+    while total(b + 1) <= limit:
+        b += 1
+    return b
+
+
+@pytest.mark.parametrize(
+    "total, start, limit",
+    [
+        (lambda b: 100 + 10 * b, 8, 555),  # linear: found from the line in a few compiles
+        (lambda b: 100 + 10 * b + b * b // 10, 8, 2000),  # curved: the line overshoots, bisection ends it
+        (lambda b: 100 + 10 * b, 64, 555),  # the start does not fit
+        (lambda b: 1000 + 10 * b, 8, 555),  # nothing fits
+        (lambda b: 100 + 10 * b, 8, 100 + 10 * 8),  # the start is the answer
+    ],
+)
+def test_the_largest_batch_that_fits_is_found(total, start, limit):
+    calls = []
+    found = planner.largest_fitting(lambda b: calls.append(b) or total(b), start, limit)
+    assert found["per_device"] == brute_force(total, limit) and found["exact"]
+    assert found["compiles"] == len(calls) <= planner.MAX_COMPILES
+    assert len(set(calls)) == len(calls)  # no batch compiled twice
+
+
+def test_the_batch_search_stops_at_its_compile_limit():
+    found = planner.largest_fitting(lambda b: b * b, 1, 10**9, max_compiles=3)
+    # 1 and 2 fit; the line through them (slope 3) guesses far beyond, which does not fit: 3 compiles
+    assert found == {"per_device": 2, "compiles": 3, "exact": False}
