@@ -28,7 +28,7 @@ PAIRS = {
 VOCAB = {"1b": 32000}  # the Llama-2 tokenizer's, which is not in a fresh cache (the others: GPT-2's, built in)
 
 
-def run(name: str, size: str, target: str, devices: int, max_batch: bool) -> None:
+def run(name: str, size: str, target: str, devices: int, max_batch: bool, hlo_dir) -> None:
     out = OUT / f"{name}__{target}x{devices}{'__max_batch' if max_batch else ''}.json"
     if out.exists():
         return
@@ -36,6 +36,9 @@ def run(name: str, size: str, target: str, devices: int, max_batch: bool) -> Non
     cmd += ["--target", target, "--devices", str(devices), "--json"] + (["--max_batch"] if max_batch else [])
     if size in VOCAB:
         cmd += ["--vocab_size", str(VOCAB[size])]
+    shown = " ".join(cmd[1:]).replace(str(ROOT) + "/", "")
+    if hlo_dir:
+        cmd += ["--save_hlo", str(Path(hlo_dir) / f"{out.stem}.hlo.txt")]
     start = time.time()
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     took = time.time() - start
@@ -43,7 +46,7 @@ def run(name: str, size: str, target: str, devices: int, max_batch: bool) -> Non
         print(f"{out.name}: failed ({took:.0f} s): {done.stderr.strip().splitlines()[-1:]}", flush=True)
         return
     plan = json.loads(done.stdout.strip().splitlines()[-1])
-    plan["command"] = " ".join(cmd[1:]).replace(str(ROOT) + "/", "")
+    plan["command"] = shown
     plan["wall_s"] = round(took, 1)
     OUT.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(plan, indent=1) + "\n")
@@ -56,11 +59,12 @@ def main() -> None:
     p.add_argument("--devices", default="1,8")
     p.add_argument("--max_batch", action="store_true")
     p.add_argument("--only", default=",".join(PAIRS))
+    p.add_argument("--hlo_dir", default=None, help="also keep each compiled step's HLO text here")
     args = p.parse_args()
     for size in args.only.split(","):
         for devices in (int(d) for d in args.devices.split(",")):
             for name in PAIRS[size]:
-                run(name, size, args.target, devices, args.max_batch)
+                run(name, size, args.target, devices, args.max_batch, args.hlo_dir)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max_batch", action="store_true", help="also find the largest per-device batch that fits")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.add_argument("--device_memory", type=int, default=None, help="bytes of memory per device (default: the target's)")
+    p.add_argument("--save_hlo", default=None, help="also write the compiled step's optimised HLO text to this file")
     return p
 
 
@@ -41,6 +42,6 @@ def main(argv: list[str]) -> int:
 
     backend.start(devices)  # before anything runs on a backend
     config = cli.parse(PlanConfig, rest, "plan", required="a training config")
-    out = planner.plan(config, target, devices, vocabulary(config), search_max_batch=args.max_batch)
+    out = planner.plan(config, target, devices, vocabulary(config), search_max_batch=args.max_batch, hlo_file=args.save_hlo)
     print(json.dumps(out) if args.json else report.text(out))
     return 0

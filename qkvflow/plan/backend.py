@@ -20,6 +20,7 @@ from qkvflow.errors import UserError
 from qkvflow.plan.targets import Target
 
 GPU_EXTRA = "pip install -e '.[gpu]'"
+TPU_EXTRA = "pip install -e '.[tpu]'"
 
 
 def start(devices: int) -> None:
@@ -51,8 +52,8 @@ def devices_for(target: Target, devices: int) -> list:
     host's own for a `cpu:N` target."""
     if target.platform == "cpu":
         return list(jax.devices("cpu"))[:devices]
-    if target.platform != "gpu":
-        raise UserError(f"--target {target.name}: {target.platform} targets are not supported")
+    if target.platform == "tpu":
+        return tpu_devices(target, devices)
     try:
         import jax_plugins.xla_cuda12  # noqa: F401
     except ImportError:
@@ -66,3 +67,34 @@ def devices_for(target: Target, devices: int) -> list:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UserError(f"--target {target.name}: XLA refused the topology {name}: {first}") from None
     return list(topology.devices)
+
+
+def tpu_devices(target: Target, devices: int) -> list:
+    """Compile-only chips of a TPU slice (libtpu's deviceless topology, `<generation>:<chip grid>`,
+    e.g. v5p:2x2x2 for 8 chips), the way MaxText's and AXLearn's ahead-of-time compiles name them."""
+    import importlib.util
+
+    if importlib.util.find_spec("libtpu") is None:
+        raise UserError(f"--target {target.name} needs libtpu: {TPU_EXTRA}")
+    from jax.experimental import topologies
+
+    name = f"{target.spec}:{tpu_grid(devices, target.spec)}"
+    try:
+        found = list(topologies.get_topology_desc(name, "tpu").devices)
+    except Exception as e:  # noqa: BLE001 (libtpu raises its runtime's errors)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"--target {target.name}: libtpu refused the topology {name}: {first}") from None
+    return found
+
+
+def tpu_grid(chips: int, generation: str) -> str:
+    """The chip grid of a slice of `chips` chips: 2D for v5e (v5litepod), 3D for v4 and v5p."""
+    if chips & (chips - 1):
+        raise UserError(f"--devices {chips}: a TPU slice has a power-of-two number of chips")
+    dims = [1, 1] if generation == "v5e" else [1, 1, 1]
+    i = 0
+    while chips > 1:
+        dims[i % len(dims)] *= 2
+        chips //= 2
+        i += 1
+    return "x".join(str(d) for d in dims)

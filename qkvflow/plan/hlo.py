@@ -32,18 +32,16 @@ SHAPE = re.compile(r"\b(" + "|".join(sorted(DTYPE_BYTES, key=len, reverse=True))
 
 FREE = frozenset(
     "parameter constant get-tuple-element tuple bitcast while conditional call after-all add-dependency "
-    "opt-barrier partition-id replica-id domain async-start async-update async-done all-gather-done "
-    "all-reduce-done collective-permute-done copy-done send-done recv-done get-dimension-size".split()
+    "opt-barrier partition-id replica-id domain async-start async-update get-dimension-size".split()
 )
-"""Opcodes that launch no kernel of their own."""
+"""Opcodes that launch no kernel of their own (and every `...-done`)."""
 
 COLLECTIVES = {
-    "all-gather": "all-gather", "all-gather-start": "all-gather",
-    "all-reduce": "all-reduce", "all-reduce-start": "all-reduce",
-    "reduce-scatter": "reduce-scatter",
-    "all-to-all": "all-to-all",
-    "collective-permute": "collective-permute", "collective-permute-start": "collective-permute",
-}  # fmt: skip
+    op + start: op
+    for op in ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+    for start in ("", "-start")
+}
+"""Opcode -> collective kind: the synchronous op and the `-start` of its asynchronous pair."""
 
 
 def shapes(text: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -238,7 +236,7 @@ def walk(
             best = max(branches, key=lambda b: sum(w for _, w in walk(module, b, 1, {}, unknown)), default=None)
             if best is not None:
                 yield from walk(module, best, weight, stats, unknown, loops)
-        elif op not in FREE:
+        elif op not in FREE and not op.endswith("-done"):
             yield instr, weight
 
 

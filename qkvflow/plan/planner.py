@@ -17,6 +17,7 @@ compiling it, with bisection as the fallback; at most `MAX_COMPILES` compiles.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from qkvflow.errors import UserError
 from qkvflow.plan import backend, hlo, roofline, step
@@ -118,8 +119,9 @@ def largest_fitting(total, start: int, limit: int, max_compiles: int = MAX_COMPI
     return {"per_device": fit, "compiles": len(known), "exact": True}
 
 
-def plan(config, target: Target, devices: int, vocab: int, *, search_max_batch: bool = False) -> dict:
-    """Compile `config`'s training step for `devices` of `target`; the plan as one JSON-able dict."""
+def plan(config, target: Target, devices: int, vocab: int, *, search_max_batch: bool = False, hlo_file=None) -> dict:
+    """Compile `config`'s training step for `devices` of `target`; the plan as one JSON-able dict
+    (and the optimised HLO text in `hlo_file`, if given)."""
     if devices < 1:
         raise UserError(f"--devices {devices} is invalid: expected an integer >= 1")
     found = backend.devices_for(target, devices)
@@ -127,6 +129,9 @@ def plan(config, target: Target, devices: int, vocab: int, *, search_max_batch: 
         raise UserError(f"--target {target.name} gave {len(found)} devices, not --devices {devices}")
     compiled = step.compile_step(config, target, found, vocab)
     text = compiled.executable.as_text()
+    if hlo_file:
+        Path(hlo_file).parent.mkdir(parents=True, exist_ok=True)
+        Path(hlo_file).write_text(text)
     module = hlo.parse(text)
     mem = memory(compiled)
     limit, why = usable_memory(target)

@@ -62,6 +62,20 @@ TARGETS = {
 }  # fmt: skip
 """Name -> GPU target. The memory is the spec's `device_memory_size`."""
 
+def _tpu(name, generation, memory, bf16, hbm, ici, source):
+    return Target(name, "tpu", memory, {"bfloat16": bf16, "float32": bf16}, hbm, ici, None, 1 << 30, generation, source)
+
+
+TPUS = {
+    "v4": _tpu("v4", "v4", 32 * 2**30, 275e12, 1.2e12, 50 * GB, "Google Cloud TPU v4 documentation"),
+    "v5e": _tpu("v5e", "v5e", 16 * 2**30, 197e12, 819e9, 50 * GB, "Google Cloud TPU v5e documentation"),
+    "v5p": _tpu("v5p", "v5p", 95 * 2**30, 459e12, 2.765e12, 100 * GB, "Google Cloud TPU v5p documentation"),
+}  # fmt: skip
+"""Name -> TPU target (a slice of chips; `spec` is libtpu's generation name). The ICI bandwidth is
+one link's, one direction (a ring collective runs over one link per neighbour); f32 matmuls run as
+bfloat16 passes at JAX's default precision, so one peak."""
+TARGETS.update(TPUS)
+
 CPU_MEMORY = 16 * 2**30
 """A `cpu:N` device's nominal memory (16 GiB) when `--device_memory` is not given."""
 

@@ -126,3 +126,18 @@ def test_collectives_count_their_arrays_and_groups():
     assert c["all-gather"] == {"count": 1, "bytes": ag, "group_size": 8}
     assert c["reduce-scatter"] == {"count": 1, "bytes": 64 * 16 * 4, "group_size": 8}
     assert c["all-reduce"] == {"count": 3, "bytes": 3 * 8 * 16 * 4, "group_size": 4}
+
+
+def test_the_gpu_start_and_done_pairs_are_one_collective_each():
+    text = """HloModule m, num_partitions=8
+
+ENTRY %main (g: bf16[64,32], h: bf16[8]) -> bf16[8,32] {
+  %g = bf16[64,32]{1,0} parameter(0)
+  %h = bf16[8]{0} parameter(1)
+  %rs = ((bf16[64,32]{1,0}, bf16[8]{0}), (bf16[8,32]{1,0}, bf16[1]{0})) reduce-scatter-start(%g, %h), replica_groups=[1,8]<=[8], dimensions={0}
+  %rd = (bf16[8,32]{1,0}, bf16[1]{0}) reduce-scatter-done(%rs)
+  ROOT %r = bf16[8,32]{1,0} get-tuple-element(%rd), index=0
+}
+"""
+    assert collectives(text) == {"reduce-scatter": {"count": 1, "bytes": (64 * 32 + 8) * 2, "group_size": 8}}
+    assert count_kernels(text)["launches"] == 1

@@ -63,6 +63,7 @@ def brute_force(total, limit):
         (lambda b: 100 + 10 * b, 64, 555),  # the start does not fit
         (lambda b: 1000 + 10 * b, 8, 555),  # nothing fits
         (lambda b: 100 + 10 * b, 8, 100 + 10 * 8),  # the start is the answer
+        (lambda b: 100 if b <= 5 else 1000, 1, 500),  # a step: no line helps, bisection must close the gap
     ],
 )
 def test_the_largest_batch_that_fits_is_found(total, start, limit):
