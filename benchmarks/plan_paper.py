@@ -53,6 +53,32 @@ def run(name: str, size: str, target: str, devices: int, max_batch: bool, hlo_di
     print(f"{out.name}: {took:.0f} s", flush=True)
 
 
+def table(target: str) -> str:
+    """The markdown table of the plans written so far (docs/performance.md)."""
+    rows = [
+        "| pair | model | GPUs | per-device batch | memory per GPU (GiB) | fits | largest batch per GPU | "
+        "collectives per step (GiB) | est. step (ms) | est. MFU |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for size, names in PAIRS.items():
+        for devices in (1, 8):
+            for name in names:
+                path = OUT / f"{name}__{target}x{devices}.json"
+                if not path.exists():
+                    continue
+                p = json.loads(path.read_text())
+                best = OUT / f"{name}__{target}x{devices}__max_batch.json"
+                largest = json.loads(best.read_text())["max_batch"]["per_device"] if best.exists() else "-"
+                comm = sum(c["bytes"] for c in p["collectives"].values()) / 2**30 if devices > 1 else 0
+                e = p["estimate"]
+                rows.append(
+                    f"| {size} | {p['model_type'].replace('Config', '')} | {devices} | {p['batch']['per_device']} | "
+                    f"{p['memory']['total'] / 2**30:.1f} | {'yes' if p['fits'] else 'no'} | {largest} | {comm:.2f} | "
+                    f"{e['step_s'] * 1e3:,.0f} | {e['mfu']:.0%} |"
+                )
+    return "\n".join(rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="H100-80GB")
@@ -60,7 +86,11 @@ def main() -> None:
     p.add_argument("--max_batch", action="store_true")
     p.add_argument("--only", default=",".join(PAIRS))
     p.add_argument("--hlo_dir", default=None, help="also keep each compiled step's HLO text here")
+    p.add_argument("--table", action="store_true", help="print the markdown table of the plans written, and stop")
     args = p.parse_args()
+    if args.table:
+        print(table(args.target))
+        return
     for size in args.only.split(","):
         for devices in (int(d) for d in args.devices.split(",")):
             for name in PAIRS[size]:

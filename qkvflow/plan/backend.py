@@ -88,7 +88,8 @@ def tpu_devices(target: Target, devices: int) -> list:
 
 
 def tpu_grid(chips: int, generation: str) -> str:
-    """The chip grid of a slice of `chips` chips: 2D for v5e (v5litepod), 3D for v4 and v5p."""
+    """The chip grid of a slice of `chips` chips: 2D for v5e (2x4 for 8 chips), 3D for v5p (2x2x1 for 4,
+    2x2x2 for 8, 2x2x4 for 16)."""
     if chips & (chips - 1):
         raise UserError(f"--devices {chips}: a TPU slice has a power-of-two number of chips")
     dims = [1, 1] if generation == "v5e" else [1, 1, 1]
@@ -97,4 +98,6 @@ def tpu_grid(chips: int, generation: str) -> str:
         dims[i % len(dims)] *= 2
         chips //= 2
         i += 1
+    dims = sorted(dims)
+    dims = [d for d in dims if d > 1] + [d for d in dims if d == 1] if len(dims) == 3 else dims
     return "x".join(str(d) for d in dims)

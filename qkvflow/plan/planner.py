@@ -17,6 +17,7 @@ compiling it, with bisection as the fallback; at most `MAX_COMPILES` compiles.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from qkvflow.errors import UserError
@@ -119,6 +120,23 @@ def largest_fitting(total, start: int, limit: int, max_compiles: int = MAX_COMPI
     return {"per_device": fit, "compiles": len(known), "exact": True}
 
 
+ATTENTION = re.compile(r"fmha|attention|splash|flash|mha", re.IGNORECASE)
+
+
+def attention_kernels(module) -> list[str]:
+    """The custom calls that are attention kernels: cuDNN's by target (`__cudnn$fmha...`), a Pallas
+    kernel on a TPU by its name (`splash_mha_fwd...`: the target is `tpu_custom_call`)."""
+    found = set()
+    for instr, _ in hlo.walk(module):
+        if instr.opcode != "custom-call":
+            continue
+        target = (instr.attr("custom_call_target") or "").strip('"')
+        label = re.sub(r"\.\d+$", "", instr.name) if target == "tpu_custom_call" else target
+        if ATTENTION.search(label):
+            found.add(label)
+    return sorted(found)
+
+
 def plan(config, target: Target, devices: int, vocab: int, *, search_max_batch: bool = False, hlo_file=None) -> dict:
     """Compile `config`'s training step for `devices` of `target`; the plan as one JSON-able dict
     (and the optimised HLO text in `hlo_file`, if given)."""
@@ -140,8 +158,10 @@ def plan(config, target: Target, devices: int, vocab: int, *, search_max_batch: 
     if compiled.batch % dp:
         raise UserError(f"trainer.train_batch_size={compiled.batch} does not divide over the {dp} data-parallel devices")
     kernels = hlo.count_kernels(module, unknown_trip_count=trips)
-    attention = sorted(k for k in kernels["custom_calls"] if "fmha" in k or "attention" in k.lower())
-    peak = target.peak_flops.get(compiled.compute_dtype)
+    attention = attention_kernels(module)
+    # XLA:TPU writes matrix products as convolutions (batched ones with windows), which the roofline
+    # does not count: no time estimate there rather than one without most of its FLOPs
+    peak = target.peak_flops.get(compiled.compute_dtype) if target.platform == "gpu" else None
     out = {
         "target": target.name,
         "platform": target.platform,
@@ -151,7 +171,7 @@ def plan(config, target: Target, devices: int, vocab: int, *, search_max_batch: 
         "vocab_size": compiled.vocab_size,
         "batch": {"global": compiled.batch, "per_device": compiled.batch // dp, "seq_len": config.model.max_seq_len},
         "compute_dtype": compiled.compute_dtype,
-        "attention": {"config": compiled.attention, "kernels": attention or ["none: attention is fused by XLA"]},
+        "attention": {"config": compiled.attention, "kernels": attention or ["no attention custom call (XLA's own ops)"]},
         "memory": {**mem, "usable": limit, "usable_is": why, "device": target.memory_bytes},
         "fits": mem["total"] <= limit,
         "kernels": kernels,

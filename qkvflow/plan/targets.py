@@ -67,13 +67,13 @@ def _tpu(name, generation, memory, bf16, hbm, ici, source):
 
 
 TPUS = {
-    "v4": _tpu("v4", "v4", 32 * 2**30, 275e12, 1.2e12, 50 * GB, "Google Cloud TPU v4 documentation"),
     "v5e": _tpu("v5e", "v5e", 16 * 2**30, 197e12, 819e9, 50 * GB, "Google Cloud TPU v5e documentation"),
     "v5p": _tpu("v5p", "v5p", 95 * 2**30, 459e12, 2.765e12, 100 * GB, "Google Cloud TPU v5p documentation"),
 }  # fmt: skip
 """Name -> TPU target (a slice of chips; `spec` is libtpu's generation name). The ICI bandwidth is
 one link's, one direction (a ring collective runs over one link per neighbour); f32 matmuls run as
-bfloat16 passes at JAX's default precision, so one peak."""
+bfloat16 passes at JAX's default precision, so one peak. No v4: libtpu's deviceless v4 topology gives
+two devices per chip (v4:2x2x1 has 8), where a v4 VM runs one per chip (megacore)."""
 TARGETS.update(TPUS)
 
 CPU_MEMORY = 16 * 2**30

@@ -110,13 +110,22 @@ def one_line_refusal(capsys, *args) -> str:
 
 def test_an_unknown_target_is_refused_with_the_known_ones(capsys):
     err = one_line_refusal(capsys, "--target", "TPU-v9")
-    assert "--target 'TPU-v9' is unknown: expected one of H100-80GB, H200, A100-80GB, cpu:N" in err
+    assert "--target 'TPU-v9' is unknown: expected one of H100-80GB, H200, A100-80GB, v5e, v5p, cpu:N" in err
 
 
 def test_a_gpu_target_without_the_plugin_names_the_install(capsys, monkeypatch, plan):
     monkeypatch.setitem(sys.modules, "jax_plugins.xla_cuda12", None)  # as if not installed
     err = one_line_refusal(capsys, "--target", "H100-80GB")
     assert "--target H100-80GB needs the CUDA plugin: pip install -e '.[gpu]'" in err
+
+
+def test_a_tpu_target_without_libtpu_names_the_install(capsys, monkeypatch, plan):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a))
+    err = one_line_refusal(capsys, "--target", "v5p", "--devices", "1")
+    assert "--target v5p needs libtpu: pip install -e '.[tpu]'" in err
 
 
 def test_a_mesh_that_does_not_divide_the_devices_is_refused(capsys, plan):

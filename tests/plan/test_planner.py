@@ -11,11 +11,11 @@ def test_targets_are_found_by_name_and_an_unknown_one_is_refused_with_the_list()
     assert targets.get("H200").memory_bytes == 150_000_000_000
     assert targets.get("cpu:4").name == "cpu:4" and targets.cpu_devices(targets.get("cpu:4")) == 4
     assert targets.get("A100-80GB", device_memory=123).memory_bytes == 123
-    with pytest.raises(UserError, match=r"--target 'H300' is unknown: expected one of H100-80GB, H200, A100-80GB, cpu:N"):
+    with pytest.raises(UserError, match=r"--target 'H300' is unknown: expected one of H100-80GB, H200, A100-80GB, v5e, v5p, cpu:N"):
         targets.get("H300")
 
 
-@pytest.mark.parametrize("name", sorted(targets.TARGETS))
+@pytest.mark.parametrize("name", sorted(n for n, t in targets.TARGETS.items() if t.platform == "gpu"))
 def test_every_gpu_target_ships_its_spec_with_its_memory(name):
     target = targets.TARGETS[name]
     text = target.spec_text()
@@ -30,6 +30,13 @@ def test_topologies_put_eight_gpus_on_a_node():
     assert backend.topology_string(16, 8) == "1x2x8"
     with pytest.raises(UserError, match="not a whole number of 8-device nodes"):
         backend.topology_string(12, 8)
+
+
+def test_tpu_slices_are_named_as_libtpu_names_them():
+    assert [backend.tpu_grid(n, "v5p") for n in (1, 4, 8, 16)] == ["1x1x1", "2x2x1", "2x2x2", "2x2x4"]
+    assert [backend.tpu_grid(n, "v5e") for n in (1, 4, 8)] == ["1x1", "2x2", "2x4"]
+    with pytest.raises(UserError, match="a TPU slice has a power-of-two number of chips"):
+        backend.tpu_grid(6, "v5p")
 
 
 def test_a_gpu_may_use_the_fraction_jax_preallocates(monkeypatch):
