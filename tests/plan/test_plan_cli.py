@@ -61,7 +61,8 @@ def test_the_plan_counts_the_state_each_device_holds(plan):
     params = parameter_bytes()
     assert m["parameters"] == params == m["gradients"]
     assert 2 * params <= m["optimizer_state"] <= 2 * params + 1024  # Adam's two moments and a few counters
-    assert m["batch"] == 4 * 32 * (4 + 4 + 4)  # tokens (int32), loss weights (f32), segment ids (int32)
+    # tokens (int32), loss weights (f32), the segment ids of queries and of keys (int32 each)
+    assert m["batch"] == 4 * 32 * (4 + 4 + 4 + 4)
     assert m["arguments"] >= m["parameters"] + m["optimizer_state"] + m["batch"]
     assert m["total"] == m["arguments"] + m["outputs"] - m["aliased"] + m["temporaries"]
     assert plan["fits"] and m["usable"] == 16 * 2**30
