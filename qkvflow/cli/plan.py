@@ -42,6 +42,8 @@ def main(argv: list[str]) -> int:
 
     backend.start(devices)  # before anything runs on a backend
     config = cli.parse(PlanConfig, rest, "plan", required="a training config")
-    out = planner.plan(config, target, devices, vocabulary(config), search_max_batch=args.max_batch, hlo_file=args.save_hlo)
+    out = planner.plan(
+        config, target, devices, vocabulary(config), search_max_batch=args.max_batch, hlo_file=args.save_hlo
+    )
     print(json.dumps(out) if args.json else report.text(out))
     return 0

@@ -60,14 +60,6 @@ def memory(compiled: step.Compiled) -> dict:
     }
 
 
-def data_parallel(mesh_shape: dict) -> int:
-    """Devices the batch is split over (Levanter's batch mapping: replica_dcn, replica, data)."""
-    size = 1
-    for axis in ("replica_dcn", "replica", "data"):
-        size *= mesh_shape.get(axis, 1)
-    return size
-
-
 def unknown_trips(model_config) -> int:
     """What a loop XLA has no trip count for is taken to run: a fixed-step ODE's steps (diffrax's
     while loops are the ones without); 1 otherwise."""
@@ -154,9 +146,7 @@ def plan(config, target: Target, devices: int, vocab: int, *, search_max_batch: 
     mem = memory(compiled)
     limit, why = usable_memory(target)
     trips = unknown_trips(config.model)
-    dp = data_parallel(compiled.mesh_shape)
-    if compiled.batch % dp:
-        raise UserError(f"trainer.train_batch_size={compiled.batch} does not divide over the {dp} data-parallel devices")
+    dp = step.data_parallel(compiled.mesh_shape)
     kernels = hlo.count_kernels(module, unknown_trip_count=trips)
     attention = attention_kernels(module)
     # XLA:TPU writes matrix products as convolutions (batched ones with windows), which the roofline
@@ -171,15 +161,23 @@ def plan(config, target: Target, devices: int, vocab: int, *, search_max_batch: 
         "vocab_size": compiled.vocab_size,
         "batch": {"global": compiled.batch, "per_device": compiled.batch // dp, "seq_len": config.model.max_seq_len},
         "compute_dtype": compiled.compute_dtype,
-        "attention": {"config": compiled.attention, "kernels": attention or ["no attention custom call (XLA's own ops)"]},
+        "attention": {
+            "config": compiled.attention,
+            "kernels": attention or ["no attention custom call (XLA's own ops)"],
+        },
         "memory": {**mem, "usable": limit, "usable_is": why, "device": target.memory_bytes},
         "fits": mem["total"] <= limit,
         "kernels": kernels,
         "collectives": hlo.collectives(module, unknown_trip_count=trips),
         "estimate": roofline.estimate(
-            module, peak_flops=peak, hbm_bytes_per_s=target.hbm_bytes_per_s, link_bytes_per_s=target.link_bytes_per_s,
-            network_bytes_per_s=target.network_bytes_per_s, devices_per_node=target.devices_per_node,
-            model_flops=model_flops_per_device(config, vocab, compiled.batch, devices), unknown_trip_count=trips,
+            module,
+            peak_flops=peak,
+            hbm_bytes_per_s=target.hbm_bytes_per_s,
+            link_bytes_per_s=target.link_bytes_per_s,
+            network_bytes_per_s=target.network_bytes_per_s,
+            devices_per_node=target.devices_per_node,
+            model_flops=model_flops_per_device(config, vocab, compiled.batch, devices),
+            unknown_trip_count=trips,
         ),  # fmt: skip
         "compile_s": round(compiled.compile_s, 1),
     }

@@ -20,6 +20,7 @@ An attention kernel left to `auto` is resolved for the target's platform, as the
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import warnings
 
@@ -63,6 +64,11 @@ def mesh_for(trainer_config, devices: list):
     ici = {**ici, **{k: v for k, v in dcn.items() if v != 1 and k not in ici}}
     dcn = {k: 1 for k in dcn if k not in ici}
     return create_mesh_from_axis_specs(ici_axes=ici, dcn_axes=dcn, devices=devices)
+
+
+def data_parallel(mesh_shape: dict) -> int:
+    """Devices the batch is split over (Levanter's batch mapping: replica_dcn, replica, data)."""
+    return math.prod(mesh_shape.get(axis, 1) for axis in ("replica_dcn", "replica", "data"))
 
 
 def _sharded(tree, shardings, mesh):
@@ -152,6 +158,11 @@ def compile_step(config, target: Target, devices: list, vocab_size: int, batch: 
     model_config = with_attention(config.model, target.platform, compute)
     config = dataclasses.replace(config, model=model_config, trainer=t)
     mesh = mesh_for(t, devices)
+    dp = data_parallel(dict(mesh.shape))
+    if t.train_batch_size % dp:
+        raise UserError(
+            f"trainer.train_batch_size={t.train_batch_size} does not divide over {dp} data-parallel devices"
+        )
     with warnings.catch_warnings():  # Levanter's schedules warn that no tracker is set
         warnings.simplefilter("ignore")
         trainer, _ = make_trainer(config, train_loss(config), trainer_config=t)
@@ -178,7 +189,9 @@ def compile_step(config, target: Target, devices: list, vocab_size: int, batch: 
             executable = jax.jit(_step(trainer), donate_argnums=0).lower(state, example).compile()
         except Exception as e:  # noqa: BLE001 (XLA and tracing raise many kinds; one line names it)
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-            raise UserError(f"the training step does not compile for {target.name}: {type(e).__name__}: {first}") from None
+            raise UserError(
+                f"the training step does not compile for {target.name}: {type(e).__name__}: {first}"
+            ) from None
     return Compiled(
         executable,
         time.perf_counter() - start,

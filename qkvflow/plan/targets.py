@@ -62,6 +62,7 @@ TARGETS = {
 }  # fmt: skip
 """Name -> GPU target. The memory is the spec's `device_memory_size`."""
 
+
 def _tpu(name, generation, memory, bf16, hbm, ici, source):
     return Target(name, "tpu", memory, {"bfloat16": bf16, "float32": bf16}, hbm, ici, None, 1 << 30, generation, source)
 

@@ -16,6 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 MEASURED = ROOT / "benchmarks/results/accelerator_h200_2026-11-26/speed_small.json"
 
+
 def has_cuda_plugin() -> bool:
     try:
         return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None

@@ -3,7 +3,7 @@
 import pytest
 
 from qkvflow.errors import UserError
-from qkvflow.plan import backend, planner, targets
+from qkvflow.plan import backend, planner, step, targets
 
 
 def test_targets_are_found_by_name_and_an_unknown_one_is_refused_with_the_list():
@@ -11,7 +11,9 @@ def test_targets_are_found_by_name_and_an_unknown_one_is_refused_with_the_list()
     assert targets.get("H200").memory_bytes == 150_000_000_000
     assert targets.get("cpu:4").name == "cpu:4" and targets.cpu_devices(targets.get("cpu:4")) == 4
     assert targets.get("A100-80GB", device_memory=123).memory_bytes == 123
-    with pytest.raises(UserError, match=r"--target 'H300' is unknown: expected one of H100-80GB, H200, A100-80GB, v5e, v5p, cpu:N"):
+    with pytest.raises(
+        UserError, match=r"--target 'H300' is unknown: expected one of H100-80GB, H200, A100-80GB, v5e, v5p, cpu:N"
+    ):
         targets.get("H300")
 
 
@@ -52,7 +54,7 @@ def test_a_gpu_may_use_the_fraction_jax_preallocates(monkeypatch):
 
 
 def test_the_batch_splits_over_the_data_parallel_axes():
-    assert planner.data_parallel({"data": 4, "replica": 2, "model": 2, "replica_dcn": 1}) == 8
+    assert step.data_parallel({"data": 4, "replica": 2, "model": 2, "replica_dcn": 1}) == 8
 
 
 def brute_force(total, limit):
