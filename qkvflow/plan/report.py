@@ -4,11 +4,19 @@ from __future__ import annotations
 
 
 def gib(n) -> str:
-    return "n/a" if n is None else f"{n / 2**30:,.2f} GiB"
+    """Bytes in GiB, or in MiB / KiB when under one of the larger unit."""
+    if n is None:
+        return "n/a"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n / 2**10:,.2f} KiB"
 
 
 def _seconds(s) -> str:
-    return "n/a" if s is None else f"{s * 1e3:,.1f} ms"
+    if s is None:
+        return "n/a"
+    return f"{s * 1e3:,.1f} ms" if s >= 1e-3 else f"{s * 1e6:,.1f} us"
 
 
 def text(p: dict) -> str:
