@@ -17,7 +17,7 @@ class PlanConfig(TrainConfig):
 
 
 def vocabulary(config: PlanConfig) -> int:
-    from qkvflow.cli.describe import vocabulary as describe_vocabulary
+    from qkvflow.data.vocabulary import vocabulary as describe_vocabulary
 
     if config.vocab_size is None and (config.bench or {}).get("vocab_size"):
         return int(config.bench["vocab_size"])
