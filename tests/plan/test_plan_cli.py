@@ -63,7 +63,8 @@ def test_the_plan_counts_the_state_each_device_holds(plan):
     assert 2 * params <= m["optimizer_state"] <= 2 * params + 1024  # Adam's two moments and a few counters
     # tokens (int32), loss weights (f32), the segment ids of queries and of keys (int32 each)
     assert m["batch"] == 4 * 32 * (4 + 4 + 4 + 4)
-    assert m["arguments"] >= m["parameters"] + m["optimizer_state"] + m["batch"]
+    # the step's arguments hold the parameters, both moments and the batch (XLA drops unused scalars)
+    assert m["arguments"] >= 3 * params + m["batch"]
     assert m["total"] == m["arguments"] + m["outputs"] - m["aliased"] + m["temporaries"]
     assert plan["fits"] and m["usable"] == 16 * 2**30
 
