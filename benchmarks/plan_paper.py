@@ -56,12 +56,12 @@ def run(name: str, size: str, target: str, devices: int, max_batch: bool, hlo_di
 def table(target: str) -> str:
     """The markdown table of the plans written so far (docs/performance.md)."""
     rows = [
-        "| pair | model | GPUs | per-device batch | memory per GPU (GiB) | fits | largest batch per GPU | "
+        "| pair | model | devices | per-device batch | memory per device (GiB) | fits | largest batch per device | "
         "collectives per step (GiB) | est. step (ms) | est. MFU |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for size, names in PAIRS.items():
-        for devices in (1, 8):
+        for devices in (1, 2, 4, 8):
             for name in names:
                 path = OUT / f"{name}__{target}x{devices}.json"
                 if not path.exists():
@@ -71,10 +71,12 @@ def table(target: str) -> str:
                 largest = json.loads(best.read_text())["max_batch"]["per_device"] if best.exists() else "-"
                 comm = sum(c["bytes"] for c in p["collectives"].values()) / 2**30 if devices > 1 else 0
                 e = p["estimate"]
+                step = "n/a" if e["step_s"] is None else f"{e['step_s'] * 1e3:,.0f}"
+                mfu = "n/a" if e["mfu"] is None else f"{e['mfu']:.0%}"
                 rows.append(
                     f"| {size} | {p['model_type'].replace('Config', '')} | {devices} | {p['batch']['per_device']} | "
                     f"{p['memory']['total'] / 2**30:.1f} | {'yes' if p['fits'] else 'no'} | {largest} | {comm:.2f} | "
-                    f"{e['step_s'] * 1e3:,.0f} | {e['mfu']:.0%} |"
+                    f"{step} | {mfu} |"
                 )
     return "\n".join(rows)
 
