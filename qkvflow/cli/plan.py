@@ -1,5 +1,5 @@
 """`qkvflow plan --config_path CFG --target NAME [--devices N] [--max_batch] [--json] [--key value ...]`:
-compile the training step `qkvflow train` would run for CFG on N devices of a GPU that is not here,
+compile the training step `qkvflow train` would run for CFG on N GPUs or TPU chips that are not here,
 and say what each device needs (qkvflow.plan; docs/plan.md)."""
 
 import argparse
