@@ -87,3 +87,33 @@ def test_the_batch_search_stops_at_its_compile_limit():
     found = planner.largest_fitting(lambda b: b * b, 1, 10**9, max_compiles=3)
     # 1 and 2 fit; the line through them (slope 3) guesses far beyond, which does not fit: 3 compiles
     assert found == {"per_device": 2, "compiles": 3, "exact": False}
+
+
+def test_the_plan_searches_per_device_batches_and_compiles_global_ones(monkeypatch):
+    """planner.plan with --max_batch, its compiles replaced by a step whose memory is 1000 + 10 b bytes
+    for a global batch b: on 4 data-parallel devices the largest per-device batch under 2000 is 25."""
+    import types
+
+    from qkvflow.plan import step as step_module
+
+    hlo_text = "HloModule m\n\nENTRY %main (a: f32[4]) -> f32[4] {\n  ROOT %a = f32[4]{0} parameter(0)\n}\n"
+    compiled_batches = []
+
+    def fake_compile(config, target, devices, vocab, batch=None):
+        batch = batch or 8
+        compiled_batches.append(batch)
+        stats = types.SimpleNamespace(
+            argument_size_in_bytes=1000, output_size_in_bytes=0, alias_size_in_bytes=0, temp_size_in_bytes=10 * batch
+        )
+        executable = types.SimpleNamespace(memory_analysis=lambda: stats, as_text=lambda: hlo_text)
+        return step_module.Compiled(executable, 0.0, {"data": 4, "model": 1}, 64, batch, "xla", "float32", 1, 2, 3, 1)
+
+    monkeypatch.setattr(step_module, "compile_step", fake_compile)
+    monkeypatch.setattr(backend, "devices_for", lambda target, n: list(range(n)))
+    config = types.SimpleNamespace(model=types.SimpleNamespace(max_seq_len=32, ode=None))
+    monkeypatch.setattr(planner, "model_flops_per_device", lambda *a: 1.0)
+    target = targets.get("cpu:4", device_memory=2000)
+    out = planner.plan(config, target, 4, 64, search_max_batch=True)
+    assert out["batch"]["per_device"] == 2 and out["memory"]["total"] == 1080
+    assert out["max_batch"]["per_device"] == 25 and out["max_batch"]["global"] == 100
+    assert all(b % 4 == 0 for b in compiled_batches)  # every compile is of a whole global batch
