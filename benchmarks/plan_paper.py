@@ -71,7 +71,7 @@ def table(target: str) -> str:
                 largest = "-"
                 if best.exists():
                     found = json.loads(best.read_text())["max_batch"]
-                    largest = f"{'' if found['exact'] else '>= '}{found['per_device']}"
+                    largest = f"{'' if found['exact'] else '≥ '}{found['per_device']}"
                 comm = sum(c["bytes"] for c in p["collectives"].values()) / 2**30 if devices > 1 else 0
                 e = p["estimate"]
                 step = "n/a" if e["step_s"] is None else f"{e['step_s'] * 1e3:,.0f}"
