@@ -16,7 +16,10 @@ BATCHES=8,32,max
 MAX_BATCH=64
 STEPS=""
 CORPORA=""
-PYTHON=${PYTHON:-python3}
+# The interpreter: $PYTHON, else the project's venv (what the README's set-up makes), else python3.
+if [ -z "${PYTHON:-}" ]; then
+    if [ -x "$ROOT/.venv/bin/python" ]; then PYTHON=$ROOT/.venv/bin/python; else PYTHON=python3; fi
+fi
 SHAPES=(small medium)
 
 usage() {
@@ -56,10 +59,12 @@ options:
                   written outside DIR (and --corpora); for checking this script
                   (tests/test_accelerator_script.py)
   -h, --help      this text
-Interpreter: \$PYTHON (default python3). MFU is model FLOPs per second over the device's nominal peak:
-bench speed's own \`mfu\` where it reports one, else this script's bf16 table (H100/H200/A100, TPU
-v4/v5e/v5p/v6e); the summary also gives the fraction of a matmul measured in the same process. Peak
-memory: bench speed's per-model device peak, else the process's peak (host RSS on a CPU).
+Interpreter: \$PYTHON (default: the project's .venv/bin/python if there is one, else python3); without
+an install step it must import qkvflow's dependencies (checked first, in one line). MFU is model FLOPs
+per second over the device's nominal peak: bench speed's own \`mfu\` where it reports one, else this
+script's bf16 table (H100/H200/A100, TPU v4/v5e/v5p/v6e); the summary also gives the fraction of a
+matmul measured in the same process. Peak memory: bench speed's per-model device peak, else the
+process's peak (host RSS on a CPU).
 USAGE
 }
 
@@ -134,6 +139,12 @@ if [ "$NO_INSTALL" = 1 ]; then
     version=$("$PYTHON" -c 'import jax; print(jax.__version__)' 2>/dev/null) ||
         die "--no-install: $PYTHON cannot import jax; install it (or drop --no-install to install with pip)"
     echo "using the installed jax $version ($PYTHON)"
+fi
+# Without an install step, the interpreter must already import qkvflow and what it needs (checked from the
+# repository root, where the steps run): else one line, not a traceback from each step.
+if ! wants install; then
+    missing=$(cd "$ROOT" && "$PYTHON" -c 'import jax, draccus, levanter, diffrax, qkvflow.cli' 2>&1 | tail -n 1) ||
+        die "$PYTHON cannot import qkvflow's dependencies (${missing:-no output}): name the project's venv, e.g. PYTHON=.venv/bin/python bash benchmarks/accelerator.sh ..."
 fi
 
 OUT=${OUT:-accelerator-results-$(date -u +%Y%m%dT%H%M%SZ)}

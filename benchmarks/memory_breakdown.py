@@ -53,7 +53,7 @@ def breakdown(name: str, batch: int, seq: int) -> dict:
         max_seq_len=seq, hidden_dim=hidden, num_heads=heads, time_embed_dim=d_emb, ode=OdeConfig(num_steps=n)
     )
     model = model_shapes(ode, VOCAB)
-    proj = sum(count(w.proj) for w in model.generator.weights.values())
+    proj = count(model.generator.projections)
     time_mlps = count(model.generator) - proj
     layer = proj // d_emb  # one layer's weights: each projection is d_emb x (that weight's shape)
     p_ode, p_gpt2 = count(model), gpt2_params(baseline_config(ode))

@@ -10,7 +10,11 @@
   never leaves a half-deleted folder. It replaces only what is provably qkvflow's own (`check_replaceable`):
   an absent or empty folder, or one holding `MARKER` from an earlier write of the same kind and no file
   that write did not list. It never replaces `/`, the home folder, the current folder, an ancestor of
-  any of them, or a folder that holds a path the caller protects (the checkpoint or config being read).
+  any of them, or a folder that holds a path the caller protects (the checkpoint or config being read),
+  nor writes inside a folder the caller keeps apart (`outside`: e.g. the run folder of that checkpoint,
+  whose step-N folders Levanter owns).
+* `check_file(path, key)` is the same for an output file (e.g. `qkvflow generate --output_jsonl`): a
+  file path, not a folder, not a file the verb reads, outside the caller's folders, and writable.
 
 `MARKER` (`qkvflow_output.json`) names the kind of output, the qkvflow version and every file written;
 `transformers` and PEFT ignore it when they load the folder.
@@ -28,6 +32,8 @@ from collections.abc import Iterable, Iterator
 from qkvflow.errors import UserError
 
 MARKER = "qkvflow_output.json"
+Pairs = Iterable[tuple[str, str]]
+"""(description, path) pairs: the paths an output must not hold (`protect`) or lie inside (`outside`)."""
 
 
 def is_remote(path) -> bool:
@@ -90,15 +96,51 @@ def write_marker(folder: str, kind: str) -> None:
         json.dump(marker, f, indent=1)
 
 
+def _local(path) -> str | None:
+    return None if path is None or is_remote(path) else os.path.realpath(os.path.expanduser(str(path)))
+
+
+def check_outside(path, key: str, outside: Pairs = ()) -> None:
+    """Raise `UserError` if `path` lies inside a folder of `outside`, (description, folder) pairs such as
+    ("the run folder of --checkpoint", "checkpoints/run"); `path` being that folder itself is the
+    caller's `protect` rule."""
+    real = _local(path)
+    for what, folder in outside:
+        keep = _local(folder)
+        if real is not None and keep is not None and real != keep and _contains(keep, real):
+            raise UserError(f"{key}={str(path)!r} is inside {what} {str(folder)!r}: choose another {key} outside it")
+
+
+def check_file(path, key: str, *, protect: Pairs = (), outside: Pairs = ()) -> None:
+    """Raise `UserError` (one line naming `key` and `path`) unless a file can be written at `path`: a local
+    path that is not a folder, not one of the files of `protect` (description, path) that the verb reads,
+    not inside a folder of `outside` (`check_outside`), and whose folder can be written (`check_writable`)."""
+    shown = f"{key}={str(path)!r}"
+    if is_remote(path):
+        raise UserError(f"{shown} is a remote URL: expected a local file")
+    real = _local(path)
+    if os.path.isdir(real):
+        raise UserError(f"{shown} is a folder: expected the path of a file to write")
+    for what, keep in protect:
+        if _local(keep) == real:
+            raise UserError(f"{shown} is {what}: refusing to overwrite it; choose another {key}")
+    check_outside(path, key, outside)
+    if os.path.exists(real) and not os.access(real, os.W_OK):
+        raise UserError(f"{shown} cannot be written (the file is read-only): expected a file that qkvflow can write")
+    check_writable(path, key, beside=True)
+
+
 def check_replaceable(
-    path, *, kind: str, key: str, overwrite: bool = True, protect: Iterable[tuple[str, str]] = ()
+    path, *, kind: str, key: str, overwrite: bool = True, protect: Pairs = (), outside: Pairs = ()
 ) -> None:
     """Raise `UserError` (one line naming `key` and `path`) unless `path` may be replaced by a new
     output of `kind`. `protect` lists (description, path) pairs that must survive, e.g.
-    ("the checkpoint", "checkpoints/run"); `overwrite=False` refuses an earlier output too."""
+    ("the checkpoint", "checkpoints/run"); `outside` (description, folder) pairs that `path` must not
+    lie inside (`check_outside`); `overwrite=False` refuses an earlier output too."""
     shown = f"{key}={str(path)!r}"
     if is_remote(path):
         raise UserError(f"{shown} is a remote URL: expected a local folder")
+    check_outside(path, key, outside)
     given = os.path.abspath(os.path.expanduser(str(path)))
     real = os.path.realpath(given)
     guarded = [("the current folder", os.getcwd()), ("your home folder", os.path.expanduser("~"))]
@@ -139,14 +181,14 @@ def check_replaceable(
 
 @contextlib.contextmanager
 def replacing(
-    path, *, kind: str, key: str, overwrite: bool = True, protect: Iterable[tuple[str, str]] = ()
+    path, *, kind: str, key: str, overwrite: bool = True, protect: Pairs = (), outside: Pairs = ()
 ) -> Iterator[str]:
     """Yield a fresh temporary sibling of `path` to write the new output into; when the block ends
     without an error, mark it and swap it in for `path` (the old folder is renamed aside, the new one
     renamed in, then the old one removed). On an error the temporary folder is removed and `path` is
     left exactly as it was. `check_replaceable` runs before and again just before the swap."""
-    protect = list(protect)
-    check_replaceable(path, kind=kind, key=key, overwrite=overwrite, protect=protect)
+    protect, outside = list(protect), list(outside)
+    check_replaceable(path, kind=kind, key=key, overwrite=overwrite, protect=protect, outside=outside)
     target = os.path.abspath(os.path.expanduser(str(path)))
     parent, name = os.path.split(target)
     os.makedirs(parent, exist_ok=True)
@@ -155,7 +197,7 @@ def replacing(
         os.chmod(tmp, 0o755)  # mkdtemp makes it private
         yield tmp
         write_marker(tmp, kind)
-        check_replaceable(path, kind=kind, key=key, overwrite=overwrite, protect=protect)
+        check_replaceable(path, kind=kind, key=key, overwrite=overwrite, protect=protect, outside=outside)
         if os.path.lexists(target):
             aside = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
             os.replace(target, os.path.join(aside, name))

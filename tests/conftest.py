@@ -37,8 +37,8 @@ def _cheap_compiles() -> None:
     (`--xla_backend_optimization_level=0`) and, on the jaxlib these flags were measured with (0.10),
     XLA's classic fusion emitters (`--xla_cpu_use_fusion_emitters=false`; another jaxlib may not know
     the flag, and XLA aborts on an unknown one). A subset of the suite took 631 s of user CPU with both,
-    805 s with -O0 alone and 1,007 s at XLA's defaults (2026-11-27, a niced study beside it; README,
-    "Tests"), measured by setting XLA_FLAGS to each choice in
+    805 s with -O0 alone and 1,007 s at XLA's defaults (2026-11-27, a niced study beside it; docs/contributing.md,
+    "Keeping the suite fast"), measured by setting XLA_FLAGS to each choice in
 
         /usr/bin/time -f %U .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile \
             tests/test_faults.py tests/models/test_lm.py tests/test_accelerator_script.py tests/integrate tests/nn
@@ -125,3 +125,34 @@ LONGEST_FIRST = [
 def pytest_collection_modifyitems(session, config, items):
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    """No "bringing up nodes..." lines under `-q`. pytest-xdist (3.8) writes its status line as each
+    worker is set up and again when collection is done; on a terminal it rewrites one line in place,
+    but when the output is a file or a pipe (CI, a log) each is a new line, and under `-q` both read
+    "bringing up nodes...". Quiet mode shows neither, as pytest -q without xdist shows no header (what
+    xdist's maintainers chose for -q in pytest-xdist#375). The reporter is xdist's own
+    `TerminalDistReporter`, registered before the session starts; without xdist nothing changes."""
+    reporter = session.config.pluginmanager.getplugin("terminaldistreporter")
+    if reporter is not None and session.config.option.verbose < 0 and hasattr(reporter, "ensure_show_status"):
+        reporter.ensure_show_status = lambda: None
+
+
+def pytest_sessionfinish(session):
+    """Collect the session's garbage while the session still runs, then freeze what is left (`gc.freeze`:
+    later collections skip it). A test process collects rarely (`_collect_less`), so its garbage, traced
+    and compiled JAX programs among it, waited for pytest's last collection in `pytest_unconfigure`,
+    which also walked every live object (about a million in a worker that ran one test file). In an
+    xdist worker that comes after the worker has told the controller it finished; once every worker has, the
+    controller shuts their execnet gateways down, and execnet, when a worker's main thread is still busy
+    5 s later, sends that worker a SIGINT (execnet.gateway_base.WorkerGateway._terminate_execution). It
+    arrived during that collection, as a KeyboardInterrupt inside a weakref callback: the suite's
+    PytestUnraisableExceptionWarning (tests/test_suite_setup.py reproduces it). Here the collection
+    happens before xdist reports the end (its `pytest_sessionfinish` wrapper reports after every
+    implementation), and the last one has only what was allocated since."""
+    import gc
+
+    gc.collect()
+    gc.freeze()

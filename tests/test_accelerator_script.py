@@ -107,6 +107,30 @@ def test_no_install_uses_the_installed_jax_or_says_it_cannot(tmp_path):
     assert "install" not in (tmp_path / "status.tsv").read_text()  # only the summary ran (none to sum up: exit 1)
 
 
+def test_an_interpreter_without_qkvflows_dependencies_is_refused_in_one_line(tmp_path):
+    """The state right after the README's set-up (a venv made, not activated): python3 lacks draccus & co.
+    With no install step the script says so in one line naming PYTHON=.venv/bin/python, before any step
+    (no results folder), rather than a traceback from each step. Without $PYTHON it takes the project's
+    .venv/bin/python when there is one (else python3: here a bare venv's, put first on PATH)."""
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    out = tmp_path / "out"
+    proc = script("--cpu-dry-run", "--out", str(out), PYTHON=str(bare / "bin" / "python"))
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert f"{bare / 'bin' / 'python'} cannot import qkvflow's dependencies (ModuleNotFoundError" in proc.stderr
+    assert "PYTHON=.venv/bin/python" in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert not out.exists()
+
+    environ = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "VIRTUAL_ENV")}
+    environ["PATH"] = f"{bare / 'bin'}:/usr/bin:/bin"
+    proc = subprocess.run(["bash", str(SCRIPT), "--cpu-dry-run", "--steps", "summary", "--out", str(out)], cwd=ROOT,
+                          env=environ, capture_output=True, text=True, timeout=60)  # fmt: skip
+    if (ROOT / ".venv" / "bin" / "python").exists():  # a clone set up as the README says
+        assert "cannot import" not in proc.stderr and (out / "summary.log").is_file(), proc.stderr
+    else:
+        assert proc.returncode == 2 and "python3 cannot import qkvflow's dependencies" in proc.stderr, proc.stderr
+
+
 def _gpu_marked(path: Path) -> set[str]:
     """The test functions of `path` under a `pytest.mark` decorator named gpu (read from its syntax tree)."""
     import ast

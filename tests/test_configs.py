@@ -20,6 +20,7 @@ from qkvflow.data.heldout import HeldOutHfDatasetSourceConfig
 from qkvflow.models.diffeqformer import DiffEqFormerGpt2Config, DiffEqFormerLlamaConfig
 from qkvflow.training.config import TrainConfig
 from qkvflow.training.finetune import FinetuneConfig
+from qkvflow.training.weight_decay import with_decay_mask
 from tests.helpers import config_class, parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +39,16 @@ PAIRS = [
     ]
 ]
 
+# The authors' recipe (SDML-KU/qkvflow: config/owt/*.yaml, config/wikitext_103/*.yaml, train_lm.py, and
+# Levanter 1.1's OptimizerConfig defaults for what they leave unset), written out from their files:
+# setting: (d_emb, steps, batch, steps_per_eval, peak lr, Adam epsilon)
+OFFICIAL = {
+    "owt_small": (20, 20000, 512, 200, 6e-4, 1e-8),
+    "owt_medium": (96, 40001, 256, 500, 3e-4, 1e-8),
+    "owt_large": (96, 40001, 256, 500, 3e-4, 1e-6),
+    "wikitext103_small": (20, 10001, 256, 200, 6e-4, 1e-8),
+    "wikitext103_medium": (48, 10001, 256, 200, 3e-4, 1e-8),
+}
 
 parse = parse_config  # `path` and the overrides `args`, read as the verb that takes `cls` reads them
 
@@ -74,7 +85,7 @@ def test_every_yaml_builds(path: Path) -> None:
 
 
 def test_every_paper_config_is_in_a_pair() -> None:
-    listed = {name for ode, base, _, _ in PAIRS for name in (ode, base)}
+    listed = {name for ode, base, _, _ in PAIRS for name in (ode, base)} | {f"{s}_official" for s in OFFICIAL}
     assert {p.stem for p in PAPER.glob("*.yaml")} == listed
 
 
@@ -110,6 +121,33 @@ def test_paper_pair_matches(ode_name: str, base_name: str, base_cls, ode_cls) ->
         assert type(source) is HfDatasetSourceConfig  # the dataset's own validation split, nothing held out
         assert source.id == "dlwh/wikitext_103_detokenized"
         assert ode.trainer.num_train_steps == 10000
+
+
+@pytest.mark.parametrize("setting", sorted(OFFICIAL))
+def test_the_authors_recipe_configs(setting: str) -> None:
+    """`*_official.yaml`: the paper config's model and data with the authors' generator, dropout and
+    optimizer, and weight decay on the two embeddings alone."""
+    from tests.test_weight_decay import paths_and_flags
+
+    d_emb, steps, batch, every, lr, eps = OFFICIAL[setting]
+    ours, ode = paper(f"{setting}_official"), paper(f"{setting}_ode")
+    model = ours.model
+    assert type(model) is DiffEqFormerGpt2Config and model.variant == "official"
+    assert model.resolved_time_grid == "right" and model.time_embed_dim == d_emb
+    assert model.embed_pdrop == model.resid_pdrop == 0.1 and ode.model.embed_pdrop == ode.model.resid_pdrop == 0.0
+    assert dataclasses.replace(model, variant="qkvflow", time_embed_dim=ode.model.time_embed_dim,
+                               embed_pdrop=0.0, resid_pdrop=0.0) == ode.model  # fmt: skip
+    assert ours.data == ode.data and ours.trainer.id == f"{setting}_official"
+    trainer = (ours.trainer.num_train_steps, ours.trainer.train_batch_size, ours.trainer.steps_per_eval)
+    assert trainer == (steps, batch, every)
+    opt = ours.optimizer
+    assert (opt.learning_rate, opt.weight_decay, opt.beta1, opt.beta2, opt.epsilon) == (lr, 0.1, 0.9, 0.999, eps)
+    assert (opt.max_grad_norm, opt.warmup, opt.min_lr_ratio, opt.lr_schedule) == (1.0, 0.01, 0.1, "cosine")
+    _, flags, _ = paths_and_flags(model, with_decay_mask(opt, model))  # the mask the training loop builds
+    assert {path for path, decays in flags.items() if decays} == {
+        "token_embeddings.weight",
+        "position_embeddings.weight",
+    }
 
 
 @pytest.mark.parametrize("setting", ["wikitext103_small", "owt_small"])

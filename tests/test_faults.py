@@ -232,7 +232,7 @@ def test_many_random_kills(tmp_path, corpus_root, jax_cache, reference, seed):
 
 # Both non-finite runs poison the same step the same way, so they share one compiled train step; they
 # also share one process (tests/train_utils.cli_in_one_process), which saves one start-up.
-POISON = {"QKVFLOW_TEST_INJECT_NONFINITE": "3:grad:weights.w1.proj"}
+POISON = {"QKVFLOW_TEST_INJECT_NONFINITE": "3:grad:projections.w2"}
 
 
 @pytest.fixture(scope="module")
@@ -255,7 +255,7 @@ def test_nonfinite_gradient_stops_naming_step_and_parameter(nonfinite_runs):
     error = [line for line in stderr.splitlines() if line.startswith("qkvflow train: error:")]
     assert len(error) == 1, stderr[-3000:]
     assert "non-finite values at step 3/8: first in the gradients" in error[0]
-    assert "generator.weights.w1.proj (1 of" in error[0]
+    assert "generator.projections.w2 (1 of" in error[0]
     assert "Traceback" not in stderr
     assert "step 2/8" in stdout and "step 3/8" not in stdout
     # no checkpoint of the poisoned step or later (Levanter runs the checkpointer from step 3 on)
@@ -270,7 +270,7 @@ def test_nonfinite_step_is_skipped_in_skip_mode(nonfinite_runs):
     assert "skipped_steps: [3]" in stdout
     assert "Global tracker is already set" not in stderr  # the second run in this process (as in a sweep)
     curve = losses(workdir)
-    assert len(curve) == 5 and all(c == c for c in curve)  # step 3's loss is finite: only w1's gradient was poisoned
+    assert len(curve) == 5 and all(c == c for c in curve)  # step 3's loss is finite: only w2's gradient was poisoned
     assert _step_dirs(workdir) == {"step-4": True, "step-5": True}  # every 2 steps from step 3 on, and the last
 
 
@@ -288,18 +288,18 @@ def test_report_names_where_nonfinite_values_first_appear():
     names = _gradient_paths(model)
     ok = np.ones(len(names), bool)
     one_bad = ok.copy()
-    one_bad[names.index("generator.weights.w2.proj")] = False
+    one_bad[names.index("generator.projections.w2")] = False
     report = describe_nonfinite(model, 3.25, one_bad, 7, 10)
     assert report.startswith("non-finite values at step 7/10: first in the gradients (the loss 3.2500 is finite)")
-    assert "generator.weights.w2.proj (1 of" in report
+    assert "generator.projections.w2 (1 of" in report
     assert "first in the loss" in describe_nonfinite(model, float("nan"), ~ok, 2, 10)
     import equinox as eqx
 
     poisoned = eqx.tree_at(
-        lambda m: m.generator.weights["q"].proj.array, model, model.generator.weights["q"].proj.array * jnp.inf
+        lambda m: m.generator.projections["q+k+v"].array, model, model.generator.projections["q+k+v"].array * jnp.inf
     )
     report = describe_nonfinite(poisoned, float("nan"), ~ok, 2, 10)
-    assert "first in the parameters: generator.weights.q.proj" in report
+    assert "first in the parameters: generator.projections.q+k+v" in report
 
 
 class _Tiny(eqx.Module):

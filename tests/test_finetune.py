@@ -83,7 +83,8 @@ def test_lora_freezes_the_base_bit_for_bit_and_trains_the_adapters(lora_run, sha
     import jax.numpy as jnp
     from levanter.adaptor.lora import partition_lora_params
 
-    from qkvflow.training.finetune import add_lora, load_base, load_pretrained_config
+    from qkvflow.training.finetune_config import load_pretrained_config
+    from qkvflow.training.run_model import add_lora, load_base
 
     _, config, summary = lora_run
     from qkvflow.training.session import with_corpus
@@ -109,7 +110,7 @@ def test_lora_freezes_the_base_bit_for_bit_and_trains_the_adapters(lora_run, sha
     # export.merged: the adapters merged into the base compute the fine-tuned model
     import haliax as hax
 
-    from qkvflow.training.finetune import merged_model
+    from qkvflow.training.run_model import merged_model
 
     merged = merged_model(summary["model"], base, config.lora, config.lora_seed)
     tokens = hax.named(jnp.arange(32, dtype=jnp.int32) % 97, "position")
@@ -200,8 +201,10 @@ def test_lora_stop_and_resume_reproduces_the_uninterrupted_run(lora_run, shared,
     first = run_cli("finetune", tmp_path, *args, "--stop_after", "3")
     assert first.returncode == 0 and "step 3/6" in first.stdout and "step 4/6" not in first.stdout, first.stderr[-3000:]
     assert not json.loads((tmp_path / "checkpoints" / "tiny-ft" / "finetune_summary.json").read_text())["finished"]
+    assert "== qkvflow finetune: stopped after step 3 of 6 (stop_after 3); run the same command without" in first.stdout
     second = run_cli("finetune", tmp_path, *args)
     assert second.returncode == 0 and "resuming run tiny-ft after step 3" in second.stdout, second.stderr[-3000:]
+    assert "== qkvflow finetune: done ==" in second.stdout
     assert losses(tmp_path, "tiny-ft") == losses(whole, "tiny-ft")
 
 

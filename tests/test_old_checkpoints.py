@@ -4,7 +4,8 @@ tests/fixtures/levanter_1_2 holds `step-1` of a tiny DiffEqFormer run trained by
 and the logits that version computed from its model (README.md there). Here the new stack reads it:
 
 * the model, through qkvflow's own loading path (`qkvflow.training.run_model.load_model`, as `qkvflow export`,
-  `analyze` and the benchmarks read checkpoints), computes the same logits;
+  `analyze` and the benchmarks read checkpoints), computes the same logits (the old version stored one
+  hypernetwork per weight; loading stacks them, `qkvflow.models.layout`);
 * the whole trainer state (model, Adam state, step) restores with Levanter's `load_checkpoint` into
   the shapes of a fresh `TrainerState` of that config and optimizer;
 * a config that does not describe the checkpoint still gets one line naming it.
@@ -105,8 +106,10 @@ def test_the_whole_trainer_state_restores_into_a_fresh_states_shapes(loaded):
     config = _model_config()
     optimizer = AdamConfig(learning_rate=1e-2, warmup=0.0, weight_decay=0.1, beta2=0.95).build(2)
 
-    def fresh():
-        model = config.build(Axis("vocab", VOCAB), key=jrandom.PRNGKey(0))
+    def fresh():  # in the layout the old version wrote: one hypernetwork per weight
+        from qkvflow.models.layout import per_weight_model
+
+        model = per_weight_model(config.build(Axis("vocab", VOCAB), key=jrandom.PRNGKey(0)))
         return TrainerState.init(optimizer, model, key=jrandom.PRNGKey(1))
 
     shape = eqx.filter_eval_shape(fresh)
@@ -118,7 +121,10 @@ def test_the_whole_trainer_state_restores_into_a_fresh_states_shapes(loaded):
     assert int(state.step) == 2
     leaves, shapes = jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(shape)
     assert [(x.shape, x.dtype) for x in leaves] == [(s.shape, s.dtype) for s in shapes]
-    for a, b in zip(jax.tree_util.tree_leaves(state.model), jax.tree_util.tree_leaves(loaded[0]), strict=True):
+    from qkvflow.models.layout import stacked_model
+
+    stacked = stacked_model(state.model)
+    for a, b in zip(jax.tree_util.tree_leaves(stacked), jax.tree_util.tree_leaves(loaded[0]), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
     # Adam's moments: one per parameter, restored (not left at a fresh state's zeros), counted twice
@@ -193,7 +199,10 @@ def test_damage_to_an_old_checkpoint_is_named_in_one_line(tmp_path):
     shutil.copytree(STEP, no_optimizer)
     shutil.rmtree(no_optimizer / "opt_state")
     optimizer = AdamConfig(learning_rate=1e-2, warmup=0.0, weight_decay=0.1, beta2=0.95).build(2)
-    model = eqx.filter_eval_shape(_model_config().build, Axis("vocab", VOCAB), key=jrandom.PRNGKey(0))
+    from qkvflow.models.layout import per_weight_shape
+
+    # the old version's layout (one hypernetwork per weight), so that only the optimizer state is missing
+    model = per_weight_shape(_model_config().build, Axis("vocab", VOCAB), key=jrandom.PRNGKey(0))
     shape = eqx.filter_eval_shape(lambda m: TrainerState.init(optimizer, m, key=jrandom.PRNGKey(1)), model)
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
     with jax.set_mesh(mesh), pytest.raises(FileNotFoundError) as missing:
@@ -265,3 +274,47 @@ def test_a_run_of_the_old_version_is_not_resumed_but_refused_in_one_line(tmp_pat
         )
         == before
     )
+
+
+def test_a_checkpoint_of_the_per_weight_layout_loads_stacked_and_refuses_to_resume(tmp_path):
+    """A checkpoint of the current format (OCDBT) whose DiffEqFormer stores one hypernetwork per weight,
+    as qkvflow 0.2.0 wrote before stacking: `load_model` (eval, export, analyze, finetune) reads it and
+    stacks it, giving the model that was saved, bit for bit; resuming a run from it is refused in one line
+    naming the layout and the version."""
+    import levanter.checkpoint
+
+    from qkvflow.errors import UserError
+    from qkvflow.models.generator import HyperGenerator
+    from qkvflow.models.layout import per_weight_model
+    from qkvflow.models.per_weight import PerWeightGenerator
+    from qkvflow.training.preflight import check_resume
+    from qkvflow.training.run_model import load_model
+
+    config = _model_config(time_embed_norm=True)
+    model = config.build(Axis("vocab", VOCAB), key=jrandom.PRNGKey(7))
+    # trained-like: every array moved off its initial value, so that a swapped row would show
+    leaves, treedef = jax.tree_util.tree_flatten(model)
+    keys = jrandom.split(jrandom.PRNGKey(8), len(leaves))
+    leaves = [x + 0.01 * jrandom.normal(k, x.shape) if eqx.is_inexact_array(x) else x for x, k in zip(leaves, keys)]
+    model = jax.tree_util.tree_unflatten(treedef, leaves)
+    old = per_weight_model(model)
+    assert isinstance(old.generator, PerWeightGenerator) and "q" in old.generator.weights
+    step = tmp_path / "run" / "step-3"
+    levanter.checkpoint.save_checkpoint({"model": old}, step=3, checkpoint_path=str(step), is_temporary=False)
+
+    loaded_model, _ = load_model(_train_config(config), str(step))
+    assert isinstance(loaded_model.generator, HyperGenerator)
+    for a, b in zip(jax.tree_util.tree_leaves(loaded_model), jax.tree_util.tree_leaves(model), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    ids = (np.arange(32) * 7) % VOCAB
+    np.testing.assert_array_equal(_logits(loaded_model, ids), _logits(model, ids))
+
+    train = dataclasses.replace(
+        _train_config(config),
+        trainer=dataclasses.replace(_train_config(config).trainer, load_checkpoint_path=str(step), id="resumed"),
+    )
+    with pytest.raises(UserError) as error:
+        check_resume(train, Axis("vocab", VOCAB))
+    message = str(error.value)
+    assert "written by qkvflow 0.2.0 with one hypernetwork per weight" in message and "cannot resume" in message
+    assert str(step) in message and "\n" not in message

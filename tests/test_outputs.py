@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from qkvflow.errors import UserError
-from qkvflow.outputs import MARKER, check_replaceable, check_writable, replacing
+from qkvflow.outputs import MARKER, check_file, check_replaceable, check_writable, replacing
 
 
 def _tree(folder: Path) -> dict:
@@ -214,3 +214,46 @@ def test_the_write_probe_beside_an_output_checks_its_parent(tmp_path):
     finally:
         undo()
     assert sorted(p.name for p in parent.iterdir()) == ["export"] and not any(out.iterdir())
+
+
+def test_nothing_is_written_inside_a_run_folder(world, tmp_path):
+    """Issue 56, item 4: `outside` keeps an output out of a checkpoint's run folder and its step-N
+    folders (Levanter's), for a folder output and a file output alike; beside the run folder is fine."""
+    run = world / "checkpoints" / "run"
+    outside = [("the run folder of --checkpoint", str(run))]
+    before = _tree(tmp_path)
+    for path in (run / "step-2" / "exp", run / "exp", run / "step-2" / "deep" / "er"):
+        _refusal(
+            lambda p=path: check_replaceable(p, kind="hf_export", key="--output", outside=outside),
+            f"--output={str(path)!r} is inside the run folder of --checkpoint {str(run)!r}",
+        )
+        with pytest.raises(UserError), replacing(path, kind="hf_export", key="--output", outside=outside):
+            raise AssertionError("the writer must not run")
+        _refusal(
+            lambda p=path: check_file(p / "out.jsonl", "--output_jsonl", outside=outside),
+            "is inside the run folder of --checkpoint",
+        )
+    assert _tree(tmp_path) == before and not (run / "exp").exists()
+    check_replaceable(world / "checkpoints" / "exp", kind="hf_export", key="--output", outside=outside)
+    check_file(world / "checkpoints" / "out.jsonl", "--output_jsonl", outside=outside)
+
+
+def test_an_output_file_must_be_a_writable_file_path(world, tmp_path):
+    """Issue 56, item 2: `check_file` refuses a folder, a file the verb reads, a path under a file and a
+    remote URL, each in one line, and accepts a new file or an existing one of the user's to replace."""
+    prompts = world / "prompts.txt"
+    prompts.write_text("Once upon\n")
+    protect = [("--prompts_file", str(prompts))]
+    before = _tree(tmp_path)
+    for path, reason in [
+        (world / "here", "is a folder: expected the path of a file to write"),
+        (prompts, "is --prompts_file: refusing to overwrite it"),
+        (world / "here" / "notes.txt" / "out.jsonl", "which is a file: expected a folder that qkvflow can write to"),
+        ("gs://bucket/out.jsonl", "is a remote URL: expected a local file"),
+    ]:
+        _refusal(
+            lambda p=path: check_file(p, "--output_jsonl", protect=protect), f"--output_jsonl={str(path)!r}", reason
+        )
+    assert _tree(tmp_path) == before
+    check_file(world / "here" / "out.jsonl", "--output_jsonl", protect=protect)
+    check_file(world / "here" / "notes.txt", "--output_jsonl", protect=protect)

@@ -57,7 +57,7 @@ def test_projections_dominate_and_split_exactly(medium):
     mapping = parameter_axis_mapping()
     model, _ = state_shapes(medium, _vocab())
     arrays = array_bytes(model, mapping, abstract_mesh({"data": 8}))
-    proj = [(p, d, t) for p, d, t in arrays if p.endswith(".proj")]
+    proj = [(p, d, t) for p, d, t in arrays if p.startswith("generator.projections.")]
     assert sum(t for _, _, t in proj) > 0.85 * sum(t for _, _, t in arrays)
     big = [(p, d, t) for p, d, t in proj if t > 1e8]  # the matrices W(t) (their biases have no embed axis)
     assert len(big) >= 4
@@ -76,7 +76,7 @@ def test_tensor_parallel_over_mlp_and_heads(medium):
     assert mapping["mlp"] == mapping["heads"] == "model" and mapping["embed"] == "data"
     model, _ = state_shapes(medium, _vocab())
     for path, device, total in array_bytes(model, mapping, abstract_mesh({"data": 4, "model": 2})):
-        if path in ("generator.weights.w1.proj", "generator.weights.w2.proj", "generator.weights.q.proj"):
+        if path in ("generator.projections.w1", "generator.projections.w2", "generator.projections.q+k+v"):
             assert device * 8 == total, path
     fsdp_only = per_device_bytes(medium, GPT2_VOCAB, {"data": 8})
     assert r["total"] < 1.05 * fsdp_only["total"]

@@ -90,14 +90,40 @@ def test_stop_and_resume_reproduces_uninterrupted_losses(four_device_runs):
     workdir, code, stdout, stderr, _ = four_device_runs["stop"]
     assert code == 0, stderr[-3000:]
     assert "step 4/8" in stdout and "step 5/8" not in stdout
+    assert "== qkvflow train: stopped after step 4 of 8 (stop_after 4); run the same command without" in stdout
     _, code, stdout, stderr, _ = four_device_runs["resume"]
     # the stop's checkpoint of step 4 (the resume read it) and the resumed run's final one (the fixture ran both)
     assert sorted(p.name for p in (workdir / "checkpoints" / "tiny").glob("step-*")) == ["step-4", "step-8"]
     assert code == 0, stderr[-3000:]
     assert "resuming run tiny after step 4" in stdout
-    assert "step 5/8" in stdout and "step 4/8" not in stdout
+    assert "step 5/8" in stdout and "step 4/8" not in stdout and "== qkvflow train: done ==" in stdout
     whole = losses(four_device_runs["fsdp"][0])
     assert len(whole) == 8 and losses(workdir) == whole
+
+
+@pytest.mark.parametrize(
+    "summary, stop_after, line",
+    [
+        ({"steps": 8}, None, "done"),
+        ({"steps": 8}, 8, "done"),
+        ({"steps": 4}, 4, "stopped after step 4 of 8 (stop_after 4); run the same command without --stop_after"),
+        ({"steps": 4, "nothing_to_train": True}, 3, "stopped after step 4 of 8 (stop_after 3)"),
+        ({"steps": 3, "preempted": True}, 4, "preempted"),
+        ({"steps": 6}, None, "done: the training data ran out after step 6 of 8 (epochs: 0)"),
+    ],
+)
+def test_the_summary_says_how_the_run_ended(summary, stop_after, line):
+    """The summary says "done" only at num_train_steps (8 here) or when the epochs end the run; a stop_after
+    stop says what to run to continue (the same command would find nothing to train)."""
+    import dataclasses
+
+    from qkvflow.cli.train import headline
+    from qkvflow.training.config import TrainConfig
+
+    config = TrainConfig()
+    trainer = dataclasses.replace(config.trainer, num_train_steps=8)
+    config = dataclasses.replace(config, stop_after=stop_after, trainer=trainer)
+    assert headline(summary, config).startswith(line)
 
 
 MESHES = {

@@ -67,8 +67,10 @@ def should_decay(path: str, config) -> bool:
         return True
     if parts[:2] == ["generator", "constants"]:
         return len(parts) == 3 and parts[2] in matrices
-    if parts[:2] == ["generator", "weights"] and parts[2] in matrices:
-        return parts[3:] == ["proj"] or (parts[3] == "mlp" and parts[-1] == "weight")
+    if parts[:2] == ["generator", "projections"]:  # a stack of projections, its members joined by "+"
+        return len(parts) == 3 and set(parts[2].split("+")) <= matrices
+    if parts[:3] == ["generator", "mlps", "matrix"]:  # the stack of the matrices' own time MLPs
+        return parts[-1] == "weight"
     return False
 
 
@@ -81,7 +83,11 @@ def test_ode_models_decay_exactly_the_generators_of_matrices(config):
     # what the mask spares is really there (the test is not vacuous) ...
     spared = [p for p in flags if "norm" in p or p.endswith("bias") or "time_bias" in p or "shared_mlp" in p]
     assert spared and not any(flags[p] for p in spared)
-    assert sum(flags.values()) >= len(MATRICES[config.flavour])
+    stacks = [p for p in flags if p.startswith("generator.projections.")]
+    if stacks:  # stacked hypernetworks: the decayed stacks hold every matrix and nothing else
+        assert {n for p in stacks if flags[p] for n in p.split(".")[2].split("+")} == MATRICES[config.flavour]
+    else:
+        assert sum(flags.values()) >= len(MATRICES[config.flavour])
     # ... and the run's reported count is the size of what decays
     params = jax.tree_util.tree_map(lambda s: jax.numpy.zeros(s.shape, s.dtype), model)
     assert decayed_parameter_count(optimizer, params) == sum(sizes[p] for p, f in flags.items() if f)
@@ -190,4 +196,4 @@ def test_the_optimizer_that_trains_decays_exactly_the_mask(monkeypatch):
             np.testing.assert_allclose(new, old * (1 - lr * wd), rtol=4 * np.finfo(np.float32).eps, err_msg=path)
         else:
             np.testing.assert_array_equal(new, old, err_msg=path)
-    assert decayed >= len(MATRICES["gpt2"]) and len(paths) > 2 * decayed  # both kinds are there
+    assert decayed >= 6 and len(paths) > 2 * decayed  # both kinds are there (4 stacks of projections, 2 MLP weights)

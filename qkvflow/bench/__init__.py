@@ -8,5 +8,8 @@
            CPU budget via `qkvflow train`; validation losses as JSON and a markdown table.
 * compare: a study (benchmarks/compare/*.yaml) of models x learning rates x seeds, the learning rate
            chosen on a selection split and the test loss reported with seed spread and paired 95%
-           intervals against a baseline (qkvflow.bench.stats); resumable.
+           intervals against a baseline (qkvflow.bench.stats); resumable. Its parts: the study's run
+           configs (run_configs), matched baselines (matching), the learning-rate grid's edge (lr_grid),
+           the work folder (study_folder), the data halves of a user's corpus (halves), the run pool
+           (pool) and the report (compare_report). docs/compare.md is its guide.
 """

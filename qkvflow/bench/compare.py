@@ -10,48 +10,56 @@ one grid does not fit every model, its own `learning_rates` (`--learning_rates` 
    seed), evaluating on the `selection` half of the held-out documents (a corpus's `corpus.eval_split`,
    qkvflow.data.corpora; for a `data:` section the halves are made from its validation documents by
    the same rule, qkvflow.bench.halves): its last eval loss is its selection loss;
-2. per model, the learning rate with the lowest mean selection loss over the seeds is chosen;
+2. per model, the learning rate with the lowest mean selection loss over the seeds is chosen; a choice at
+   the lowest or highest rate of its grid is marked "at the grid's edge", and with `--extend_grid` the
+   next rate beyond that edge is added and the choice made again (qkvflow.bench.lr_grid);
 3. the chosen runs alone are evaluated on the `test` half (`qkvflow eval`);
 4. per model: mean and standard deviation of the test loss over seeds, and the paired 95% interval
    of its difference to the baseline (qkvflow.bench.stats), with the parameter count and the
-   training FLOPs (3 x forward: qkvflow.models.accounting, Levanter's `flops_per_token`).
+   training FLOPs (3 x forward: qkvflow.models.accounting, Levanter's `flops_per_token`), and for a model
+   declared by what it matches (`match: {params: MODEL}` or `{train_flops: MODEL}`, its width solved on the
+   study's own vocabulary before anything trains: qkvflow.bench.matching), the achieved ratio.
 
 The report is <name>.json, a markdown table <name>.md and a figure <name>.png (each model's test loss
-per seed, and mean +- sd), written into the work folder's `report/`, or into `--out_dir`: a folder for this report
-alone, checked and replaced as every qkvflow output is (qkvflow.outputs: absent, empty, or an earlier
-report). The paths written are printed. The base config is checked before the work folder is claimed.
+per seed, and mean +- sd; qkvflow.bench.compare_report), written into the work folder's `report/`, or
+into `--out_dir`: a folder for this report alone, checked and replaced as every qkvflow output is
+(qkvflow.outputs: absent, empty, or an earlier report; never the work folder or a folder holding it,
+never inside the repository's shipped folders). The paths written are printed. The base config and every
+model's run config (parsed as `qkvflow train` parses it: qkvflow.bench.run_configs) are checked, and the
+matched widths solved, before the work folder is claimed.
 
-It is resumable: a finished run leaves `results/<run>.json` and is not trained again; an
-interrupted run resumes from its checkpoint (the same `trainer.id`, qkvflow's exact resume); more
-seeds or learning rates may be added to a study between invocations. The work folder holds
-`study.json`, written when the study starts: a folder without it (and not empty) or holding another
-study is refused, and only checkpoints of this study's runs are removed (after a model's test
-evaluation, unless --keep_checkpoints). `--jobs K` runs K trainings or evaluations at once, each its own
-process as always (a GPU shared by small models, or spare cores), a model's test evaluations ahead of the
-trainings still waiting (`_Pool`); the results are the same.
+`--models A,B` runs a subset; the baseline joins it when left out (its finished runs read back, the
+missing ones trained), which a line says.
+
+It is resumable: a finished run leaves `results/<run>.json` and is not trained again; an interrupted run
+resumes from its checkpoint (the same `trainer.id`, qkvflow's exact resume); more seeds, learning rates
+and models may be added to a study between invocations, and a model with no run yet may be redefined.
+The work folder holds `study.json`, written when the study starts (qkvflow.bench.study_folder): a folder
+without it (and not empty) or holding another study is refused, and only checkpoints of this study's
+runs are removed (after a model's test evaluation, unless --keep_checkpoints). `--jobs K` runs K
+trainings or evaluations at once, each its own process as always (a GPU shared by small models, or spare
+cores), a model's test evaluations ahead of the trainings still waiting (qkvflow.bench.pool); the results
+are the same. docs/compare.md is the guide.
 """
 
 import argparse
 import copy
-import dataclasses
-import heapq
-import itertools
 import json
-import math
 import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Optional
 
 import yaml
 
 from qkvflow import outputs
-from qkvflow.bench import depth_curves, halves, stats
+from qkvflow.bench import depth_curves, halves, lr_grid, matching, run_configs, study_folder
+from qkvflow.bench.compare_report import markdown, report, write_report
+from qkvflow.bench.pool import Pool
+from qkvflow.bench.study_folder import write_json as _write_json
 from qkvflow.errors import UserError
 from qkvflow.outputs import check_writable
 from qkvflow.training.tracking import metrics_file, read_metrics
@@ -59,6 +67,8 @@ from qkvflow.training.tracking import metrics_file, read_metrics
 ROOT = Path(__file__).resolve().parents[2]
 STUDY_KEYS = {"base", "baseline", "iters", "learning_rates", "seeds", "models", "title", "depth"}
 REPORT_KIND = "bench compare report"
+STUDY_ONLY = ("learning_rates", "match")
+"""Keys of a model's entry that are the study's business, not its run's (its grid, what it is matched to)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -76,6 +86,17 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         help="the attention kernel of every run, baseline and DiffEqFormer alike (qkvflow.nn.attention: auto, "
         "cudnn, xla, vanilla, jax_flash, splash, nvte; passed as $QKVFLOW_ATTENTION; default auto)",
+    )
+    p.add_argument(
+        "--extend_grid",
+        type=_positive_int,
+        nargs="?",
+        const=lr_grid.LIMIT,
+        default=0,
+        metavar="K",
+        help="when a model's chosen learning rate is the lowest or highest of its grid, add the next rate beyond "
+        f"it (half or twice) and choose again, until the choice is interior or K rates were added (default K "
+        f"{lr_grid.LIMIT})",
     )
     p.add_argument("--baseline", default=None, help="pair the others with this model instead")
     p.add_argument("--corpus_root", default=str(ROOT / "cache" / "corpora"))
@@ -125,18 +146,23 @@ def load_study(path: str, args) -> dict:
                 f"bench compare: {path}: models.{name}.learning_rates={overlay['learning_rates']!r} is invalid: "
                 "expected numbers in (0, 1)"
             )
+        if "match" in overlay:
+            matching.check(path, name, overlay["match"], models)
+    if args.baseline is not None:
+        study["baseline"] = args.baseline
+    if study.get("baseline") not in models:
+        raise UserError(
+            f"bench compare: {path}: baseline={study.get('baseline')!r} is not one of the models {sorted(models)}"
+        )
+    study["defined"] = models  # every model of the file (a matched model's target may be left out of --models)
     if args.models:
         chosen = [m.strip() for m in args.models.split(",") if m.strip()]
         missing = [m for m in chosen if m not in models]
         if missing:
             raise UserError(f"--models: {missing} not in the study's models {sorted(models)}")
-        study["models"] = {m: models[m] for m in chosen}
-    if args.baseline is not None:
-        study["baseline"] = args.baseline
-    if study.get("baseline") not in study["models"]:
-        raise UserError(
-            f"bench compare: {path}: baseline={study.get('baseline')!r} is not one of the models {sorted(study['models'])}"
-        )
+        study["joined"] = study["baseline"] not in chosen  # the baseline joins a subset that leaves it out
+        chosen = [study["baseline"]] * study["joined"] + chosen
+        study["models"] = {m: models[m] for m in dict.fromkeys(chosen)}
     if not isinstance(study.get("iters"), int) or study["iters"] < 1:
         raise UserError(f"bench compare: {path}: iters={study.get('iters')!r} is invalid: expected an integer >= 1")
     lrs, seeds = study.get("learning_rates"), study.get("seeds")
@@ -148,7 +174,7 @@ def load_study(path: str, args) -> dict:
     if not base.is_file():
         raise UserError(f"bench compare: {path}: base={study.get('base')!r}: no such file beside the study")
     study["base"] = str(base)
-    study["name"] = Path(path).stem
+    study["name"], study["file"] = Path(path).stem, path
     if "depth" in study:  # every chosen ODE run also evaluated at these grids (qkvflow.bench.depth_curves)
         study["depth"] = depth_curves.check(study["depth"], path)
     study["base_config"] = check_base(str(base))
@@ -178,14 +204,19 @@ def _valid_rates(lrs) -> bool:
     return isinstance(lrs, list) and bool(lrs) and all(isinstance(x, (int, float)) and 0 < x < 1 for x in lrs)
 
 
+def _entry(study: dict, model: str) -> dict:
+    """`model`'s entry in the study file (also a model left out of --models: a matched model's target)."""
+    return study["models"][model] if model in study["models"] else study["defined"][model]
+
+
 def learning_rates(study: dict, model: str) -> list:
     """`model`'s learning-rate grid: its own `learning_rates`, else the study's."""
-    return study["models"][model].get("learning_rates", study["learning_rates"])
+    return _entry(study, model).get("learning_rates", study["learning_rates"])
 
 
 def _overlay(study: dict, model: str) -> dict:
-    """`model`'s overlay of the base config (its grid is the study's business, not the run's)."""
-    return {k: v for k, v in study["models"][model].items() if k != "learning_rates"}
+    """`model`'s overlay of the base config (without what is the study's business: `STUDY_ONLY`)."""
+    return {k: v for k, v in _entry(study, model).items() if k not in STUDY_ONLY}
 
 
 def merge(base: dict, overlay: dict) -> dict:
@@ -230,32 +261,29 @@ def identity(study: dict) -> dict:
     return {"base": Path(study["base"]).read_text(), "models": models, "iters": study["iters"]}
 
 
-def claim_workdir(workdir: Path, study: dict) -> None:
-    marker = workdir / "study.json"
-    mine = identity(study)
-    if marker.is_file():
-        held = json.loads(marker.read_text())
-        changed = [m for m in mine["models"] if m in held["models"] and held["models"][m] != mine["models"][m]]
-        if (held["base"], held["iters"]) != (mine["base"], mine["iters"]) or changed:
-            what = f"model {changed[0]!r}" if changed else "base or iters"
-            raise UserError(
-                f"--workdir {workdir} holds another study (its study.json differs in {what}); use a new --workdir"
-            )
-        if set(mine["models"]) - set(held["models"]):  # a model added to the study: record it
-            held["models"] = {**held["models"], **mine["models"]}
-            _write_json(marker, held)
-        return
-    if workdir.exists() and any(workdir.iterdir()):
-        raise UserError(f"--workdir {workdir} is not empty and holds no study.json: choose a new or empty folder")
-    check_writable(str(workdir), "--workdir")
-    workdir.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps(mine, indent=1) + "\n")
-
-
-def _write_json(path: Path, value: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(value, indent=1) + "\n")
-    os.replace(tmp, path)  # a result file is whole or absent
+def resolve(study: dict, workdir: Path, corpus_root: str) -> None:
+    """Before the work folder is claimed: every model's run config parsed as `qkvflow train` parses it (a typo
+    is refused in one line naming the model: qkvflow.bench.run_configs), and each matched model's shape
+    solved into its overlay (qkvflow.bench.matching), the solutions kept in `study["matched"]`."""
+    matches = {m: _entry(study, m)["match"] for m in study["models"] if "match" in _entry(study, m)}
+    names = dict.fromkeys([*study["models"], *(t for match in matches.values() for t in match.values())])
+    parsed = {
+        m: run_configs.parsed(
+            run_config(study, m, learning_rates(study, m)[0], study["seeds"][0], workdir, corpus_root),
+            f"bench compare: {study['file']}: models.{m}",
+        )
+        for m in names
+    }
+    study["matched"] = {}
+    for m, match in matches.items():
+        ((kind, target),) = match.items()
+        found = matching.solve(study["file"], m, match, parsed[m], parsed[target], study["iters"])
+        model = merge(study["base_config"], _overlay(study, m)).get("model") or {}
+        study["models"][m]["model"] = {**model, **found["solved"]}
+        shape = ", ".join(f"{k} {v}" for k, v in found["solved"].items())
+        _say(f"bench compare: {m} matched to {target}'s {matching.MEASURES[kind]} at vocabulary "
+             f"{found['vocab_size']}: {shape} ({found['ratio']:.3f}x)")  # fmt: skip
+        study["matched"][m] = found
 
 
 def _subprocess(cmd: list[str], log_file: Path, timeout: float, attention: str = "auto") -> None:
@@ -372,129 +400,12 @@ def depth_report(study: dict, tests: dict, workdir: Path) -> dict:
 
 
 def training_flops(config_path: Path, iters: int) -> Optional[float]:
-    """3 x forward FLOPs of one run: per-token FLOPs x tokens, plus an ODE's hypernetwork per forward pass;
-    with depth-dial recipes, the mean over the solves a batch runs (`depth_dial.training_solves`)."""
+    """3 x forward FLOPs of the run whose config is `config_path` (read as `qkvflow train` reads it), for
+    `iters` steps (`run_configs.training_flops`)."""
     from qkvflow.configfile import parse
-    from qkvflow.data.corpora import corpus_vocab_size
-    from qkvflow.models import accounting, registry
-    from qkvflow.training import data_checks
     from qkvflow.training.config import TrainConfig
 
-    config = parse(TrainConfig, ["--config_path", str(config_path)], "train")  # as `qkvflow train` reads it
-    if config.corpus is not None:
-        vocab = corpus_vocab_size(config.corpus.name, vocab_size=config.corpus.vocab_size)
-    else:
-        vocab = len(data_checks.load_tokenizer(config.data))
-    seq, batch = config.model.max_seq_len, config.trainer.train_batch_size
-    if config.model.flops_per_token(vocab, seq) is None:
-        return None
-
-    def forward(model) -> float:
-        per_step = model.flops_per_token(vocab, seq) * seq * batch
-        if registry.is_ode(model):
-            per_step += accounting.hypernetwork_flops_per_forward(model, vocab)
-        return per_step
-
-    solves = [(config.model, 1.0)]
-    dial = getattr(config.model, "dial", None)
-    if dial is not None and dial.active:  # the drawn step counts' mean, and a consistency term's fine solve
-        from qkvflow.models.depth_dial import training_solves
-
-        def at(n: int):
-            return dataclasses.replace(config.model, ode=dataclasses.replace(config.model.ode, num_steps=n))
-
-        solves = [(at(n), weight) for n, weight in training_solves(config.model)]
-    return 3.0 * math.fsum(weight * forward(model) for model, weight in solves) * iters
-
-
-def report(study: dict, runs: list[dict], tests: dict, flops: dict) -> dict:
-    models = {}
-    for model in study["models"]:
-        mine = [r for r in runs if r["model"] == model]
-        by_lr = {}
-        for r in mine:
-            by_lr.setdefault(r["learning_rate"], {})[r["seed"]] = r["selection_loss"]
-        best = min(by_lr, key=lambda lr: stats.summarise(by_lr[lr].values()).mean)
-        test = tests[model]
-        s = stats.summarise(test.values())
-        models[model] = {
-            "best_learning_rate": best,
-            "learning_rates": learning_rates(study, model),
-            "selection": {f"{lr:g}": stats.summarise(v.values()).__dict__ for lr, v in sorted(by_lr.items())},
-            "test": {"per_seed": {str(k): v for k, v in sorted(test.items())}, **s.__dict__},
-            "parameter_count": next((r["parameter_count"] for r in mine if r["parameter_count"]), None),
-            "training_flops": flops[model],
-            "wall_s": round(sum(r["wall_s"] for r in mine), 1),
-        }
-    base = tests[study["baseline"]]
-    for model, entry in models.items():
-        if model != study["baseline"]:
-            d = stats.paired_difference(tests[model], base)
-            entry["difference_to_baseline"] = {
-                "seeds": list(d.seeds),
-                "mean": d.mean,
-                "ci95": [d.low, d.high],
-                "verdict": d.verdict,
-            }
-    return {"study": study["name"], "title": study.get("title"), "iters": study["iters"], "baseline": study["baseline"],
-            "learning_rates": study["learning_rates"], "seeds": study["seeds"], "models": models}  # fmt: skip
-
-
-def markdown(result: dict) -> str:
-    def f(x, digits=4):
-        return "-" if x is None else f"{x:.{digits}f}"
-
-    grids = "".join(
-        f"; {m} from {e['learning_rates']}"
-        for m, e in result["models"].items()
-        if e["learning_rates"] != result["learning_rates"]
-    )
-    lines = [
-        f"{result.get('title') or result['study']}: {result['iters']} steps, seeds {result['seeds']}, peak lr chosen from "
-        f"{result['learning_rates']}{grids} on the selection split; test split below. Baseline: {result['baseline']}.",
-        "",
-        "| model | params | train FLOPs | best lr | test loss (mean ± sd) | Δ to baseline [95% CI] | verdict |",
-        "|---|---:|---:|---:|---:|---:|---|",
-    ]
-    for name, m in result["models"].items():
-        t, d = m["test"], m.get("difference_to_baseline")
-        diff = "-" if d is None else f"{d['mean']:+.4f} [{f(d['ci95'][0])}, {f(d['ci95'][1])}]"
-        flops = "-" if m["training_flops"] is None else f"{m['training_flops']:.3g}"
-        params = "-" if m["parameter_count"] is None else f"{m['parameter_count'] / 1e6:.2f}M"
-        lines.append(
-            f"| {name} | {params} | {flops} | {m['best_learning_rate']:g} | {f(t['mean'])} ± {f(t['std'])} | {diff} | "
-            f"{'baseline' if d is None else d['verdict']} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def plot(result: dict, path: Path) -> None:
-    """Each model's test loss per seed (dots) and mean +- sd (bar), the baseline's mean as a dashed line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(result["models"])
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(names) + 2), 4.2), dpi=110)
-    for i, name in enumerate(names):
-        test = result["models"][name]["test"]
-        seeds = list(test["per_seed"].values())
-        ax.plot([i] * len(seeds), seeds, "o", color="0.6", markersize=4)
-        ax.errorbar([i], [test["mean"]], yerr=[test["std"] or 0.0], fmt="s", color="C0", capsize=4)
-    ax.axhline(result["models"][result["baseline"]]["test"]["mean"], color="C3", ls="--", lw=1, label="baseline mean")
-    labels = []
-    for name in names:
-        params = result["models"][name]["parameter_count"]
-        labels.append(name if params is None else f"{name}\n{params / 1e6:.2f}M")
-    ax.set_xticks(range(len(names)), labels, fontsize=8)
-    ax.set_ylabel("test loss (nats/token)")
-    ax.set_title(f"{result.get('title') or result['study']}: {result['iters']} steps", fontsize=9)
-    ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return run_configs.training_flops(parse(TrainConfig, ["--config_path", str(config_path)], "train"), iters)
 
 
 def check_attention(study: dict, args) -> None:
@@ -513,56 +424,44 @@ def check_attention(study: dict, args) -> None:
             )
 
 
-class _Pool:
-    """Runs tasks on threads of their own (each waits on a subprocess), at most `jobs` at once; a waiting task
-    of lower `priority` starts first, ties in the order submitted: a model's test evaluations (0) go before
-    the trainings still queued for later models (1), so results come model by model."""
-
-    def __init__(self, jobs: int):
-        self._ready = threading.Condition()
-        self._free, self._waiting, self._order, self._closed = jobs, [], itertools.count(), False
-        self._threads: list[threading.Thread] = []
-
-    def submit(self, priority: int, fn, *args) -> Future:
-        future, ticket = Future(), (priority, next(self._order))
-        with self._ready:
-            heapq.heappush(self._waiting, ticket)
-        thread = threading.Thread(target=self._run, args=(ticket, future, fn, args), daemon=True)
-        self._threads.append(thread)
-        thread.start()
-        return future
-
-    def _run(self, ticket, future: Future, fn, args) -> None:
-        with self._ready:
-            self._ready.wait_for(lambda: self._closed or (self._free > 0 and self._waiting[0] == ticket))
-            if self._closed or not future.set_running_or_notify_cancel():
-                future.cancel()
-                return
-            heapq.heappop(self._waiting)
-            self._free -= 1
-            self._ready.notify_all()
-        try:
-            future.set_result(fn(*args))
-        except BaseException as e:  # noqa: BLE001 (a Ctrl-C in a run reaches the main thread through .result())
-            future.set_exception(e)
-        finally:
-            with self._ready:
-                self._free += 1
-                self._ready.notify_all()
-
-    def shutdown(self) -> None:
-        """Drop the tasks not started; wait for the running ones (a Ctrl-C has reached their processes too)."""
-        with self._ready:
-            self._closed = True
-            self._ready.notify_all()
-        for thread in self._threads:
-            thread.join()
-
-
-def _submit_grid(pool: _Pool, study: dict, model: str, workdir: Path, args) -> list:
+def _submit_grid(pool: Pool, study: dict, model: str, workdir: Path, args) -> list:
     """`model`'s training runs (every learning rate x seed) queued on `pool`, in the grid's order."""
     return [pool.submit(1, train, study, model, lr, seed, workdir, args) for lr in learning_rates(study, model)
             for seed in study["seeds"]]  # fmt: skip
+
+
+def settle(pool: Pool, study: dict, model: str, queued: list, workdir: Path, args) -> tuple[list, dict]:
+    """`model`'s runs (`queued` on `pool`) and its choice of learning rate; with --extend_grid K, a choice at the
+    grid's edge adds the next rate beyond it, trained on every seed ahead of later models, until the choice
+    is interior or K rates were added (qkvflow.bench.lr_grid). The grid chosen from becomes the model's."""
+    grid, added = list(learning_rates(study, model)), []
+    mine = [f.result() for f in queued]
+    while True:
+        best = lr_grid.choose({lr: [r["selection_loss"] for r in mine if r["learning_rate"] == lr] for lr in grid})
+        side = lr_grid.edge(best, grid)
+        rate = lr_grid.beyond(grid, side) if side else None
+        if rate is None or len(added) >= args.extend_grid:
+            break
+        _say(f"bench compare: {model} chose {best:g}, the {side} of {grid}: adding {rate:g} (--extend_grid, "
+             f"{len(added) + 1} of at most {args.extend_grid})")  # fmt: skip
+        grid, added = sorted([*grid, rate]), [*added, rate]
+        mine += [
+            f.result() for f in [pool.submit(0, train, study, model, rate, s, workdir, args) for s in study["seeds"]]
+        ]
+    if added:
+        study["models"][model]["learning_rates"] = grid  # not part of the model's definition (identity)
+    stopped = bool(side and added and len(added) >= args.extend_grid)  # still at the edge: the limit stopped it
+    return mine, {"learning_rate": best, "grid": grid, "added": added, "edge": side, "limit_reached": stopped}
+
+
+def _joined(study: dict, workdir: Path) -> None:
+    """Say that the baseline joined a --models subset, and whether its runs are read back or trained."""
+    base = study["baseline"]
+    runs = [run_id(base, lr, s) for lr in learning_rates(study, base) for s in study["seeds"]]
+    missing = [r for r in runs if not (workdir / "results" / f"{r}.json").is_file()]
+    how = (f"its {len(runs)} runs are read back from {workdir / 'results'}" if not missing else
+           f"{len(missing)} of its {len(runs)} runs are not in {workdir / 'results'} and are trained")  # fmt: skip
+    _say(f"bench compare: --models leaves out the baseline {base}: it joins them, and {how}")
 
 
 def main(argv: list[str]) -> int:
@@ -571,32 +470,35 @@ def main(argv: list[str]) -> int:
     check_attention(study, args)
     workdir = Path(args.workdir).resolve()
     report_rules = {"kind": REPORT_KIND, "key": "--out_dir", "protect": [("--workdir", str(workdir))]}
+    for key, folder in (("--workdir", workdir), ("--out_dir", args.out_dir)):
+        study_folder.check_outside_repository(folder, key)
     if args.out_dir is not None:  # before any work, as every output
         outputs.check_replaceable(args.out_dir, **report_rules)
         check_writable(args.out_dir, "--out_dir", beside=True)
-    claim_workdir(workdir, study)
+    resolve(study, workdir, args.corpus_root)
+    study_folder.claim(workdir, identity(study))
     for sub in ("configs", "results", "logs", "test"):
         (workdir / sub).mkdir(exist_ok=True)
     if "corpus" not in study["base_config"]:
         halves.write(study["base_config"], workdir)
+    if study.get("joined"):
+        _joined(study, workdir)
     runs, tests, flops, chosen = [], {}, {}, {}
-    pool = _Pool(args.jobs)
+    pool = Pool(args.jobs)
     try:
         # with --jobs 1 a model's runs start only once the previous model is evaluated (as before --jobs)
         trains = {}
         if args.jobs > 1:
             trains = {model: _submit_grid(pool, study, model, workdir, args) for model in study["models"]}
         for model in study["models"]:
-            grid = learning_rates(study, model)
-            mine = [f.result() for f in trains.get(model) or _submit_grid(pool, study, model, workdir, args)]
+            queued = trains.get(model) or _submit_grid(pool, study, model, workdir, args)
+            mine, chosen[model] = settle(pool, study, model, queued, workdir, args)
             runs += mine
-            by_lr = {lr: [r["selection_loss"] for r in mine if r["learning_rate"] == lr] for lr in grid}
-            best = min(by_lr, key=lambda lr: math.fsum(by_lr[lr]) / len(by_lr[lr]))
+            best = chosen[model]["learning_rate"]
             evals = {
                 seed: pool.submit(0, test_loss, study, model, best, seed, workdir, args) for seed in study["seeds"]
             }
             tests[model] = {seed: f.result() for seed, f in evals.items()}
-            chosen[model] = {"learning_rate": best}
             flops[model] = training_flops(
                 workdir / "configs" / f"{run_id(model, best, study['seeds'][0])}.yaml", study["iters"]
             )
@@ -607,7 +509,7 @@ def main(argv: list[str]) -> int:
                     )
     finally:  # an error or Ctrl-C: runs not yet started are dropped, running ones finish (or stop) first
         pool.shutdown()
-    result = report(study, runs, tests, flops)
+    result = report(study, runs, tests, flops, chosen)
     result["attention"] = args.attention
     curves = depth_report(study, chosen, workdir) if "depth" in study else None
     name = args.name or study["name"]
@@ -624,24 +526,3 @@ def main(argv: list[str]) -> int:
     for path in written:
         print(f"bench compare: wrote {path}", flush=True)
     return 0
-
-
-def write_report(folder: Path, name: str, result: dict, table: str, curves: Optional[dict] = None) -> list[Path]:
-    """NAME.json, NAME.md and NAME.png in `folder`, each written whole (a temporary file, then renamed),
-    and with `curves` (a study's `depth:` section) NAME_depth.json, .md and .png beside them."""
-    paths = _write_three(folder, name, result, table, plot)
-    if curves is not None:
-        paths += _write_three(folder, f"{name}_depth", curves, depth_curves.markdown(curves), depth_curves.plot)
-    return paths
-
-
-def _write_three(folder: Path, name: str, data: dict, table: str, plot_fn) -> list[Path]:
-    paths = [folder / f"{name}.{ext}" for ext in ("json", "md", "png")]
-    _write_json(paths[0], data)
-    tmp = paths[1].with_suffix(".md.tmp")
-    tmp.write_text(table)
-    os.replace(tmp, paths[1])
-    tmp = folder / f".{name}.tmp.png"
-    plot_fn(data, tmp)
-    os.replace(tmp, paths[2])
-    return paths

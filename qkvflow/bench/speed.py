@@ -264,19 +264,44 @@ def train_flops_per_token(config, vocab: int, tokens_per_batch: int) -> dict:
     }
 
 
+def bench_optimizer(**changes):
+    """The benchmark's optimizer: Levanter's AdamConfig at a fixed learning rate (`changes` override its fields)."""
+    from levanter.optim import AdamConfig
+
+    return AdamConfig(**({"learning_rate": 1e-4, "warmup": 0.0} | changes)).build(1_000_000)
+
+
+def train_step(static, policy, optimizer):
+    """step(params, opt_state, example, key) -> (params, opt_state, loss): loss and gradient in the policy's
+    compute dtype, then the optax update, as Levanter's trainer takes a step (`static`: the model's
+    non-array part)."""
+    from qkvflow.training.loss import lm_loss
+
+    def loss_fn(params, example, key):
+        model = policy.cast_to_compute(eqx.combine(params, static))
+        out = lm_loss(model, example, key=key)
+        loss = out[0] if isinstance(out, tuple) else out
+        return loss.scalar() if isinstance(loss, hax.NamedArray) else loss
+
+    def step(params, opt_state, example, key):
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(params, example, key)
+        with jax.named_scope("optimizer_update"):  # benchmarks/profile_step.py finds it by this name
+            updates, opt_state = optimizer.update(grads, opt_state, params=params)
+            return eqx.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
 class Step:
     """A compiled training step of `config`, the way Levanter's trainer runs one."""
 
     def __init__(self, config, Vocab, Batch, dtype: str, *, seed: int = 0):
         from levanter.models.lm_model import LmExample
-        from levanter.optim import AdamConfig
-
-        from qkvflow.training.loss import lm_loss
 
         key_model, key_tokens = jax.random.split(jax.random.PRNGKey(seed))
         model = config.build(Vocab, key=key_model)
         policy = jmp.get_policy(DTYPES[dtype])
-        optimizer = AdamConfig(learning_rate=1e-4, warmup=0.0).build(1_000_000)
+        optimizer = bench_optimizer()
         params, static = eqx.partition(model, eqx.is_inexact_array)
         opt_state = optimizer.init(params)
         tokens = hax.random.randint(key_tokens, (Batch, config.max_Pos), 0, Vocab.size)
@@ -286,19 +311,8 @@ class Step:
         dial = getattr(config, "dial", None)
         self.key = jax.random.PRNGKey(seed + 1) if dial is not None and dial.active else None
 
-        def loss_fn(params, example, key):
-            model = policy.cast_to_compute(eqx.combine(params, static))
-            out = lm_loss(model, example, key=key)
-            loss = out[0] if isinstance(out, tuple) else out
-            return loss.scalar() if isinstance(loss, hax.NamedArray) else loss
-
-        def step(params, opt_state, example, key):
-            loss, grads = eqx.filter_value_and_grad(loss_fn)(params, example, key)
-            with jax.named_scope("optimizer_update"):  # benchmarks/profile_step.py finds it by this name
-                updates, opt_state = optimizer.update(grads, opt_state, params=params)
-                return eqx.apply_updates(params, updates), opt_state, loss
-
         start = time.perf_counter()
+        step = train_step(static, policy, optimizer)
         lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, example, self.key)
         self.compiled = lowered.compile()
         self.compile_s = time.perf_counter() - start

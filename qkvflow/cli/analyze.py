@@ -17,14 +17,16 @@ import json
 import os
 
 from qkvflow import outputs
-from qkvflow.cli import quiet_checkpoint_warnings
+from qkvflow.cli import quiet_checkpoint_warnings, usage
 from qkvflow.errors import UserError
 
 DEFAULT_OUTPUT = "runs/analysis/{analysis}"
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qkvflow analyze", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="qkvflow analyze", description=__doc__.split("\n\n")[0], epilog=usage.footer("analyze")
+    )
     sub = parser.add_subparsers(dest="analysis", required=True, metavar="{spectra,lyapunov,clusters}")
 
     def add(name: str, help: str, *, model: bool) -> argparse.ArgumentParser:

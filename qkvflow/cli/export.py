@@ -3,7 +3,8 @@
     qkvflow export --checkpoint DIR --config_path CFG [--steps M] --output OUT [--overwrite] [--solver euler] [--ode]
 
 Discretises the ODE model into M parallel blocks (`qkvflow.export.discretise`; M defaults to the config's
-ode.num_steps, where the export computes exactly the model's Euler solve) and writes OUT as a
+ode.num_steps N, where the export computes exactly the model's Euler solve; `--steps` takes an integer or,
+as `qkvflow eval` does, a multiple of N such as 2N or N/2) and writes OUT as a
 transformers folder (`qkvflow.export.hf_folder`) with the run's tokenizer. `--ode` also writes the full
 ODE model to OUT/ode (`qkvflow.export.ode`). Further `--dotted.key value` arguments override the
 config as in `qkvflow train` (e.g. `--corpus.root`). Prints a JSON summary. See docs/export.md.
@@ -11,7 +12,8 @@ config as in `qkvflow train` (e.g. `--corpus.root`). Prints a JSON summary. See 
 OUT is written into a temporary sibling and swapped in when complete (`qkvflow.outputs`); it must
 be absent, empty, or (with --overwrite) an earlier export holding only the files that export listed
 in its `qkvflow_output.json`. The current folder, its ancestors, the home folder and any folder
-holding the checkpoint or the config are never replaced.
+holding the checkpoint or the config are never replaced, and nothing is written inside the
+checkpoint's run folder (checkpoints/<run_id>, its step-N folders included).
 """
 
 import argparse
@@ -19,20 +21,27 @@ import json
 import os
 
 from qkvflow import outputs
-from qkvflow.cli import quiet_checkpoint_warnings
+from qkvflow.cli import quiet_checkpoint_warnings, usage
 from qkvflow.errors import UserError
 
 KIND = "hf_export"
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qkvflow export", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="qkvflow export", description=__doc__.split("\n\n")[0], epilog=usage.footer("export")
+    )
     parser.add_argument("--checkpoint", required=True, help="checkpoints/<run_id> or one of its step-N folders")
     parser.add_argument("--config_path", required=True, help="the run's training config (YAML)")
     parser.add_argument(
         "--output", required=True, help="folder to write (absent, empty, or an earlier export with --overwrite)"
     )
-    parser.add_argument("--steps", type=int, default=None, help="M, the number of layers (default: ode.num_steps)")
+    parser.add_argument(
+        "--steps",
+        default=None,
+        help="M, the number of layers: an integer, or relative to the trained N = ode.num_steps as eval and "
+        "generate take it (2N, N/2; default: N)",
+    )
     parser.add_argument("--solver", default="euler", help="discretisation: euler (the only one that maps to blocks)")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier `qkvflow export` in --output")
     parser.add_argument("--ode", action="store_true", help="also write the full ODE model to OUTPUT/ode")
@@ -40,9 +49,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _output_rules(args) -> dict:
-    """How --output may be replaced (qkvflow.outputs): never the checkpoint or the config it reads."""
+    """How --output may be replaced (qkvflow.outputs): never the checkpoint or the config it reads, and
+    never inside the checkpoint's run folder."""
+    from qkvflow.training.run_model import run_folder
+
     protect = [("--checkpoint", args.checkpoint), ("--config_path", args.config_path)]
-    return {"kind": KIND, "key": "--output", "overwrite": args.overwrite, "protect": protect}
+    outside = [("the run folder of --checkpoint", run_folder(args.checkpoint))]
+    return {"kind": KIND, "key": "--output", "overwrite": args.overwrite, "protect": protect, "outside": outside}
 
 
 def check_output(args) -> None:
@@ -63,15 +76,37 @@ def _train_config(path: str, overrides: list[str]):
     return config
 
 
+ONE_DEPTH = "one number of layers M: an integer >= 1 or a multiple of the trained N (e.g. 8, 2N or N/2)"
+
+
+def layers(text, trained: int) -> int:
+    """--steps as export takes it: M, an integer or a multiple of the trained N (`qkvflow eval`'s forms,
+    qkvflow.evaluation.depth.parse_steps), one value; default N."""
+    from qkvflow.evaluation.depth import parse_steps
+
+    if text is None:
+        return trained
+    if str(text).strip() == "auto":  # the choice needs validation data and options of its own: eval makes it
+        raise UserError(
+            "export: --steps auto is not taken: export writes one depth M; choose it with `qkvflow eval "
+            "--steps auto` (its marked grid N') and pass that N' as --steps"
+        )
+    if str(text).strip().lstrip("+-").isdigit() and int(text) < 1:
+        raise UserError(f"export: --steps {text} is invalid: expected an integer >= 1 (the number of layers)")
+    steps = parse_steps(text, trained, expected=ONE_DEPTH)
+    if len(steps) != 1:
+        raise UserError(f"--steps {text!r} is invalid: expected {ONE_DEPTH}")
+    return steps[0]
+
+
 def export(args, overrides: list[str]) -> dict:
     from qkvflow.export.discretise import SOLVERS, discretise
 
-    if args.steps is not None and args.steps < 1:
-        raise UserError(f"export: --steps {args.steps} is invalid: expected an integer >= 1 (the number of layers)")
     if args.solver not in SOLVERS:
         raise UserError(f"export: --solver {args.solver} is invalid: expected one of {list(SOLVERS)}")
     check_output(args)
     config = _train_config(args.config_path, overrides)
+    steps = layers(args.steps, config.model.ode.num_steps)
 
     from qkvflow.export.hf_folder import save_hf_folder
     from qkvflow.export.ode import save_ode_export
@@ -79,7 +114,6 @@ def export(args, overrides: list[str]) -> dict:
 
     quiet_checkpoint_warnings()
     model, tokenizer = load_model(config, args.checkpoint)
-    steps = args.steps or config.model.ode.num_steps
     discrete = discretise(model, steps, args.solver)
     with outputs.replacing(args.output, **_output_rules(args)) as folder:  # swapped in only when complete
         files = save_hf_folder(discrete, folder, tokenizer=tokenizer, ode_steps=config.model.ode.num_steps)

@@ -6,12 +6,13 @@ describes the config; this module is the command: parse, run, print the summary,
 
 import sys
 
+from qkvflow.cli.train import headline
 from qkvflow.training import faults
 from qkvflow.training.finetune import FinetuneConfig, finetune
 
 
-def print_summary(summary: dict) -> None:
-    print("\n== qkvflow finetune: " + ("preempted ==" if summary.get("preempted") else "done =="))
+def print_summary(summary: dict, config: FinetuneConfig) -> None:
+    print(f"\n== qkvflow finetune: {headline(summary, config)} ==")
     keys = (
         "run_id",
         "method",
@@ -39,7 +40,7 @@ def print_summary(summary: dict) -> None:
 
 def _run(config: FinetuneConfig) -> dict:
     summary = finetune(config)
-    print_summary(summary)
+    print_summary(summary, config)
     return summary
 
 

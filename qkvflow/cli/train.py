@@ -78,8 +78,25 @@ def _train(config: TrainConfig, preemption: faults.Preemption, cleanup: contextl
     return summary
 
 
-def print_summary(summary: dict) -> None:
-    print("\n== qkvflow train: " + ("preempted ==" if summary.get("preempted") else "done =="))
+def headline(summary: dict, config: TrainConfig) -> str:
+    """How the run ended, for the summary's first line: preempted; done (at `trainer.num_train_steps`, or
+    when `epochs` passes over the data end it sooner); or stopped by `stop_after` before the end, which
+    a run without it (or with a larger one) continues from the step's checkpoint."""
+    steps, total, stop_after = summary.get("steps", 0), config.trainer.num_train_steps, config.stop_after
+    if summary.get("preempted"):
+        return "preempted"
+    if steps < total and stop_after is not None and steps >= stop_after:
+        return (
+            f"stopped after step {steps} of {total} (stop_after {stop_after}); "
+            "run the same command without --stop_after (or with a larger one) to continue"
+        )
+    if steps < total:
+        return f"done: the training data ran out after step {steps} of {total} (epochs: {config.epochs})"
+    return "done"
+
+
+def print_summary(summary: dict, config: TrainConfig) -> None:
+    print(f"\n== qkvflow train: {headline(summary, config)} ==")
     for key in ("run_id", "steps", "skipped_steps", "train_loss", "train_perplexity", "eval_loss", "eval_perplexity"):
         if key in summary:
             value = summary[key]
@@ -91,7 +108,7 @@ def print_summary(summary: dict) -> None:
 
 def _run(config: TrainConfig) -> dict:
     summary = train(config)
-    print_summary(summary)
+    print_summary(summary, config)
     return summary
 
 

@@ -1,9 +1,10 @@
 """`--help` of the config-driven verbs (train, finetune, sweep, describe): one screen, not draccus's listing.
 
-Draccus lists every key of every nested config (Levanter's trainer, data, optimizer and all model types:
-about 3,500 lines for `qkvflow train`). `--help` prints the verb's own options (the top-level fields of
-its config, with their docstrings and defaults) and one line per config section; `--help-all` keeps
-draccus's full listing.
+Draccus lists every key of every nested config (Levanter's trainer, data, optimizer and every model type
+Levanter and qkvflow register: thousands of lines, growing with each model type). `--help` prints the
+verb's own options (the top-level fields of its config, with their docstrings and defaults), one line per
+config section (the model types listed from qkvflow.models.registry, so the list cannot fall behind it)
+and the verb's own documentation page (`REFERENCE`); `--help-all` keeps draccus's full listing.
 """
 
 import dataclasses
@@ -20,19 +21,49 @@ SECTIONS = {
     "compressed; not .txt), type hf with a Hugging Face dataset id, or type hf_heldout) and a cache_dir; "
     "override one key with --data.components.<name>.cache_dir DIR",
     "corpus": "build one of qkvflow's offline corpora and point `data` at it: name (pydoc, tinyshakespeare), "
-    "root, vocab_size",
+    "root, vocab_size, eval_split; other text in its tokenizer: --data.components.<name>.source.validation_urls "
+    "'[file.jsonl]'",
     "trainer": "Levanter's trainer: id, num_train_steps, train_batch_size, seed, mp, steps_per_eval, "
     "max_eval_batches, checkpointer, tracker, log_dir, mesh (axes, param_mapping, shared_mapping), distributed",
-    "model": "the model, chosen by `type` (diffeqformer_gpt2, diffeqformer_llama, shared_ode_gpt2, "
-    "shared_ode_llama, gpt2, llama): hidden_dim, num_heads, max_seq_len, time_embed_dim, ode.num_steps, "
-    "ode.solver, ...",
     "optimizer": "Levanter's AdamW: learning_rate, weight_decay, beta1, beta2, warmup, lr_schedule, min_lr_ratio",
     "pretrained": "the ODE run to start from: config_path, checkpoint, overrides",
     "lora": "Levanter's LoRA: r, alpha, dropout, target_modules",
     "export": "what to write at the end: hf_dir, peft_dir, merged",
     "sweep": "the grid of `qkvflow sweep`: depths, methods, out_dir, learning_rate (per method)",
 }
-REFERENCE = "README.md (Training, Fine-tuning), configs/README.md, docs/finetune.md"
+REFERENCE = {
+    "train": "docs/training.md",
+    "export": "docs/export.md",
+    "analyze": "docs/analysis.md",
+    "finetune": "docs/finetune.md",
+    "sweep": "docs/finetune.md",
+    "eval": "docs/evaluate.md",
+    "generate": "docs/generate.md",
+    "describe": "configs/README.md",
+    "tokenizer": "docs/own_text.md",
+}
+"""Each verb's documentation page (relative to the repository root), named at the end of its `--help`."""
+
+
+def footer(verb: str) -> str:
+    """The last line of `qkvflow <verb> --help`: the verb's page (`REFERENCE`; the front page for a verb
+    without one, which tests/test_usage.py refuses)."""
+    return f"reference: {REFERENCE.get(verb, 'README.md')}"
+
+
+def model_section() -> str:
+    """The `model` section's line: every model type that qkvflow declares (qkvflow.models.registry), those
+    with weights W(t) (`Family.ode`) first, then Levanter's own baselines, and the DiffEqFormer's main keys."""
+    from qkvflow.models import registry
+
+    ode = [f.name for f in registry.families() if f.ode]
+    discrete = [f.name for f in registry.families() if not f.ode]
+    return (
+        f"the model, chosen by `type`: with weights W(t), depth chosen when run: {', '.join(ode)}; "
+        f"qkvflow's other models: {', '.join(discrete)}; "
+        "Levanter's gpt2, llama. A DiffEqFormer: hidden_dim, num_heads, max_seq_len, time_embed_dim, "
+        "ode.num_steps, ode.solver, variant (qkvflow, or official: the authors' hypernetworks), ..."
+    )
 
 
 def wants_help(argv: list[str]) -> bool:
@@ -57,7 +88,9 @@ def short_help(
         if f.name in hide:
             continue
         doc = _docstring(config_cls, f.name, get_attribute_docstring)
-        if f.name in SECTIONS or _is_dataclass_type(hints.get(f.name)):
+        if f.name == "model":
+            sections.append((f.name, model_section()))
+        elif f.name in SECTIONS or _is_dataclass_type(hints.get(f.name)):
             sections.append((f.name, SECTIONS.get(f.name) or _first_paragraph(doc)))
         elif f.name in FLAGS and hints.get(f.name) is bool:
             options.append((f"--{f.name}", _first_paragraph(doc)))  # bare: qkvflow.cli turns it into `true`
@@ -68,7 +101,7 @@ def short_help(
     if sections:  # (`qkvflow tokenizer` has none)
         lines += ["config sections (set any key in the YAML, or override it: --trainer.num_train_steps 100):"]
         lines += _rows(sections) + [""]
-    lines += [f"every key with its default: {prog} {HELP_ALL}", f"reference: {REFERENCE}"]
+    lines += [f"every key with its default: {prog} {HELP_ALL}", footer(prog.split()[-1])]
     return "\n".join(lines)
 
 

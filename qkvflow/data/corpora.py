@@ -61,26 +61,39 @@ class PreparedCorpus:
     ) -> "LmDataConfig":
         """`base` (Levanter's `LmDataConfig`; its defaults if None) reading this corpus: one `url`
         component called `name` that evaluates on `eval_split` (`EVAL_SPLITS`), this tokenizer, and the
-        token cache inside the corpus folder.
+        token cache inside the corpus folder. The train or validation URLs that `base` sets on the
+        component `name` replace the corpus's files of that split (qkvflow.data.own_files, which also
+        refuses the `data` keys that the corpus would replace).
 
         Levanter reuses an existing cache by folder alone (a changed tokenizer only logs a warning), so
         the cache lives inside the corpus folder, which is replaced whenever the corpus is rebuilt; each
-        eval split has its own cache folder, so that one split's cache is never read as another's.
+        eval split has its own cache folder, so that one split's cache is never read as another's, and
+        own files have one named by their contents (`own_files.cache_key`).
         """
         import dataclasses
 
         from levanter.data.text import DatasetComponent, LmDataConfig, UrlDatasetSourceConfig
 
+        from qkvflow.data import own_files
+
         if eval_split not in EVAL_SPLITS:
             raise ValueError(f"eval_split={eval_split!r}: expected one of {', '.join(EVAL_SPLITS)}")
         folder = Path(self.tokenizer).parent
-        held_out = list(self.validation_urls) if eval_split == "validation" else [str(folder / f"{eval_split}.jsonl")]
-        source = UrlDatasetSourceConfig(train_urls=list(self.train_urls), validation_urls=held_out)
+        own_files.own_keys(base, name, self.tokenizer, folder)
+        splits = {s: [str(folder / f"{s}.jsonl")] for s in EVAL_SPLITS} | {"validation": list(self.validation_urls)}
+        corpus_urls = {"train_urls": [list(self.train_urls)], "validation_urls": list(splits.values())}
+        own = own_files.own_urls(base, name, corpus_urls)
+        urls = {"train_urls": list(self.train_urls), "validation_urls": splits[eval_split], **own}
+        source = UrlDatasetSourceConfig(**urls)
         cache = "levanter_cache" if eval_split == "validation" else f"levanter_cache_{eval_split}"
+        component = DatasetComponent(source=source)
+        if own:  # a component's own cache folder holds <split>/ directly (Levanter's _component_cache_dir)
+            own_cache = folder / "levanter_cache_own" / own_files.cache_key(urls)
+            component = dataclasses.replace(component, cache_dir=str(own_cache))
         return dataclasses.replace(
             base or LmDataConfig(),
             tokenizer=self.tokenizer,
-            components={name: DatasetComponent(source=source)},
+            components={name: component},
             train_weights={name: 1.0},
             cache_dir=str(folder / cache),
         )

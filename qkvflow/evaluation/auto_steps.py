@@ -17,10 +17,15 @@ The choice is made on the data it is scored on. To report losses free of that se
 one split and report on another: with a `corpus:` section, `qkvflow eval --steps auto --auto_split
 selection --corpus.eval_split test` scores the candidates on the selection half of the validation
 documents and every row of its table on the test half (`qkvflow.data.corpora.EVAL_SPLITS`).
+
+The rule on a verb's options, shared by `qkvflow eval` and `qkvflow generate`: `check_auto` (the
+--auto_* options valid with --steps auto, refused without it), `on_auto_split` (the config whose data
+the candidates are scored on) and `mark_auto` (the choice among scored rows, marked in the table).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional, Sequence
 
@@ -30,6 +35,8 @@ GRIDS = "N/4,N/2,N,2N,4N"
 """The candidates of `--steps auto` (`--auto_grids`), relative to the trained N."""
 TOLERANCE = 0.01
 """`--auto_tolerance`: nats per token above the lowest loss (issue 33's bound for 2N and 4N against N)."""
+OPTIONS = ("--auto_grids", "--auto_tolerance", "--auto_split")
+"""The options of `--steps auto` (eval's and generate's), refused without it (`check_auto`)."""
 
 
 def candidates(text: str, trained: int) -> list[int]:
@@ -70,3 +77,65 @@ def summary(rows: Sequence[dict], chosen: int, best: int, tolerance: float, spli
     if chosen == best:
         return line + " (its own)"
     return line + f" ({b['solver']} N={b['steps']}: {b['loss']:.4f}, {b['nfe']:g} evaluations)"
+
+
+def is_auto(config) -> bool:
+    return isinstance(config.steps, str) and config.steps.strip() == "auto"
+
+
+def check_auto(config) -> None:
+    """The options of --steps auto (eval's and generate's): valid with it, refused without it."""
+    given = [
+        key
+        for key, value, default in zip(
+            OPTIONS,
+            (config.auto_grids, config.auto_tolerance, config.auto_split),
+            (GRIDS, TOLERANCE, None),
+        )
+        if value != default
+    ]
+    if not is_auto(config):
+        if given:
+            raise UserError(f"{' and '.join(given)}: only with --steps auto (expected --steps auto, or no {given[0]})")
+        return
+    check_tolerance(config.auto_tolerance)
+    if config.auto_split is not None:
+        from qkvflow.data.corpora import EVAL_SPLITS
+
+        if config.corpus is None:
+            raise UserError(
+                f"--auto_split {config.auto_split}: needs a corpus: section (its selection and test halves); "
+                "with a data: section, choose on one validation set and evaluate --steps K on another"
+            )
+        if config.auto_split not in EVAL_SPLITS:
+            raise UserError(f"--auto_split {config.auto_split!r} is invalid: expected one of {', '.join(EVAL_SPLITS)}")
+
+
+def on_auto_split(config):
+    """`config` (before `with_corpus`) with its corpus evaluated on --auto_split: the data --steps auto scores."""
+    if config.auto_split is None:
+        return config
+    return dataclasses.replace(config, corpus=dataclasses.replace(config.corpus, eval_split=config.auto_split))
+
+
+def mark_auto(rows: list[dict], tolerance: float, scored: Optional[list[dict]] = None, split=None) -> dict:
+    """`--steps auto`: chooses among `scored` (the same grids scored on `split`; default: the fixed-grid
+    `rows` themselves), marks the chosen grid's row (`auto`), returns what was chosen and on what."""
+    fixed = [r for r in rows if r["tolerance"] is None]
+    candidates = fixed if scored is None else scored
+    chosen, best = choose(candidates, tolerance)
+    grid = lambda r: (r["solver"], r["steps"])  # noqa: E731
+    for r in fixed:
+        if grid(r) == grid(candidates[chosen]):
+            r["auto"] = True
+    keep = ("solver", "steps", "nfe", "loss")
+    out = {
+        "tolerance": tolerance,
+        "split": split,
+        "chosen": {k: candidates[chosen][k] for k in keep},
+        "best": {k: candidates[best][k] for k in keep},
+        "summary": summary(candidates, chosen, best, tolerance, split),
+    }
+    if scored is not None:
+        out["scores"] = [{k: r[k] for k in keep} for r in scored]
+    return out

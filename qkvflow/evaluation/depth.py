@@ -63,12 +63,13 @@ def parse_list(text, key: str, kind, expected: str) -> list:
     return values
 
 
-def parse_steps(text, trained: int, key: str = "steps") -> list[int]:
+def parse_steps(text, trained: int, key: str = "steps", expected: str | None = None) -> list[int]:
     """`--steps` (or another option `key`): integers, or multiples of the trained N written relative to it:
-    `N/4,N/2,N,2N,4N` with N = `trained` gives [N/4, N/2, N, 2N, 4N]; each must come out a whole number >= 1."""
+    `N/4,N/2,N,2N,4N` with N = `trained` gives [N/4, N/2, N, 2N, 4N]; each must come out a whole number >= 1.
+    `expected`: what a refusal says the option takes (default: eval's comma-separated grids)."""
     import re
 
-    expected = "comma-separated integers >= 1 or multiples of the trained N (e.g. N/2,N,2N,4N)"
+    expected = expected or "comma-separated integers >= 1 or multiples of the trained N (e.g. N/2,N,2N,4N)"
     steps = []
     for item in parse_list(text, key, str, expected):
         match = re.fullmatch(r"(\d+)?\s*\*?\s*N(?:\s*/\s*(\d+))?", item)

@@ -74,6 +74,11 @@ def _read_task_file(path: str) -> dict:
                 raise UserError(
                     f"--tasks {path}: dataset_kwargs.data_files {f!r} does not exist (relative to the task file)"
                 )
+            if _is_blank(full):
+                raise UserError(
+                    f"--tasks {path}: dataset_kwargs.data_files {f!r} is empty: expected the task's documents "
+                    "(for `dataset_path: json`, one JSON object per line)"
+                )
             return full
 
         if isinstance(files, dict):
@@ -84,12 +89,43 @@ def _read_task_file(path: str) -> dict:
     return spec
 
 
-def task_spec(text: str) -> list:
-    """`arc_easy,my_task.yaml` -> ["arc_easy", {task definition}]."""
+def _is_blank(path: str) -> bool:
+    """Whether the file at `path` holds nothing but white space (lm-eval then fails with a bare StopIteration)."""
+    if os.path.isdir(path):
+        return False
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
+def task_names(text: str) -> list[str]:
+    """`arc_easy, my_task.yaml` -> ["arc_easy", "my_task.yaml"]; an empty item (`--tasks ","`, `a,,b`) is
+    refused in one line."""
     items = [s.strip() for s in str(text).split(",")]
     if not items or any(not s for s in items):
-        raise UserError(f"--tasks {text!r} is invalid: expected comma-separated task names or task YAML files")
-    return [_read_task_file(s) if s.endswith((".yaml", ".yml")) else s for s in items]
+        raise UserError(
+            f"--tasks {text!r} is invalid: expected comma-separated task names or task YAML files (e.g. arc_easy,piqa)"
+        )
+    return items
+
+
+def task_spec(text: str) -> list:
+    """`arc_easy,my_task.yaml` -> ["arc_easy", {task definition}]. A task file's `output_type`, when it
+    names one, is checked here, before lm-eval loads (and downloads or builds) the task's data."""
+    spec = [_read_task_file(s) if s.endswith((".yaml", ".yml")) else s for s in task_names(text)]
+    for item in spec:
+        if isinstance(item, dict) and item.get("output_type") not in (None, *SUPPORTED):
+            _refuse_kind(item["task"], item["output_type"])
+    return spec
+
+
+def _refuse_kind(name: str, kind: str):
+    raise UserError(
+        f"--tasks: task {name!r} needs {kind}, which Levanter's harness does not run for qkvflow models "
+        f"(supported: {', '.join(SUPPORTED)}); corpus perplexity is `qkvflow eval` without --tasks"
+    )
 
 
 def _tasks(task_dict) -> list:
@@ -108,17 +144,33 @@ def preload(spec: list) -> None:
     for item in spec:
         name = item if isinstance(item, str) else item["task"]
         try:
-            loaded = tasks.get_task_dict([item], manager)
+            with _no_progress_bars():
+                loaded = tasks.get_task_dict([item], manager)
         except Exception as e:  # noqa: BLE001 (lm-eval and datasets raise many kinds)
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            if isinstance(e, StopIteration):  # what lm-eval raises on a dataset without documents
+                raise UserError(
+                    f"--tasks: task {name!r} has no documents: expected a dataset with at least one"
+                ) from None
             raise UserError(f"--tasks: task {name!r} could not be loaded ({type(e).__name__}: {first})") from None
         for task in _tasks(loaded):
-            kind = task.OUTPUT_TYPE
-            if kind not in SUPPORTED:
-                raise UserError(
-                    f"--tasks: task {name!r} needs {kind}, which Levanter's harness does not run for qkvflow models "
-                    f"(supported: {', '.join(SUPPORTED)}); corpus perplexity is `qkvflow eval` without --tasks"
-                )
+            if task.OUTPUT_TYPE not in SUPPORTED:
+                _refuse_kind(name, task.OUTPUT_TYPE)
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    """Hugging Face datasets' progress bars off while the tasks are checked: the terminal shows the verb's
+    own output and its one-line refusals, not the building of a dataset that may then be refused."""
+    from datasets.utils import logging as datasets_logging
+
+    was = datasets_logging.is_progress_bar_enabled()
+    datasets_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            datasets_logging.enable_progress_bar()
 
 
 @functools.cache

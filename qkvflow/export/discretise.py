@@ -109,9 +109,10 @@ def discretise(model, steps: int, solver: str = "euler") -> ParallelLMHeadModel:
     config = discrete_config(model.config, steps, weights)
     policy = ScanCheckpointPolicy.from_bool_or_str(config.gradient_checkpointing)
     layers = Stacked(_blocks(config, weights, 1.0 / steps), config.Layers, policy)
-    transformer = ParallelTransformer(
-        config, model.token_embeddings, model.position_embeddings, layers, model.final_norm
-    )
+    final_norm = model.final_norm
+    if isinstance(final_norm, hnn.LayerNorm) and final_norm.bias is None:  # official, use_bias: false
+        final_norm = make_norm(config, final_norm.weight)  # a zero shift, so exports keep GPT-2's layout
+    transformer = ParallelTransformer(config, model.token_embeddings, model.position_embeddings, layers, final_norm)
     lm_head = None
     if model.lm_head is not None:
         lm_head = hnn.Linear(model.lm_head.rearrange((model.Vocab, config.Embed)), None, config.Embed, model.Vocab)

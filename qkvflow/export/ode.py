@@ -12,7 +12,8 @@ A folder written by `save_ode_export` holds
                 generator.weights.<w>.mlp.lin{1,2}.{weight,bias}  (or generator.shared_mlp.* when shared)
         shared: generator.constants.<w> [*axes of w], generator.time_bias.<w> [*output axes of w]
 
-so W_w(t) = offset_w + proj_w . silu(L2(silu(L1(Sinusoidal(t))))) / d_emb (`qkvflow.nn.time_dependent`;
+(the model stacks these hypernetworks, `qkvflow.models.layout`: an export stores them per weight, and
+loading stacks them again), so W_w(t) = offset_w + proj_w . silu(L2(silu(L1(Sinusoidal(t))))) / d_emb (`qkvflow.nn.time_dependent`;
 offset 1 for norm scales; with the config's time_embed_norm the silu output is first divided by its
 RMS) or, shared, W_w = constants_w with bias constants_w_bias + time_bias_w * t.
 `load_ode_export` rebuilds the `DiffEqFormerLMHeadModel`; its logits equal the original's.
@@ -21,7 +22,6 @@ RMS) or, shared, W_w = constants_w with bias constants_w_bias + time_bias_w * t.
 import json
 import os
 
-import equinox as eqx
 import haliax as hax
 import jax.random as jrandom
 import numpy as np
@@ -47,7 +47,10 @@ def save_ode_export(model, folder: str) -> list[str]:
     """Write `model` (a DiffEqFormerLMHeadModel) to `folder`; return the paths written."""
     from safetensors.numpy import save_file
 
+    from qkvflow.models.layout import per_weight_model
+
     os.makedirs(folder, exist_ok=True)
+    model = per_weight_model(model)  # version 2 stores each weight's hypernetwork under its own name
     state = {k: v for k, v in to_state_dict(model).items() if v is not None}
     leaves = {k: np.ascontiguousarray(np.asarray(v, dtype=np.float32)) for k, v in state.items()}
     axes = {key: [a.name for a in leaf.axes] for key, leaf in _named_leaves(model)}
@@ -99,5 +102,7 @@ def load_ode_export(folder: str):
             "with the qkvflow that trained it)"
         )
     config = registry.decode(meta["model"])
-    template = eqx.filter_eval_shape(config.build, Axis("vocab", meta["vocab_size"]), key=jrandom.PRNGKey(0))
-    return from_state_dict(template, load_file(os.path.join(folder, WEIGHTS_FILE)))
+    from qkvflow.models.layout import per_weight_shape, stacked_model
+
+    template = per_weight_shape(config.build, Axis("vocab", meta["vocab_size"]), key=jrandom.PRNGKey(0))
+    return stacked_model(from_state_dict(template, load_file(os.path.join(folder, WEIGHTS_FILE))))

@@ -42,7 +42,7 @@ class Schedule(NamedTuple):
 
     h: float
     stages: tuple[tuple[Stage, ...], ...]
-    """stages[n][i]: step n, stage i."""
+    """`stages[n][i]`: step n, stage i."""
     b: tuple[float, ...]
 
     @property

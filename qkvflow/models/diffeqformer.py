@@ -29,6 +29,7 @@ from typing import ClassVar, Optional, Type
 import equinox as eqx
 import haliax as hax
 import haliax.nn as hnn
+import jax
 import jax.numpy as jnp
 import jax.random as jrandom
 from haliax import Axis, NamedArray
@@ -42,9 +43,11 @@ from qkvflow.integrate.config import OdeConfig
 from qkvflow.integrate.solve import OdeStats, integrate
 from qkvflow.integrate.weight_source import WeightSource
 from qkvflow.models.depth_dial import DepthDialConfig
+from qkvflow.models.fields.dropout import dropout, time_key
 from qkvflow.models.flavour import GPT2, LLAMA, Flavour
 from qkvflow.models.generator import HyperGenerator, SharedGenerator
 from qkvflow.models.official import OfficialGenerator
+from qkvflow.models.official import final_norm as official_final_norm
 from qkvflow.models.registry import register
 from qkvflow.nn.random import normal
 
@@ -104,13 +107,20 @@ class DiffEqFormerConfig(LmConfig):
     k = 1..N (depth-adaptive exits in continuous depth, `qkvflow.models.related.ode_exits`); fixed grids only.
     "none": the loss at t = 1 alone."""
 
+    embed_pdrop: float = 0.0
+    """Dropout on x(0), the embedded tokens (+ positions), in training steps only (Levanter GPT-2's name)."""
+    resid_pdrop: float = 0.0
+    """Dropout on each branch of the field, dx/dt = D_a(t) Attn + D_m(t) FFN, masks drawn per solver time
+    t, in training steps only (qkvflow.models.fields.dropout); fixed-step solvers only."""
+
     initializer_range: float = 0.02
     matrix_init: str = "normal"
     """"normal": generated matrices start with std initializer_range; "fan_in": 1/sqrt(fan_in), as
     the Linear layers of Levanter's GPT-2 and Llama baselines."""
     layer_norm_epsilon: float = 1e-5
     use_bias: Optional[bool] = None
-    """None: True for GPT-2, False for Llama."""
+    """None: True for GPT-2, False for Llama. False with variant official also drops the norms' shifts and
+    the final norm's bias, as the authors' code does (qkvflow.models.official)."""
     activation_function: ActivationFunctionEnum = ActivationFunctionEnum.gelu_new
     tie_word_embeddings: Optional[bool] = None
     """None: True for GPT-2, False for Llama."""
@@ -159,9 +169,32 @@ class DiffEqFormerConfig(LmConfig):
                 True,
                 f"false with ode.solver={self.ode.solver!r}: the random Euler scheme is Euler's",
             )
+        self._check_dropout()
         _check(self.matrix_init in ("normal", "fan_in"), "matrix_init", self.matrix_init, "'normal' or 'fan_in'")
         _check(self.initializer_range > 0, "initializer_range", self.initializer_range, "a positive float")
         self._check_variant()
+
+    def _check_dropout(self):
+        for name in ("embed_pdrop", "resid_pdrop"):
+            p = getattr(self, name)
+            _check(0 <= p < 1, name, p, "a probability in [0, 1)")
+            if p > 0:
+                why = "dropout is applied on the plain training loss"
+                _check(not self.dial.active and self.exits == "none", name, p, f"0 with dial recipes or exits ({why})")
+        _check(
+            self.resid_pdrop == 0 or not self.ode.is_adaptive,
+            "resid_pdrop",
+            self.resid_pdrop,
+            f"0 with the adaptive solver ode.solver={self.ode.solver!r} (fresh masks at every time defeat "
+            "step-size control; use a fixed-step solver)",
+        )
+        _check(
+            self.resid_pdrop == 0 or self.ode.adjoint != "backsolve",
+            "resid_pdrop",
+            self.resid_pdrop,
+            "0 with ode.adjoint: backsolve (its backward solve meets other times, so other masks, than the "
+            "forward one; use recursive_checkpoint)",
+        )
 
     def _check_variant(self):
         _check(self.variant in ("qkvflow", "official"), "variant", self.variant, "'qkvflow' or 'official'")
@@ -256,10 +289,13 @@ class RawField(eqx.Module):
     axes: tuple = eqx.field(static=True)
     dtype: Optional[jnp.dtype] = eqx.field(static=True)
 
+    key: Optional[jax.Array] = None  # residual dropout's key (a training step); masks per t (fields.dropout)
+
     def __call__(self, t, y, args):
         source, mask, pos = args
         x = hax.named(y.astype(self.dtype or y.dtype), self.axes)
-        dx = self.field.vector_field(source(t), x, config=self.config, mask=mask, pos_ids=pos)
+        key = time_key(self.key, t)
+        dx = self.field.vector_field(source(t), x, config=self.config, mask=mask, pos_ids=pos, key=key)
         return dx.rearrange(self.axes).array.astype(y.dtype)
 
 
@@ -300,9 +336,9 @@ class DiffEqFormerLMHeadModel(LmHeadModel[DiffEqFormerConfig]):
         if flavour.learned_positions:
             positions = hnn.Embedding.init(config.max_Pos, Embed, key=k_pos, initializer_range=std / 2)
         specs = flavour.field.weight_specs(config)
-        make = OfficialGenerator if config.variant == "official" else GENERATORS[config.generator]
-        generator = make.init(specs, config, key=k_gen)
-        final_norm = flavour.init_norm(Embed, config.layer_norm_epsilon)
+        official = config.variant == "official"
+        generator = (OfficialGenerator if official else GENERATORS[config.generator]).init(specs, config, key=k_gen)
+        final_norm = official_final_norm(config) if official else flavour.init_norm(Embed, config.layer_norm_epsilon)
         lm_head = None if config.tied_embeddings else normal(k_head, (Embed, Vocab)) * std
         return cls(config, Vocab, tokens, positions, generator, final_norm, lm_head)
 
@@ -321,6 +357,7 @@ class DiffEqFormerLMHeadModel(LmHeadModel[DiffEqFormerConfig]):
         *,
         pos_ids: Optional[NamedArray] = None,
         ts=None,
+        key=None,
     ) -> tuple[NamedArray, Optional[jnp.ndarray], OdeStats]:
         """x(1) before the final norm, the kinetic energy (None when off) and solver statistics.
 
@@ -328,32 +365,36 @@ class DiffEqFormerLMHeadModel(LmHeadModel[DiffEqFormerConfig]):
         (0, 1], the last 1) the states x(t) at those times instead, on a leading `exit` axis
         (`qkvflow.models.related.ode_exits`). The solver holds the state in float32 (see `raw_field`);
         what it returns is in the embedding's dtype, as a discrete transformer's residual stream is.
+        A `key` (a training step) turns on `embed_pdrop` and `resid_pdrop` (qkvflow.models.fields.dropout).
         """
         config = self._config
         if attn_mask is None:
             attn_mask = AttentionMask.causal()
         if pos_ids is None:
             pos_ids = hax.arange(input_ids.resolve_axis(self.Pos.name), dtype=jnp.int32)
-        x0 = self.embed(input_ids, pos_ids)
+        k_embed, k_field = (None, None) if key is None else jrandom.split(key)
+        x0 = dropout(self.embed(input_ids, pos_ids), config.embed_pdrop, k_embed)
+        field = self.raw_field(x0.axes, x0.dtype, key=k_field if config.resid_pdrop > 0 else None)
         axes = x0.axes
         source = WeightSource.build(self.generator, config.ode)
         tokens = x0.size // config.hidden_dim if config.kinetic_weight > 0 else None
         args = (source, attn_mask, pos_ids)
         if ts is None:
-            y1, energy, stats = integrate(self.raw_field(axes, x0.dtype), x0.array, args, config.ode, tokens=tokens)
+            y1, energy, stats = integrate(field, x0.array, args, config.ode, tokens=tokens)
             return hax.named(y1.astype(x0.dtype), axes), energy, stats
-        ys, energy, stats = integrate(self.raw_field(axes, x0.dtype), x0.array, args, config.ode, tokens=tokens, ts=ts)
+        ys, energy, stats = integrate(field, x0.array, args, config.ode, tokens=tokens, ts=ts)
         return hax.named(ys.astype(x0.dtype), (Axis("exit", ys.shape[0]), *axes)), energy, stats
 
-    def raw_field(self, axes, dtype=None) -> "RawField":
+    def raw_field(self, axes, dtype=None, key=None) -> "RawField":
         """The vector field on raw arrays laid out as `axes`, as diffrax calls it:
         `f(t, y, (weight_source, mask, pos_ids)) -> dy/dt`, computed in `dtype` (None: y's).
 
         Pass the embedding's dtype: diffrax holds the state in the promotion of y0's and the time's
         dtypes (`diffeqsolve` casts y0 to it), so under a bfloat16 compute policy y arrives in float32.
         The field casts it down on entry, so that its products run in the compute dtype, as a
-        discrete transformer's layers do, while the solver accumulates the state in float32."""
-        return RawField(self.field, self._config, tuple(axes), dtype)
+        discrete transformer's layers do, while the solver accumulates the state in float32.
+        `key`: residual dropout's (a training step; None evaluates without dropout)."""
+        return RawField(self.field, self._config, tuple(axes), dtype, key)
 
     def activations(
         self,
@@ -363,7 +404,7 @@ class DiffEqFormerLMHeadModel(LmHeadModel[DiffEqFormerConfig]):
         key=None,
         pos_ids: Optional[NamedArray] = None,
     ):
-        x, _, _ = self.flow(input_ids, attn_mask, pos_ids=pos_ids)
+        x, _, _ = self.flow(input_ids, attn_mask, pos_ids=pos_ids, key=key)
         return self.final_norm(x)
 
     def get_lm_head(self) -> NamedArray:

@@ -11,6 +11,16 @@ L2 and no 1/d_emb, and from it
     norm module (attn_ln, mlp_ln):
         scale(t) = e S + 1,  shift(t) = e H      (S, H: d_emb x embed, both start at 0)
 
+With `use_bias: false` the official code drops B (`TemporalLinear`, dynamic.py lines 76-81), the norms'
+shift H (`TemporalLayerNorm`, lines 160-163, given `use_bias` by `Block.init`, lines 383-399) and the
+final LayerNorm's bias (`ln_f`, lines 526-528), and keeps P0 (`f_W` always has its bias, lines 69-74)
+and the norms' scale S. This generator and `final_norm` below do the same; the GPT-2 field then
+normalises without a shift. (qkvflow's own variant keeps the norm shifts whatever `use_bias` says.)
+
+The sinusoids' maximum period is the config's `time_max_period` (P in w_i = exp(-ln(P) i / F)). The
+official code always uses its default, 1e4 (`SinusoidalPosEmb.__call__`, time_embed.py line 18, called
+without it at dynamic.py line 540), which is also the config's default.
+
 Everything else is qkvflow's: the sinusoidal features are the same [t, sin(1000 w t), cos(1000 w t)],
 the GPT-2 field is the same parallel pre-norm block, and the official Euler loop's weights at
 t_k = (k + 1) / N are the generator's `time_grid = "right"` (qkvflow.integrate.weight_source).
@@ -62,19 +72,24 @@ class OfficialModule(eqx.Module):
         return out | ({} if b is None else {f"{name}_bias": b[Qkv, i] for i, name in enumerate(self.names)})
 
 
-def _module(names, specs, TimeFeature, d: int, *, key) -> OfficialModule:
+def _module(names, specs, TimeFeature, d: int, norm_shift: bool, *, key) -> OfficialModule:
     k_mlp, k_proj = jrandom.split(key)
     mlp = TimeMLP.init(TimeFeature, d, key=k_mlp)
     Embed = Axis(TimeEmbed, d)
     spec = specs[names[0]]
     has_bias = f"{names[0]}_bias" in specs
     if spec.kind == "norm":
-        bias = hax.zeros((Embed, *spec.out_axes)) if has_bias else None
+        bias = hax.zeros((Embed, *spec.out_axes)) if has_bias and norm_shift else None
         return OfficialModule(names, "norm", mlp, hax.zeros((Embed, *spec.out_axes)), bias)
     out = spec.out_axes if len(names) == 1 else (Qkv, *spec.out_axes)
     weight = hnn.Linear.init(Embed, (*spec.in_axes, *out), key=k_proj, use_bias=True, out_first=False)
     bias = normal(k_proj, (Embed, *out)) * 1e-4 if has_bias else None  # the official key reuse
     return OfficialModule(names, "matrix", mlp, weight, bias)
+
+
+def final_norm(config) -> hnn.LayerNorm:
+    """The official `ln_f`: a LayerNorm whose bias exists only with `use_bias` (dynamic.py lines 526-528)."""
+    return hnn.LayerNorm.init(config.Embed, eps=config.layer_norm_epsilon, use_bias=config.bias)
 
 
 class OfficialGenerator(eqx.Module):
@@ -86,12 +101,14 @@ class OfficialGenerator(eqx.Module):
 
     @staticmethod
     def init(specs: dict, config, *, key) -> "OfficialGenerator":
-        embedding = SinusoidalTimeEmbedding.init(config.num_frequencies, config.time_scale)
+        embedding = SinusoidalTimeEmbedding.init(config.num_frequencies, config.time_scale, config.time_max_period)
         groups = [QKV] if set(QKV) <= specs.keys() else []
         groups += [(n,) for n, s in specs.items() if s.kind in ("matrix", "norm") and n not in QKV]
         keys = jrandom.split(key, len(groups))
         modules = {
-            "_".join(g) if len(g) > 1 else g[0]: _module(g, specs, embedding.TimeFeature, config.time_embed_dim, key=k)
+            "_".join(g) if len(g) > 1 else g[0]: _module(
+                g, specs, embedding.TimeFeature, config.time_embed_dim, config.bias, key=k
+            )
             for g, k in zip(groups, keys)
         }
         return OfficialGenerator(embedding, modules, config.resolved_time_grid)

@@ -47,7 +47,7 @@ def fastest(platform: str, dtype, head_size: int | None = None) -> str:
     takes (a multiple of 8, at most 128), else jax's XLA reference (not yet measured on an accelerator);
     TPU: Levanter's splash attention (its default there); CPU: Levanter's default there, its blockwise
     jax_flash, which none of the others beat measurably on the 2-core CPU (`benchmarks/attention_cpu.py`,
-    README Benchmarks)."""
+    docs/benchmarks.md)."""
     if platform == "gpu":
         fits = head_size is None or (head_size % 8 == 0 and head_size <= 128)
         return "cudnn" if jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and fits else "xla"

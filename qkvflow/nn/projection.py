@@ -52,3 +52,16 @@ def _backward(residuals, g):
 
 
 _project.defvjp(_forward, _backward)
+
+
+def project_stacked(e: NamedArray, proj: NamedArray, axis: str, stack: str) -> NamedArray:
+    """`project` for a stack of projections at once: W[s, ..., p] = sum_d e[s, ..., d] P[s, d, p].
+
+    `proj` is (stack, axis, *target) and `e` carries `stack` and `axis`. One batched product (and one per
+    gradient, both in P's layout as above) replaces one product per member of the stack."""
+    if proj.axes[0].name != stack or proj.axes[1].name != axis:
+        raise ValueError(f"project_stacked: expected ({stack!r}, {axis!r}, ...) as proj's axes, got {proj.axes}")
+    e = e.rearrange((stack, ..., axis))
+    batch, target = e.axes[1:-1], proj.axes[2:]
+    out = jax.vmap(_project)(e.array.astype(proj.dtype), proj.array)
+    return NamedArray(out, (proj.axes[0], *batch, *target))

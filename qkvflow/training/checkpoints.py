@@ -18,6 +18,7 @@ import numpy as np
 from haliax import Axis
 
 from qkvflow.errors import UserError
+from qkvflow.models import layout
 from qkvflow.training.config import TrainConfig
 
 
@@ -46,6 +47,19 @@ def newest_step(checkpoint: str, name: str = "checkpoint") -> str:
     return path
 
 
+def _holds_per_weight_layout(shape, path: str) -> bool:
+    """Whether the checkpoint `path` holds a DiffEqFormer's hypernetworks per weight (the layout before
+    stacking, `qkvflow.models.layout`) where the model `shape` stacks them."""
+    if not layout.is_stacked(shape):
+        return False
+    from qkvflow.training.checkpoint_arrays import array_shapes
+
+    try:
+        return layout.holds_per_weight(array_shapes(path))
+    except Exception:  # noqa: BLE001  (unreadable metadata: Levanter's restore below names the problem)
+        return False
+
+
 def loaded(path: str) -> None:
     """Say which step folder a verb loaded (stderr: stdout is the verb's own output)."""
     print(f"loaded checkpoint {path}", file=sys.stderr, flush=True)
@@ -55,6 +69,9 @@ def load_model(config: TrainConfig, checkpoint: str, *, vocab_size: int | None =
     """(model, tokenizer) of a `qkvflow train` checkpoint of `config`'s run (`newest_step(checkpoint)`):
     only the `model` subtree of the trainer state, in the shape that the run's config builds, on the local
     devices.
+
+    A DiffEqFormer checkpoint written before the hypernetworks were stacked is read in its own layout
+    and converted (`qkvflow.models.layout`); the model is the same.
 
     The tokenizer is the Hugging Face one (Levanter loads a `MarinTokenizer`; exports and prompts need
     the transformers API). The vocabulary size comes from it unless `vocab_size` is given.
@@ -68,13 +85,24 @@ def load_model(config: TrainConfig, checkpoint: str, *, vocab_size: int | None =
     path = newest_step(checkpoint)
     Vocab = Axis("vocab", vocab_size or len(tokenizer))
     shape = eqx.filter_eval_shape(config.model.build, Vocab, key=jrandom.PRNGKey(0))
+    previous = _holds_per_weight_layout(shape, path)
+    if previous:  # written before the hypernetworks were stacked: read that layout, then stack it
+        shape = layout.per_weight_shape(config.model.build, Vocab, key=jrandom.PRNGKey(0))
     # Levanter's restore places every array on a mesh (it needs one active); unmapped axes: replicated.
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
     try:
         with jax.set_mesh(mesh):
             model = levanter.checkpoint.load_checkpoint(shape, path, subpath="model", mesh=mesh)
+            if previous:
+                model = layout.stacked_model(model)
     except (KeyError, ValueError, FileNotFoundError) as e:
         absent = missing_arrays(path, e)
+        other = absent and other_variant(config.model, path, Vocab)
+        if other:  # the run's model with the other `variant`: name the config key (issue 56)
+            raise UserError(
+                f"checkpoint {path!r} holds a model of model.variant={other!r} but the config has "
+                f"model.variant={config.model.variant!r}: pass --model.variant {other} (the run's variant)"
+            ) from None
         if absent:  # most likely another model: name it rather than suggest resume options
             raise UserError(
                 f"checkpoint {path!r} does not hold a {type(config.model).__name__} model as the config describes: "
@@ -90,6 +118,34 @@ def load_model(config: TrainConfig, checkpoint: str, *, vocab_size: int | None =
     if announce:
         loaded(path)
     return model, tokenizer
+
+
+def other_variant(model_config, checkpoint: str, Vocab: Axis) -> str | None:
+    """The other `model.variant` (qkvflow or official) whose arrays `checkpoint` holds, all of them, when
+    `model_config` names one and its own arrays are missing; None otherwise (read from array names alone)."""
+    import dataclasses
+
+    from levanter.utils.jax_utils import leaf_key_paths
+
+    from qkvflow.training.checkpoint_arrays import array_shapes
+
+    variant = getattr(model_config, "variant", None)
+    if variant is None:
+        return None
+    stored = {name.removeprefix("model/").replace("/", ".") for name in array_shapes(checkpoint)}
+    for other in ("qkvflow", "official"):
+        if other == variant:
+            continue
+        try:
+            shape = eqx.filter_eval_shape(
+                dataclasses.replace(model_config, variant=other).build, Vocab, key=jrandom.PRNGKey(0)
+            )
+        except Exception:  # noqa: BLE001 (a config the other variant refuses, e.g. a Llama flavour)
+            continue
+        names = {p for p in jax.tree_util.tree_leaves(leaf_key_paths(shape)) if isinstance(p, str)}
+        if names and names <= stored:
+            return other
+    return None
 
 
 SHOWN = 3

@@ -34,253 +34,55 @@ import json
 import logging
 import math
 import os
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Optional
 
 import equinox as eqx
 import haliax
-import haliax.partitioning
 import jax
-import jax.random as jrandom
 import levanter
-import levanter.checkpoint
 import levanter.tracker
-from haliax import Axis
-from levanter.adaptor.lora import LoraConfig, lora_trainable_params_filter, loraize, merge_lora_modules
-from levanter.models.lm_model import LmConfig
 
 from qkvflow import outputs
 from qkvflow.errors import UserError
 from qkvflow.plotting import plot_loss_curve
 from qkvflow.training import faults, loop, preflight
-from qkvflow.training.config import TrainConfig
+from qkvflow.training.finetune_config import (  # the config and its checks; also what `qkvflow sweep` imports here
+    METHODS,
+    SOLVERS,
+    ExportConfig,
+    FinetuneConfig,
+    PretrainedSource,
+    SweepSettings,
+    check_pretrained_checkpoint,
+    check_values,
+    is_finetune_config,
+    is_ode_config,
+    load_pretrained_config,
+    pretrained_depth,
+)
 from qkvflow.training.loss import lm_loss
+from qkvflow.training.run_model import add_lora, frozen_base, load_base, lora_modules, merged_model
 from qkvflow.training.tracking import metrics_file
+
+__all__ = [
+    "METHODS",
+    "SOLVERS",
+    "ExportConfig",
+    "FinetuneConfig",
+    "PretrainedSource",
+    "SweepSettings",
+    "check_exports",
+    "check_pretrained_checkpoint",
+    "check_values",
+    "finetune",
+    "is_finetune_config",
+    "load_pretrained_config",
+    "read_summary",
+]
 
 logger = logging.getLogger("qkvflow.finetune")
 
-METHODS = ("lora", "full")
-SOLVERS = ("euler",)
 SUMMARY_FILE = "finetune_summary.json"
-
-
-@dataclass(frozen=True)
-class PretrainedSource:
-    """The ODE run to start from: its `qkvflow train` config (only `model` is read) and checkpoint
-    (a run folder, whose newest `step-N` is used, or a `step-N` folder)."""
-
-    config_path: Optional[str] = None
-    checkpoint: Optional[str] = None
-    overrides: List[str] = field(default_factory=list)
-    """`--dotted.key value` arguments applied to that config, as the pretraining run was started with
-    them (e.g. ["--model.ode.num_steps", "18"]); only keys of `model` matter."""
-
-
-@dataclass(frozen=True)
-class ExportConfig:
-    hf_dir: Optional[str] = None
-    """Write a Hugging Face model to `<hf_dir>/<run_id>`: the fine-tuned model with LoRA merged in
-    (`merged: true`) or the discretised base before fine-tuning (`merged: false`, what a PEFT adapter
-    is applied to). `finetune: full` always writes the fine-tuned model (there is no adapter)."""
-    peft_dir: Optional[str] = None
-    """Write the LoRA adapter in PEFT format to `<peft_dir>/<run_id>` (`finetune: lora`; ignored for full)."""
-    merged: bool = True
-
-
-@dataclass(frozen=True)
-class SweepSettings:
-    """`qkvflow sweep`: the grid of depths x methods and where its table and figure go."""
-
-    depths: List[int] = field(default_factory=lambda: [9, 12, 18, 24])
-    methods: List[str] = field(default_factory=lambda: ["lora", "full"])
-    out_dir: Optional[str] = None
-    """Default: sweeps/<trainer.id>."""
-    learning_rate: Dict[str, float] = field(default_factory=dict)
-    """Per-method learning rates, e.g. {lora: 1e-3, full: 1e-4}; a method not listed uses optimizer.learning_rate."""
-
-
-@dataclass
-class FinetuneConfig(TrainConfig):
-    model: Optional[LmConfig] = None
-    """Not used: the model is the pretrained one, discretised (leave unset)."""
-    pretrained: PretrainedSource = field(default_factory=PretrainedSource)
-    steps: int = 12
-    """M: the number of layers of the discretised model (any M >= 1, also unlike the N it was trained with)."""
-    solver: str = "euler"
-    finetune: str = "lora"
-    """`lora` (only LoRA adapters train) or `full` (every parameter trains)."""
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    lora_seed: int = 0
-    """Seed of the adapters' initialisation (independent of trainer.seed, so a resume rebuilds them alike)."""
-    eval_before: bool = True
-    """Evaluate the discretised model once before fine-tuning (`initial_eval_loss`): how well the ODE
-    model survives discretisation at M, and the baseline the fine-tuning improves on."""
-    export: ExportConfig = field(default_factory=ExportConfig)
-    sweep: SweepSettings = field(default_factory=SweepSettings)
-
-
-# --- discretisation ----------------------------------------------------------------------------------
-
-
-def discretise_model(model, steps: int, solver: str):
-    """The ODE model as an M-layer parallel-block transformer (qkvflow.export.discretise)."""
-    from qkvflow.export.discretise import discretise
-
-    return discretise(model, steps, solver=solver)
-
-
-# --- checks -------------------------------------------------------------------------------------------
-
-
-def _is_ode_config(model_config) -> bool:
-    from qkvflow.models import registry
-
-    return registry.is_ode(model_config)
-
-
-def check_values(config: FinetuneConfig) -> None:
-    if config.model is not None:
-        raise UserError(
-            "model is invalid here: the model comes from pretrained.config_path (remove the `model` section)"
-        )
-    if isinstance(config.steps, bool) or not isinstance(config.steps, int) or config.steps < 1:
-        raise UserError(f"steps={config.steps!r} is invalid: expected an integer >= 1 (the number of layers M)")
-    if config.solver not in SOLVERS:
-        raise UserError(f"solver={config.solver!r} is invalid: expected one of {', '.join(SOLVERS)}")
-    if config.finetune not in METHODS:
-        raise UserError(f"finetune={config.finetune!r} is invalid: expected one of {', '.join(METHODS)}")
-    lora = config.lora
-    if config.finetune == "lora":
-        if isinstance(lora.r, bool) or not isinstance(lora.r, int) or lora.r < 1:
-            raise UserError(f"lora.r={lora.r!r} is invalid: expected an integer >= 1")
-        if not 0 <= lora.dropout < 1:
-            raise UserError(f"lora.dropout={lora.dropout!r} is invalid: expected a float in [0, 1)")
-    p = config.pretrained
-    if not p.config_path:
-        raise UserError("pretrained.config_path is missing: expected the `qkvflow train` config of the ODE run")
-    if not os.path.isfile(p.config_path):
-        raise UserError(f"pretrained.config_path={p.config_path!r}: file does not exist")
-    if not p.checkpoint:
-        raise UserError(
-            "pretrained.checkpoint is missing: expected the ODE run's checkpoint folder (checkpoints/<run_id>)"
-        )
-    if levanter.checkpoint.discover_latest_checkpoint(p.checkpoint) is None:
-        raise UserError(
-            f"pretrained.checkpoint={p.checkpoint!r}: no checkpoint found (expected checkpoints/<run_id>[/step-N])"
-        )
-
-
-def load_pretrained_config(config: FinetuneConfig) -> TrainConfig:
-    """The pretraining run's config; only its `model` is used. A DiffEqFormer is discretised at
-    `steps`; any other model (a baseline) is fine-tuned as it is, at its own depth."""
-    import draccus
-
-    import qkvflow.models  # noqa: F401  (declares every model family, so parallel_* configs parse and are refused)
-    from qkvflow.configfile import _user_cause, parse
-
-    path = config.pretrained.config_path
-    preflight.check_config_file(path)
-    try:
-        pretrained = parse(TrainConfig, ["--config_path", path, *config.pretrained.overrides], "train")
-    except (draccus.utils.DecodingError, draccus.utils.ParsingError) as e:
-        cause = _user_cause(e) or e.__cause__ or e
-        raise UserError(f"pretrained.config_path={path!r}: {cause}") from None
-    if not _is_ode_config(pretrained.model):
-        layers = getattr(pretrained.model, "num_layers", None)
-        if layers != config.steps:
-            raise UserError(
-                f"steps={config.steps} is invalid for pretrained.config_path={path!r}: its "
-                f"{type(pretrained.model).__name__} has num_layers={layers} and a discrete model is fine-tuned at "
-                f"its own depth (set steps: {layers}; only a DiffEqFormer is discretised at another M)"
-            )
-        if config.export.hf_dir is not None or config.export.peft_dir is not None:
-            raise UserError(
-                f"export is not supported for the {type(pretrained.model).__name__} of pretrained.config_path={path!r}: "
-                "qkvflow exports discretised DiffEqFormers; remove export.hf_dir and export.peft_dir"
-            )
-    return pretrained
-
-
-def pretrained_depth(model_config) -> int:
-    """N: the ODE's number of solver steps, or a discrete model's number of layers."""
-    return model_config.ode.num_steps if _is_ode_config(model_config) else model_config.num_layers
-
-
-def check_pretrained_checkpoint(config: FinetuneConfig, pretrained: TrainConfig) -> None:
-    """The checkpoint must hold the kind of model the config names: for a DiffEqFormer a generator of
-    W(t), not e.g. a GPT-2 baseline's model, and for a baseline no generator; read from its array
-    layout, before any device work (a baseline's remaining mismatches are named when it loads)."""
-    from qkvflow.training.checkpoint_arrays import array_shapes
-
-    latest = levanter.checkpoint.discover_latest_checkpoint(config.pretrained.checkpoint)
-    arrays = [name.split("/") for name in array_shapes(str(latest)) if name.startswith("model/")]
-    found = sorted({parts[1] for parts in arrays if len(parts) > 1})
-    if not _is_ode_config(pretrained.model):
-        if "generator" in found:
-            raise UserError(
-                f"pretrained.checkpoint={config.pretrained.checkpoint!r} holds a DiffEqFormer model but "
-                f"pretrained.config_path={config.pretrained.config_path!r} describes a "
-                f"{type(pretrained.model).__name__}: expected the config of the run that wrote the checkpoint"
-            )
-        return
-    if "generator" not in found or _checkpoint_vocab(config.pretrained.checkpoint) is None:
-        raise UserError(
-            f"pretrained.checkpoint={config.pretrained.checkpoint!r} does not hold a DiffEqFormer model "
-            f"(its model has {', '.join(found) or 'no arrays'}; expected generator, token_embeddings, ...): "
-            f"expected a checkpoint of the ODE run of pretrained.config_path={config.pretrained.config_path!r}, "
-            "not of a discrete baseline"
-        )
-
-
-def _checkpoint_vocab(checkpoint: str) -> Optional[int]:
-    """The vocabulary size the ODE checkpoint was trained with (its token embedding's rows)."""
-    from qkvflow.training.checkpoint_arrays import array_shapes
-
-    latest = levanter.checkpoint.discover_latest_checkpoint(checkpoint)
-    shape = array_shapes(str(latest)).get("model/token_embeddings/weight")
-    return None if shape is None else int(shape[0])
-
-
-def load_base(config: FinetuneConfig, pretrained: TrainConfig, tokenizer, Vocab: Axis, announce: bool = True):
-    """The model to fine-tune: the ODE checkpoint discretised at `steps`, or a discrete baseline's
-    checkpoint as it is. `announce`: say which step of the pretrained run was loaded (fine-tuning does;
-    loading a fine-tuned run says only which of its own steps it loaded)."""
-    from qkvflow.training.checkpoints import load_model
-
-    stored = _checkpoint_vocab(config.pretrained.checkpoint)
-    if stored is not None and stored < len(tokenizer):
-        raise UserError(
-            f"pretrained.checkpoint={config.pretrained.checkpoint!r} has a vocabulary of {stored} tokens but the "
-            f"fine-tuning tokenizer has {len(tokenizer)}: fine-tune with the tokenizer of the pretraining run"
-        )
-    vocab = stored or Vocab.size
-    # only the model section of the pretraining config matters; the data is this run's (its tokenizer)
-    source = dataclasses.replace(pretrained, corpus=None, data=config.data)
-    try:
-        model, _ = load_model(source, config.pretrained.checkpoint, vocab_size=vocab, announce=announce)
-    except UserError as e:
-        raise UserError(f"pretrained.checkpoint: {e}") from None
-    if not _is_ode_config(pretrained.model):
-        return model
-    return discretise_model(model, config.steps, config.solver)
-
-
-def is_finetune_config(path: Optional[str]) -> bool:
-    """Whether the YAML file at `path` is a `qkvflow finetune` config (it has a `pretrained:` section):
-    how `qkvflow generate` and `qkvflow eval` tell a fine-tuning run from a training run. An unreadable
-    file is not one (the config parser then names the problem)."""
-    import yaml
-
-    from qkvflow.configfile import _readable_config
-
-    if path is None:
-        return False
-    try:
-        with open(_readable_config(path)) as f:
-            loaded = yaml.safe_load(f)
-    except (OSError, ValueError, yaml.YAMLError):
-        return False
-    return isinstance(loaded, dict) and "pretrained" in loaded
 
 
 # --- the run ------------------------------------------------------------------------------------------
@@ -329,29 +131,6 @@ def _write_summary(trainer_config, run_id: str, summary: dict) -> None:
         json.dump(record, f, indent=1)
 
 
-def add_lora(model, lora: LoraConfig, seed: int = 0):
-    """Levanter's `loraize`, such that the adapted model starts out computing exactly the discretised
-    model: with `a_init_mode: zero` (Levanter's default) A = 0 and B is random; with `random`, B is
-    set to 0 as in the LoRA paper and PEFT."""
-    from levanter.adaptor.lora import LowRankLinear
-
-    if lora.a_init_mode == "zero":
-        return loraize(model, lora, key=jrandom.PRNGKey(seed))
-
-    def zero_b(node):
-        if isinstance(node, LowRankLinear):
-            return eqx.tree_at(lambda n: n.lora_B.weight, node, node.lora_B.weight * 0)
-        return node
-
-    model = loraize(model, lora, key=jrandom.PRNGKey(seed))
-    return jax.tree_util.tree_map(zero_b, model, is_leaf=lambda n: isinstance(n, LowRankLinear))
-
-
-def frozen_base(model):
-    """A filter that freezes everything except LoRA adapters, or None for full fine-tuning."""
-    return lora_trainable_params_filter(model)
-
-
 def finetune(config: FinetuneConfig) -> dict:
     """Fine-tune; return a summary (losses, parameter counts, outputs). `summary["model"]` is the
     final model in memory (with LoRA modules under `finetune: lora`)."""
@@ -374,7 +153,7 @@ def _finetune(config: FinetuneConfig, preemption: faults.Preemption, cleanup: co
         if config.finetune != "lora":
             return (base, base, True), base.config.max_Pos
         model = haliax.named_jit(lambda m: add_lora(m, config.lora, config.lora_seed))(base)
-        if not any(isinstance(x, eqx.Module) and type(x).__name__ == "LoraLinear" for x in _modules(model)):
+        if not any(isinstance(x, eqx.Module) and type(x).__name__ == "LoraLinear" for x in lora_modules(model)):
             raise UserError(
                 f"lora.target_modules={config.lora.target_modules!r} matches no linear projection of the "
                 "model to fine-tune"
@@ -397,7 +176,7 @@ def _finetune(config: FinetuneConfig, preemption: faults.Preemption, cleanup: co
     )
     del model
     depth = pretrained_depth(pretrained.model)
-    what = f"the {depth}-step ODE model as" if _is_ode_config(pretrained.model) else f"the {type(base).__name__} of"
+    what = f"the {depth}-step ODE model as" if is_ode_config(pretrained.model) else f"the {type(base).__name__} of"
     print(f"fine-tuning ({config.finetune}) {what} {config.steps} layers", flush=True)
     loss_fn = functools.partial(lm_loss, z_loss_weight=config.z_loss_weight)
     summary, state = loop.train_run(run, loss_fn, tokenizer, preemption, tokens, inject)
@@ -405,7 +184,7 @@ def _finetune(config: FinetuneConfig, preemption: faults.Preemption, cleanup: co
         "method": config.finetune,
         "steps_M": config.steps,
         "pretrained_steps_N": depth,
-        "pretrained_ode": _is_ode_config(pretrained.model),
+        "pretrained_ode": is_ode_config(pretrained.model),
         **summary,
     }
     summary.setdefault("trainable_parameter_count", summary.get("parameter_count"))
@@ -434,24 +213,6 @@ def _finetune(config: FinetuneConfig, preemption: faults.Preemption, cleanup: co
         _write_summary(t, run_id, summary)
     levanter.tracker.current_tracker().finish()
     return summary
-
-
-def _modules(tree):
-    return jax.tree_util.tree_leaves(tree, is_leaf=lambda x: type(x).__name__ == "LoraLinear")
-
-
-def merged_model(model, base, lora: LoraConfig, lora_seed: int = 0):
-    """The fine-tuned model without LoRA modules: the trained adapters merged into the base.
-
-    The trainer holds the frozen base in compute precision (Levanter casts non-trainable parameters);
-    the merge uses `base`, the discretised model in its original precision."""
-    if not any(type(x).__name__ == "LoraLinear" for x in _modules(model)):
-        return model
-    from levanter.adaptor.lora import is_lora_param, partition_lora_params
-
-    base_params, _ = partition_lora_params(add_lora(base, lora, lora_seed))
-    _, lora_params = partition_lora_params(model)
-    return merge_lora_modules(eqx.combine(base_params, lora_params, is_leaf=is_lora_param))
 
 
 def peft_target_modules(model) -> list[str]:

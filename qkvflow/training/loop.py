@@ -36,7 +36,7 @@ from levanter.utils.jax_utils import parameter_count
 from levanter.utils.tree_utils import inference_mode
 
 from qkvflow.errors import UserError
-from qkvflow.training import faults, weight_decay
+from qkvflow.training import faults, moments, weight_decay
 from qkvflow.training.checkpoints import restore_error
 from qkvflow.training.tracking import JsonlTrackerConfig, drop_steps_from, metrics_file
 
@@ -173,11 +173,15 @@ class Run:
 
 def make_trainer(config, loss_fn, inject=None, trainer_config=None) -> tuple[Trainer, object]:
     """Levanter's trainer for `config` (and the optimizer config with its weight-decay mask): the
-    optimizer wrapped in the non-finite guard, crash_on_nan/inf off (the guard decides, after the
-    step). `qkvflow plan` compiles this trainer's step; `trainer_config` replaces `config.trainer`."""
+    optimizer with the hypernetworks' first-moment dtype (`hypernetwork_mu_dtype`) and wrapped in the
+    non-finite guard, crash_on_nan/inf off (the guard decides, after the step). `qkvflow plan`
+    compiles this trainer's step; `trainer_config` replaces `config.trainer`."""
     t = dataclasses.replace(trainer_config or config.trainer, crash_on_nan=False, crash_on_inf=False)
     optimizer_config = weight_decay.with_decay_mask(config.optimizer, config.model)
-    optimizer = faults.guard_nonfinite(optimizer_config.build(t.num_train_steps), inject)
+    optimizer = moments.with_hypernetwork_mu_dtype(
+        optimizer_config.build(t.num_train_steps), config.hypernetwork_mu_dtype
+    )
+    optimizer = faults.guard_nonfinite(optimizer, inject)
     return Trainer(t, optimizer, loss_fn, add_default_hooks=False), optimizer_config
 
 

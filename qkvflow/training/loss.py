@@ -47,7 +47,7 @@ def lm_loss(model: LmHeadModel, example: LmExample, *, key=None, z_loss_weight: 
         metrics.update(dial_metrics)
         x = model.final_norm(x)
     elif isinstance(model, DiffEqFormerLMHeadModel):
-        x, energy, stats = model.flow(example.tokens, example.attn_mask)
+        x, energy, stats = model.flow(example.tokens, example.attn_mask, key=key)  # a key: dropout (training)
         x = model.final_norm(x)
     elif isinstance(model, NodeTransformerLMHeadModel):
         x, energy, stats = model.flow(example.tokens, example.attn_mask)

@@ -85,6 +85,10 @@ def check_values(config) -> None:
 
     t = config.trainer
     check_run_id(t.id)
+    if hasattr(config, "hypernetwork_mu_dtype"):
+        from qkvflow.training.moments import resolve
+
+        resolve(config.hypernetwork_mu_dtype)
     _positive("trainer.num_train_steps", t.num_train_steps)
     if isinstance(t.train_batch_size, int):
         _positive("trainer.train_batch_size", t.train_batch_size)
@@ -187,6 +191,15 @@ def check_resume(config, Vocab):
     leaves = jax.tree_util.tree_leaves(shapes, is_leaf=is_named)
     keys = jax.tree_util.tree_leaves(names, is_leaf=lambda x: isinstance(x, str))
     stored_shapes = array_shapes(str(latest))
+    from qkvflow.models import layout
+
+    if layout.is_stacked(shapes) and layout.holds_per_weight(stored_shapes):
+        raise UserError(
+            f"checkpoint {latest!r} was written by qkvflow 0.2.0 with one hypernetwork per weight "
+            "(generator.weights.*, before they were stacked): its model loads here (eval, export, analyze, "
+            "finetune) but a run cannot resume from it, whose optimizer state is per weight; start a new run "
+            "(a new trainer.id) or fine-tune from it"
+        )
     model_type = type(config.model).__name__
     how = f"use a new trainer.id to start a new run, or the config the run was started with (resuming {t.id!r})"
     for key, leaf in zip(keys, leaves):

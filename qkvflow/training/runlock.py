@@ -40,7 +40,8 @@ class RunLock:
     def __init__(self, run_path: str, lock_file: str = LOCK_FILE, what: Optional[str] = None):
         self.run_path = str(run_path)
         self.lock_file = lock_file
-        self.path = os.path.join(self.run_path, lock_file)
+        local = self.run_path.removeprefix("file://")  # a file:// URL is the local folder it names
+        self.path = os.path.join(local, lock_file)
         self.what = what or f"run folder {self.run_path}"
         self._fd: Optional[int] = None
         self._created: list[str] = []
@@ -48,11 +49,9 @@ class RunLock:
     def acquire(self) -> "RunLock":
         import fcntl
 
-        if "://" in self.run_path and not self.run_path.startswith("file://"):
+        if "://" in self.path:
             logger.info(f"{self.run_path} is remote: no run lock (two runs with this id would share its folders)")
             return self
-        if self.run_path.startswith("file://"):
-            self.path = os.path.join(self.run_path[len("file://") :], self.lock_file)
         self._created = []
         while True:
             self._make_folders()  # again on a retry: a holder that ended may have removed them

@@ -13,8 +13,9 @@ For an ODE model whose optimizer config leaves both `weight_decay_modules` and
 `default_weight_decay_mask` unset, `with_decay_mask` hands Levanter a regex instead
 (`weight_decay_modules`, with `default_weight_decay_mask: false`) that matches exactly
 
-* the generators of the weight *matrices* (`WeightSpec.kind == "matrix"`): each matrix's
-  projection and the weights (not biases) of its own time MLP (DiffEqFormer), or the constant
+* the generators of the weight *matrices* (`WeightSpec.kind == "matrix"`): the matrices' stacked
+  projections and the weights (not biases) of the matrices' stack of time MLPs (DiffEqFormer, whose
+  stacks never mix matrices with norms or biases, `qkvflow.models.generator`), or the constant
   matrix (weight-shared model);
 * the untied output head (`lm_head`), as Levanter's Llama decays it.
 
@@ -44,8 +45,11 @@ def decay_regex(model_config) -> Optional[str]:
         generated = rf"generator\.constants\.({matrices})"
     elif getattr(model_config, "variant", "qkvflow") == "official":  # q, k, v share the module q_k_v
         generated = rf"generator\.modules\.({matrices}|q_k_v)\.(weight\.weight|mlp\.lin\d+\.weight)"
-    else:
-        generated = rf"generator\.weights\.({matrices})\.(proj|mlp\.lin\d+\.weight)"
+    else:  # stacked hypernetworks: the matrices' projection groups and their stack of time MLPs
+        from qkvflow.models.generator import stack_groups
+
+        groups = "|".join(re.escape(g.key) for g in stack_groups(specs) if g.kind == "matrix")
+        generated = rf"generator\.(projections\.({groups})|mlps\.matrix\.lin\d+\.weight)"
     return rf"^({generated}|lm_head)$"
 
 

@@ -24,7 +24,7 @@ def filled(config, vocab=Vocab, *, seed: int = 0, std: float = 0.3):
 
     def fill(path, leaf):
         if isinstance(leaf, jax.ShapeDtypeStruct):
-            scale = std * d_emb if re.search(r"\.proj\b", jax.tree_util.keystr(path)) else std
+            scale = std * d_emb if re.search(r"\.proj\b|\.projections\[", jax.tree_util.keystr(path)) else std
             return jnp.asarray(rng.normal(scale=scale, size=leaf.shape), leaf.dtype)
         return leaf
 

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from qkvflow.bench import compare, stats
+from qkvflow.data.corpora import default_shared_dir
 from qkvflow.errors import UserError
 from qkvflow.training.tracking import metrics_file
 from tests import warm
@@ -76,7 +77,13 @@ def _loss(model: str, lr: float, seed: int, split: str) -> float:
 
 class FakeRuns:
     """Stands in for `compare._subprocess`: writes what `qkvflow train` / `qkvflow eval` would, and can
-    be told to stop (as an interruption) before its n-th call."""
+    be told to stop (as an interruption) before its n-th call. A subclass may change the losses (`loss`)
+    and the parameter counts a training reports (`parameter_count`, by model)."""
+
+    parameter_count = {"gpt2": 10, "ode": 40}
+
+    def loss(self, model: str, lr: float, seed: int, split: str) -> float:
+        return _loss(model, lr, seed, split)
 
     def __init__(self, stop_before: int | None = None):
         self.calls: list[str] = []
@@ -96,15 +103,15 @@ class FakeRuns:
             file = Path(metrics_file(config["trainer"]["tracker"]["path"], rid))
             file.parent.mkdir(parents=True, exist_ok=True)
             step = config["trainer"]["num_train_steps"] - 1
-            records = [{"event": "summary", "metrics": {"parameter_count": {"gpt2": 10, "ode": 40}[model]}},
-                       {"event": "log", "step": step, "metrics": {"eval/loss": _loss(model, lr, seed, "selection"), "train/loss": 1.0}}]  # fmt: skip
+            records = [{"event": "summary", "metrics": {"parameter_count": self.parameter_count[model]}},
+                       {"event": "log", "step": step, "metrics": {"eval/loss": self.loss(model, lr, seed, "selection"), "train/loss": 1.0}}]  # fmt: skip
             file.write_text("".join(json.dumps(r) + "\n" for r in records))
             (Path(config["trainer"]["checkpointer"]["base_path"]) / rid / "step-1").mkdir(parents=True)
         else:
             assert cmd[cmd.index("--corpus.eval_split") + 1] == "test"
             out = Path(cmd[cmd.index("--output") + 1])
             out.mkdir(parents=True)
-            (out / "depth.json").write_text(json.dumps({"rows": [{"loss": _loss(model, lr, seed, "test")}]}))
+            (out / "depth.json").write_text(json.dumps({"rows": [{"loss": self.loss(model, lr, seed, "test")}]}))
         self.calls.append(f"{cmd[3]} {rid}")
 
 
@@ -155,7 +162,10 @@ def test_chooses_on_selection_reports_test_and_resumes_an_interrupted_grid(study
     )  # identical per-seed shifts: a zero-width interval
     assert (gpt2["parameter_count"], ode["parameter_count"]) == (10, 40)
     assert not any((study / "work" / "checkpoints").iterdir())  # this study's checkpoints, removed once evaluated
-    assert "| ode | 0.00M | 5e+09 | 0.002 | 1.8600 ± 0.0100 | -0.1000" in (study / "out" / "study.md").read_text()
+    assert (
+        "| ode | 0.00M | 5e+09 | 0.002 (at the grid's edge) | 1.8600 ± 0.0100 | -0.1000"
+        in (study / "out" / "study.md").read_text()
+    )
     assert (study / "out" / "study.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the figure beside the table
     # a third invocation trains nothing
     third = FakeRuns()
@@ -467,8 +477,11 @@ def test_a_bad_base_config_is_refused_before_the_work_folder_is_claimed(tmp_path
 
 
 def _study(name, tmp_path):
+    """The shipped study `name` as `bench compare` reads it, its matched widths solved (`compare.resolve`)."""
     args = compare._parser().parse_args([str(STUDIES / f"{name}.yaml"), "--workdir", str(tmp_path)])  # no overrides
-    return compare.load_study(str(STUDIES / f"{name}.yaml"), args)
+    study = compare.load_study(str(STUDIES / f"{name}.yaml"), args)
+    compare.resolve(study, tmp_path, str(tmp_path))
+    return study
 
 
 def _study_configs(name, tmp_path):
@@ -486,12 +499,14 @@ def _study_configs(name, tmp_path):
 
 
 STUDIES = Path(__file__).resolve().parents[2] / "benchmarks" / "compare"
-
-
-@pytest.mark.skipif(
-    not (Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare" / "input.txt").is_file(),
-    reason="../shared/data/tinyshakespeare absent",
+SHAKESPEARE = default_shared_dir() / "data" / "tinyshakespeare" / "input.txt"  # $QKVFLOW_SHARED_DIR, as the corpus
+needs_shakespeare = pytest.mark.skipif(
+    not SHAKESPEARE.is_file(),
+    reason=f"{SHAKESPEARE} absent: set QKVFLOW_SHARED_DIR to the folder holding data/tinyshakespeare/input.txt",
 )
+
+
+@needs_shakespeare
 def test_the_shipped_studies_match_what_their_comments_claim(tmp_path):
     """Same data, budget and optimizer for every model of a study; the parameter-matched GPT-2 within 5%
     of the DiffEqFormer's parameters, the FLOP-matched one within 3% of its training FLOPs."""

@@ -84,10 +84,10 @@ def test_defaults_are_pinned():
 
 
 def test_the_auto_options_are_checked_before_any_work():
-    """qkvflow.cli.eval.check_auto, shared by eval and generate."""
+    """qkvflow.evaluation.auto_steps.check_auto, shared by eval and generate."""
     from types import SimpleNamespace
 
-    from qkvflow.cli.eval import check_auto
+    from qkvflow.evaluation.auto_steps import check_auto
 
     def options(steps="auto", grids=auto_steps.GRIDS, tolerance=auto_steps.TOLERANCE, split=None, corpus=True):
         corpus = SimpleNamespace(eval_split="validation") if corpus else None

@@ -55,3 +55,23 @@ def test_a_finetune_config_without_its_pretrained_checkpoint_is_refused_in_one_l
     assert cli_main(["eval", "--config_path", TINY_FINETUNE, "--checkpoint", gpt2_run[1]]) == 2
     err = capfd.readouterr().err.strip()
     assert "pretrained.checkpoint='checkpoints/tiny': no checkpoint found" in err and len(err.splitlines()) == 1
+
+
+def test_a_checkpoint_of_the_other_variant_names_model_variant(tmp_path, corpus_root, capfd):
+    """A `variant: official` checkpoint evaluated with qkvflow's variant, and the reverse: one line that
+    names the config key and the value to pass, before any evaluation (issue 56, item 8)."""
+    from tests.finetune_utils import TINY_TRAIN
+
+    official = save_fresh_checkpoint(tmp_path / "official", corpus_root, TINY_TRAIN, "--model.variant", "official")
+    ours = save_fresh_checkpoint(tmp_path / "qkvflow", corpus_root, TINY_TRAIN)
+    base = ["eval", "--config_path", TINY_TRAIN, "--corpus.root", str(corpus_root)]
+    for checkpoint, given, stored in ((official, [], "official"), (ours, ["--model.variant", "official"], "qkvflow")):
+        capfd.readouterr()
+        assert cli_main([*base, "--checkpoint", str(checkpoint), *given]) == 2
+        err = capfd.readouterr().err.strip().splitlines()
+        assert len(err) == 1, err
+        configured = "qkvflow" if stored == "official" else "official"
+        assert (
+            f"holds a model of model.variant={stored!r} but the config has model.variant={configured!r}: "
+            f"pass --model.variant {stored}"
+        ) in err[0], err

@@ -133,3 +133,16 @@ def test_tasks_on_a_lora_checkpoint_score_the_fine_tuned_model(lora_eval):
     assert "| - | 4 layers (trained) | qkvflow_tiny_mc | acc | 0.5000 |" in stdout
     scored = {s["doc_id"]: [r[0][0] for r in s["resps"]] for s in lm_eval["samples"]["qkvflow_tiny_mc"]}
     np.testing.assert_allclose([scored[i] for i in range(len(QUESTIONS))], reference, rtol=0, atol=1e-4)
+
+
+def test_loading_a_finetuned_run_names_the_step_folder_it_loaded(tmp_path_factory, corpus_root, capfd):
+    """Given the run folder, the loader says on stderr which step-N folder it read (the newest, found here
+    from the folder names), not the run folder (issue 56, mutation-audit survivor M24)."""
+    from qkvflow.training.run_model import load_run_model
+
+    _, checkpoint, config, _ = finetuned(tmp_path_factory, corpus_root, "lora")
+    steps = sorted(int(p.name.removeprefix("step-")) for p in checkpoint.glob("step-*"))
+    capfd.readouterr()
+    load_run_model(config, str(checkpoint))
+    said = [line for line in capfd.readouterr().err.splitlines() if line.startswith("loaded checkpoint")]
+    assert said == [f"loaded checkpoint {checkpoint / f'step-{steps[-1]}'}"], said

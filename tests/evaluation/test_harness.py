@@ -189,11 +189,22 @@ def test_cli_tasks_at_several_grids_and_one_line_refusals(run, tmp_path, capfd, 
     assert cli_main([*base, "--tasks", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
     assert "data_files 'missing.jsonl' does not exist" in err and len(err.splitlines()) == 1
+    # issue 56, item 8: an empty data file is named (lm-eval said "StopIteration"); a generate_until task is
+    # refused before its data is built, without a progress bar (its data file is new to the datasets cache)
+    (tmp_path / "empty.jsonl").write_text("\n")
+    empty = tmp_path / "empty.yaml"
+    empty.write_text(open(task).read().replace("mc.jsonl", "empty.jsonl"))
+    assert cli_main([*base, "--tasks", str(empty)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "data_files 'empty.jsonl' is empty: expected the task's documents" in err and len(err.splitlines()) == 1
+    (tmp_path / "generate.jsonl").write_text((tmp_path / "mc.jsonl").read_text())
     generate = tmp_path / "generate.yaml"
-    generate.write_text(open(task).read().replace("multiple_choice", "generate_until"))
+    generate.write_text(
+        open(task).read().replace("multiple_choice", "generate_until").replace("mc.jsonl", "generate.jsonl")
+    )
     assert cli_main([*base, "--tasks", str(generate)]) == 2
     err = capsys.readouterr().err.strip()
-    assert "needs generate_until" in err and len(err.splitlines()) == 1
+    assert "needs generate_until" in err and len(err.splitlines()) == 1 and "\r" not in err, err
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if not installed
     assert cli_main([*base, "--tasks", task]) == 2
     err = capsys.readouterr().err.strip()

@@ -7,6 +7,7 @@ metrics.jsonl holds the run's final `eval/loss`.
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -220,6 +221,12 @@ def test_outputs_table_plot_and_overwrite_rules(shared, depth_run, capsys):
     rc, _, err = _eval(capsys, corpora, pretrained, "--output", str(foreign))
     assert rc == 2 and "was not written by qkvflow" in err
     assert (foreign / "keep.txt").read_text() == "x"
+    from qkvflow.training.run_model import newest_step
+
+    inside = Path(newest_step(str(pretrained))) / "eval"  # issue 56, item 4: not inside the run's folder
+    rc, _, err = _eval(capsys, corpora, pretrained, "--output", str(inside))
+    assert rc == 2 and "is inside the run folder of --checkpoint" in err and len(err.strip().splitlines()) == 1, err
+    assert not inside.exists()
 
 
 def test_steps_auto_marks_the_fewest_evaluations_within_the_tolerance(shared, depth_run, capsys, tmp_path):
@@ -291,6 +298,11 @@ def test_steps_auto_chooses_on_one_split_and_reports_on_another(shared, capfd, t
         ),
         (["--steps", "auto", "--auto_tolerance", "-1"], "--auto_tolerance -1.0 is invalid: expected a number of nats"),
         (["--steps", "auto", "--auto_grids", "N/3"], "--auto_grids N/3 is invalid with the trained N=2"),
+        # issue 56, items 6 and 8: before the model is loaded (lm-eval then found no documents after it)
+        (["--tasks", "T.yaml", "--max_examples", "0"], "--max_examples 0 is invalid: expected an integer >= 1"),
+        (["--max_examples", "3"], "--max_examples: only with --tasks"),
+        (["--tasks", ","], "--tasks ',' is invalid: expected comma-separated task names or task YAML files"),
+        (["--tasks=a,,b"], "--tasks 'a,,b' is invalid: expected comma-separated task names"),
     ],
 )
 def test_bad_grids_are_refused_in_one_line(shared, capsys, args, message):

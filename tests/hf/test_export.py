@@ -142,7 +142,7 @@ def test_other_depths_match_the_discrete_model_generate_and_overwrite(runs, tmp_
 
     config_path, checkpoint, model = runs["diffeqformer_llama"]
     out = tmp_path / "hf"
-    _export(capsys, config_path, checkpoint, out, "--steps", "2")
+    assert _export(capsys, config_path, checkpoint, out, "--steps", "N/2")["layers"] == N // 2  # eval's forms
     first = json.loads((out / MARKER).read_text())
     assert first["kind"] == "hf_export" and "model.safetensors" in first["files"]
     summary = _export(capsys, config_path, checkpoint, out, "--steps", "6", "--overwrite")  # swaps the first out
@@ -340,6 +340,11 @@ def test_bad_input_is_refused_with_one_line(runs, tmp_path, capsys, corpus_root)
     args = ["--config_path", config_path, "--checkpoint", checkpoint]
     err = _refused(capsys, [*args, "--steps", "0", "--output", str(tmp_path / "a")])
     assert "--steps 0 is invalid: expected an integer >= 1" in err
+    for steps in ("2.5N", "N,2N"):  # export writes one depth M (issue 56, item 20: eval's forms, one of them)
+        err = _refused(capsys, [*args, "--steps", steps, "--output", str(tmp_path / "a")])
+        assert f"--steps {steps!r} is invalid: expected one number of layers M: an integer >= 1 or a multiple" in err
+    err = _refused(capsys, [*args, "--steps", "auto", "--output", str(tmp_path / "a")])
+    assert "--steps auto is not taken: export writes one depth M; choose it with `qkvflow eval --steps auto`" in err
     assert "--solver rk4 is invalid: expected one of ['euler']" in _refused(
         capsys, [*args, "--solver", "rk4", "--output", str(tmp_path / "a")]
     )
@@ -398,37 +403,73 @@ def test_a_step_with_garbage_metadata_is_refused_by_every_loading_verb_as_train_
     assert capsys.readouterr().err == f"loaded checkpoint {run / 'step-0'}\n"
 
 
+def _ocdbt_layout(step: Path) -> dict[str, list[tuple[int, int, str]]]:
+    """What each data file d/<name> of the checkpoint's OCDBT database holds for its newest version, read
+    with tensorstore's own `ocdbt.dump`: (start, end, what) byte ranges, `what` the array a chunk or
+    metadata value belongs to (`model.a.b` for key model/a/b/c/0 or model/a/b/zarr.json) or "index" for the
+    b-tree node that the newest version's reads go through (values inline in that node are in no file)."""
+    import tensorstore as ts
+
+    base = ts.KvStore.open({"driver": "file", "path": f"{step}/"}).result()
+    newest = ts.ocdbt.dump(base).result()["versions"][-1]
+    assert newest["root_height"] == 0, "the tiny checkpoint's index is one b-tree node"
+    layout: dict[str, list[tuple[int, int, str]]] = {}
+
+    def add(location: str, what: str) -> None:
+        name, offset, length = location.split("::d/")[1].rsplit(":", 2)
+        layout.setdefault(name, []).append((int(offset), int(offset) + int(length), what))
+
+    root = newest["root"]["location"]
+    add(root, "index")
+    for entry in ts.ocdbt.dump(base, root).result()["entries"]:
+        if "indirect_value" in entry:
+            key = entry["key"].decode()
+            add(entry["indirect_value"], re.split(r"/c/|/c$|/zarr\.json$", key)[0].replace("/", "."))
+    return layout
+
+
 def test_a_damaged_checkpoint_is_named_in_one_line(runs, tmp_path, capsys):
     """marin-levanter writes a checkpoint as one OCDBT database (step-N/manifest.ocdbt, step-N/d/*), so a
     damaged file may hold a chunk of any array or a node of the database's index: each is one line naming
-    the checkpoint and the array (or the database file), whichever file of the database is cut short."""
+    the checkpoint and an array whose bytes were cut (or the database file when its index node was).
+    Which values the writer packed into which file depends on its timing, so what each cut damages is
+    read from the database's own layout (`_ocdbt_layout`): every data file cut in half, then each file
+    cut inside its last value where that is an array's (only that array damaged: it must be the one named)."""
     import shutil
 
+    from qkvflow.cli import main
+
     config_path, checkpoint, _ = runs["diffeqformer_gpt2"]
-    data_files = sorted(p.name for p in (Path(checkpoint) / "step-0" / "d").iterdir())
-    assert not list(Path(checkpoint).rglob(".zarray")) and (Path(checkpoint) / "step-0" / "manifest.ocdbt").exists()
-    named = set()
-    for i, name in enumerate(data_files):
+    step = Path(checkpoint) / "step-0"
+    assert not list(Path(checkpoint).rglob(".zarray")) and (step / "manifest.ocdbt").exists()
+    layout = _ocdbt_layout(step)
+    assert set(layout) <= {p.name for p in (step / "d").iterdir()}
+    cuts = [(name, (step / "d" / name).stat().st_size // 2) for name in sorted(layout)]
+    alone = [(name, max(items)) for name, items in sorted(layout.items()) if max(items)[2] != "index"]
+    cuts += [(name, (start + end) // 2) for name, (start, end, _) in alone]
+    assert alone, layout  # the newest version's index node is in one file; values in others
+    named = []
+    for i, (name, size) in enumerate(cuts):
+        damaged = {what for start, end, what in layout[name] if end > size}
         copy = tmp_path / f"run{i}"
         shutil.copytree(checkpoint, copy)  # a new path: nothing read before is cached
-        damaged = copy / "step-0" / "d" / name
-        os.truncate(damaged, damaged.stat().st_size // 2)
-        from qkvflow.cli import main
-
+        os.truncate(copy / "step-0" / "d" / name, size)
         rc = main(
             ["export", "--config_path", config_path, "--checkpoint", str(copy), "--output", str(tmp_path / f"o{i}")]
         )
         err = capsys.readouterr().err
-        if rc == 0:  # a file that holds only what the model does not read (none here holds optimizer state)
+        if not damaged:  # only values of older versions cut: nothing the export reads
+            assert rc == 0, err
+            named.append(None)
             continue
         assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
         assert err.startswith(f"qkvflow export: error: checkpoint '{copy / 'step-0'}': ") and len(err) < 400, err
         assert "is damaged (Requested byte range" in err and err.endswith("; use an earlier step-N folder of the run\n")
         array = re.search(r": array (model\.[\w.]+) cannot be read, its (chunk '[\d/]+'|metadata \(zarr.json\))", err)
         index = f": its OCDBT database file 'd/{name}' is damaged (" in err
-        assert array or index, err
-        named.add(array.group(1) if array else "index")
-    assert len(named - {"index"}) >= 2, named  # chunks of several arrays were cut, and each was named
+        assert (array.group(1) if array else "index" if index else None) in damaged, (err, damaged)
+        named.append(array.group(1) if array else "index")
+    assert named[-len(alone) :] == [what for _, (_, _, what) in alone]  # each array cut alone, by its name
 
 
 def _snapshot(folder: Path) -> dict:
@@ -458,12 +499,17 @@ def test_overwrite_never_replaces_what_export_did_not_write(runs, tmp_path, caps
         (str(work), config_path, "is or holds the current folder"),
         (str(run_folder), config_path, f"is or holds --checkpoint {checkpoint!r}"),
         (checkpoint, config_path, f"is or holds --checkpoint {checkpoint!r}"),
+        (f"{checkpoint}/step-0/exp", config_path, f"is inside the run folder of --checkpoint {checkpoint!r}"),
+        (f"{checkpoint}/exp", config_path, f"is inside the run folder of --checkpoint {checkpoint!r}"),
         (str(work / "configs"), str(own_config), f"is or holds --config_path {str(own_config)!r}"),
         (str(work / "theirs"), config_path, "is not empty and was not written by qkvflow"),
     ]
     for output, config, reason in cases:
         err = _refused(capsys, ["--config_path", config, "--checkpoint", checkpoint, "--output", output, "--overwrite"])
         assert f"--output={output!r}" in err and reason in err, err
+    step = f"{checkpoint}/step-0"  # a step folder as --checkpoint: its run folder is kept apart all the same
+    err = _refused(capsys, ["--config_path", config_path, "--checkpoint", step, "--output", f"{checkpoint}/exp"])
+    assert f"is inside the run folder of --checkpoint {checkpoint!r}" in err, err
     assert (_snapshot(tmp_path), _snapshot(run_folder)) == before
     assert sorted(p.name for p in work.iterdir()) == ["configs", "here", "theirs"]
 

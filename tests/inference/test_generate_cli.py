@@ -55,6 +55,18 @@ def test_bad_input_is_one_line(capsys, corpus_root, tmp_path):
     )
     one_error_line(capsys, args(corpus_root, missing, "--prompt", "x", "--steps", "2,4"), "expected one grid N'")
     one_error_line(capsys, args(corpus_root, missing, "--prompt", "x", "--steps", "N/4"), "--steps N/4 is invalid")
+    one_error_line(  # generate decodes on one grid: the message says so (issue 56, item 8)
+        capsys,
+        args(corpus_root, missing, "--prompt", "x", "--steps", "2.5N"),
+        "--steps '2.5N' is invalid: expected one grid N'",
+    )
+    # --output_jsonl is checked before any work (issue 56, item 2): the checkpoint is never reached
+    for path, reason in [
+        (tmp_path, "is a folder: expected the path of a file to write"),
+        (missing / "out.jsonl", f"is inside the run folder of --checkpoint {str(missing)!r}"),
+    ]:
+        argv = args(corpus_root, missing, "--prompt", "x", "--output_jsonl", str(path))
+        one_error_line(capsys, argv, f"--output_jsonl={str(path)!r} {reason}")
     one_error_line(
         capsys,
         args(corpus_root, missing, "--prompt", "x", "--auto_tolerance", "0.5"),
@@ -88,37 +100,54 @@ def test_greedy_cli_equals_uncached_argmax(capsys, trained, tmp_path):
     assert record["prompt"] == prompt and record["finish_reason"] == "length"
 
 
-def test_steps_auto_decodes_on_the_grid_it_chose(capfd, trained, tmp_path, monkeypatch):
-    """`--steps auto` with a tolerance no loss gap reaches picks the cheapest candidate (N' = 1 of 2,1),
-    scored on --auto_split's data, says so on stderr, and hands that grid to the decoder (whose use of N'
-    tests/inference/test_cached_decoding.py checks): the greedy tokens are those of the same weights on 1
-    Euler step."""
-    from qkvflow.cli import eval as evaluation
+def test_steps_auto_decodes_on_the_grid_the_rule_chooses(capfd, trained, tmp_path, monkeypatch):
+    """`--steps auto` scores the candidates (N' = 1, 2, 4, 8 of the trained N = 2) on --auto_split's data, picks
+    the fewest evaluations within --auto_tolerance of the lowest loss, says so on stderr, and decodes on that
+    grid (whose use of N' tests/inference/test_cached_decoding.py checks). The losses are set here, above the
+    finest grid's real one, so that the rule's choice is none of the cheapest grid, the best one, the
+    trained one or the default tolerance's: N' = 4, worked out below from the table."""
     from qkvflow.cli.generate import read_config
+    from qkvflow.evaluation import evaluate as evaluation
     from qkvflow.inference import generate as decoding
     from qkvflow.training.run_model import load_model
 
+    above = {1: 1.0, 2: 0.5, 4: 0.015, 8: 0.0}  # nats above the finest grid's loss
+    tolerance = 0.02
+    lowest = min(above.values())
+    rule = min((n for n in above if above[n] <= lowest + tolerance), key=lambda n: n)  # Euler: n evaluations
+    assert rule not in (min(above), min(above, key=above.get), 2) and rule != min(
+        (n for n in above if above[n] <= lowest + 0.01), key=lambda n: n
+    )
+
     grids, splits = [], []
     real, score = decoding.generate, evaluation.score_grids
+
+    def scored(config, *args):
+        splits.append(config.corpus.eval_split)
+        rows, examples = score(config, *args)
+        finest = [r["loss"] for r in rows if r["steps"] == 8][0]
+        return [dict(r, loss=finest + above[r["steps"]]) for r in rows], examples
+
     monkeypatch.setattr(
         decoding, "generate", lambda *a, steps=None, **k: grids.append(steps) or real(*a, steps=steps, **k)
     )
-    monkeypatch.setattr(evaluation, "score_grids", lambda c, *a: splits.append(c.corpus.eval_split) or score(c, *a))
+    monkeypatch.setattr(evaluation, "score_grids", scored)
     corpus_root, checkpoint = trained
     prompt, new = "The function", 8
     argv = args(corpus_root, checkpoint, "--prompt", prompt, "--max_new_tokens", str(new))
     out = tmp_path / "out.jsonl"
-    auto = ["--steps", "auto", "--auto_grids", "2,1", "--auto_tolerance", "100", "--auto_split", "selection"]
+    auto = [*"--steps auto --auto_grids 1,2,4,8 --auto_split selection --auto_tolerance".split(), str(tolerance)]
     assert cli.main([*argv, *auto, "--output_jsonl", str(out)]) == 0
     captured = capfd.readouterr()
-    assert captured.err.count("steps auto: euler N=1 (1 vector-field evaluations") == 1, captured.err
-    assert "on the selection split), the fewest evaluations within 100 nats" in captured.err
-    assert grids == [1] and splits == ["selection"]
+    assert captured.err.count(f"steps auto: euler N={rule} ({rule} vector-field evaluations") == 1, captured.err
+    assert f"on the selection split), the fewest evaluations within {tolerance:g} nats" in captured.err
+    assert grids == [rule] and splits == ["selection"]
 
     config = read_config(argv[1:])
     model, tokenizer = load_model(config, str(checkpoint))
-    expected, margin = greedy_reference(on_grid(model, 1), training_framed(tokenizer, prompt), new, context=CONTEXT)
-    assert margin > round_off(1, 32, 1.0)
+    ids = training_framed(tokenizer, prompt)
+    expected, margin = greedy_reference(on_grid(model, rule), ids, new, context=CONTEXT)
+    assert margin > round_off(rule, 32, 1.0)
     assert json.loads(out.read_text())["tokens"] == expected
     assert captured.out == tokenizer.decode(expected) + "\n"
 
@@ -143,7 +172,8 @@ def test_stream_honours_stop_and_is_a_bare_flag(capfd, trained, tmp_path):
     --output_jsonl holds, cut before the first S; nothing past S reaches stdout. S is two characters from the
     middle of the unstopped completion, so decode rounds follow its first occurrence
     (test_streamer_never_sends_past_a_stop checks the streamer itself on a scripted engine)."""
-    from qkvflow.cli.generate import read_config, tokenizer_of
+    from qkvflow.cli.generate import read_config
+    from qkvflow.inference.completions import tokenizer_of
 
     corpus_root, checkpoint = trained
     argv = args(corpus_root, checkpoint, "--prompt", "The function", "--max_new_tokens", "24", "--temperature", "0")

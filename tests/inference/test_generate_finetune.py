@@ -14,7 +14,7 @@ CONTEXT = 32
 
 
 def test_greedy_from_a_lora_checkpoint(tmp_path_factory, corpus_root, capfd, tmp_path):
-    from qkvflow.cli.generate import tokenizer_of
+    from qkvflow.inference.completions import tokenizer_of
 
     args, checkpoint, config, summary = finetuned(tmp_path_factory, corpus_root, "lora")
     trained = summary["model"]  # the fine-tuned model in memory, LoRA modules unmerged: the reference

@@ -61,8 +61,10 @@ def test_batched_generation_and_its_gradient_equal_per_step(kind):
     assert any(np.abs(np.asarray(a)).max() > 0 for a in jax.tree_util.tree_leaves(g_batched))
 
 
-def test_source_snaps_to_grid_and_modes_agree():
-    config = tiny_config("llama", ode=OdeConfig(num_steps=4, solver="rk4"))
+@pytest.mark.parametrize("flavour, variant", [("llama", "qkvflow"), ("gpt2", "official")])
+def test_source_snaps_to_grid_and_modes_agree(flavour, variant):
+    """precompute and on_the_fly give the generator's W(t) at the snapped grid time, to round-off."""
+    config = tiny_config(flavour, ode=OdeConfig(num_steps=4, solver="rk4"), variant=variant, time_grid="left")
     model = tiny_model(config)
     pre = WeightSource.build(model.generator, config.ode)
     fly = WeightSource.build(model.generator, dataclasses.replace(config.ode, weight_cache="on_the_fly"))
@@ -71,6 +73,8 @@ def test_source_snaps_to_grid_and_modes_agree():
     a, b = pre(t_noisy), fly(t_noisy)
     exact = model.generator(0.375)
     for name in exact:
-        np.testing.assert_allclose(a[name].array, exact[name].array, rtol=1e-6, atol=1e-7)
-        np.testing.assert_allclose(b[name].array, exact[name].array, rtol=1e-6, atol=1e-7)
+        # float32 round-off of a sum of products: ~8 eps of the array's scale
+        atol = 1e-6 * float(np.abs(exact[name].array).max())
+        np.testing.assert_allclose(a[name].array, exact[name].array, rtol=1e-6, atol=atol)
+        np.testing.assert_allclose(b[name].array, exact[name].array, rtol=1e-6, atol=atol)
     assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)

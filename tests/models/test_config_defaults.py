@@ -46,6 +46,9 @@ COMMON = {
         jacobian_weight=0.0,
     ),
     "exits": "none",
+    # no dropout unless asked for (the authors' recipe, configs/paper/*_official.yaml, sets 0.1)
+    "embed_pdrop": 0.0,
+    "resid_pdrop": 0.0,
     "initializer_range": 0.02,
     "matrix_init": "normal",
     "use_bias": None,

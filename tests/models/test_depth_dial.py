@@ -172,6 +172,35 @@ def test_drawn_step_count_is_one_of_the_set_and_solves_at_it():
     assert seen == {1, 2, 4}
 
 
+def test_the_consistency_terms_fine_solve_is_euler_on_the_drawn_grid_with_each_step_halved():
+    """With a jittered grid t_0..t_n the fine solve takes 2n Euler steps at t_0, (t_0 + t_1)/2, t_1, ...
+    (reference: Euler written here on those times); the coarse one n steps on the grid itself. The two
+    differ, so the KL between them has something to train."""
+    n, dial = 3, DepthDialConfig(jitter=0.9, consistency_weight=1.0)
+    model = _model(dial=dial, ode=OdeConfig(num_steps=n))
+    tokens = random_tokens(model.config, batch=Batch)
+    key = jrandom.PRNGKey(3)
+    x, fine, _, _, stats, _ = jax.jit(lambda key: drawn_solves(model, tokens, None, key))(key)
+    grid = np.asarray(sample_grid(n, dial, jrandom.split(key, 3)[1]), np.float64)
+    assert np.ptp(np.diff(grid)) > 0.05  # jittered: unequal steps
+    halved = np.sort(np.concatenate([grid, (grid[:-1] + grid[1:]) / 2]))
+    x0 = model.embed(tokens, hax.arange(model.Pos, dtype=jnp.int32))
+    f = jax.jit(functools.partial(_field_at, model, x0.axes))
+
+    def euler(times):
+        y = x0.array
+        for t, h in zip(times[:-1], np.diff(times)):
+            y = y + np.float32(h) * f(np.float32(t), y)
+        return np.asarray(y)
+
+    coarse_ref, fine_ref = euler(grid), euler(halved)
+    scale = float(np.max(np.abs(fine_ref)))
+    np.testing.assert_allclose(np.asarray(fine), fine_ref, rtol=0, atol=64 * EPS * scale)
+    np.testing.assert_allclose(np.asarray(x), coarse_ref, rtol=0, atol=64 * EPS * scale)
+    assert np.max(np.abs(fine_ref - coarse_ref)) > 1e3 * 64 * EPS * scale
+    assert int(stats.nfe) == n + 2 * n
+
+
 def test_consistency_kl_is_the_definition_and_zero_when_distributions_agree():
     rng = np.random.default_rng(0)
     a, b = rng.normal(size=(2, 3, 7)), rng.normal(size=(2, 3, 7))

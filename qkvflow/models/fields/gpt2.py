@@ -3,7 +3,8 @@
     dx/dt = O(t) Attn(LN_a(x; t)) + W2(t) gelu(W1(t) LN_m(x; t) + b1(t)) + b2(t)
 
 Attention and feed-forward read the same x (in parallel, as in the DiffEqFormer), each through its
-own pre-norm with time-dependent scale and shift.
+own pre-norm with time-dependent scale and shift (no shift when the generator gives none: `variant:
+official` with `use_bias: false`).
 """
 
 import haliax.nn as hnn
@@ -12,6 +13,7 @@ from haliax import NamedArray
 from qkvflow.models.generator import WeightSpec
 
 from .common import affine, attention_specs, self_attention
+from .dropout import branch_dropout
 
 
 def weight_specs(config) -> dict[str, WeightSpec]:
@@ -29,12 +31,15 @@ def weight_specs(config) -> dict[str, WeightSpec]:
 
 
 def _norm(x: NamedArray, weights: dict, name: str, config) -> NamedArray:
-    norm = hnn.LayerNorm(config.Embed, weights[name], weights[f"{name}_bias"], eps=config.layer_norm_epsilon)
+    norm = hnn.LayerNorm(config.Embed, weights[name], weights.get(f"{name}_bias"), eps=config.layer_norm_epsilon)
     return norm(x)
 
 
-def vector_field(weights: dict, x: NamedArray, *, config, mask, pos_ids=None, attend_fn=None) -> NamedArray:
+def vector_field(weights: dict, x: NamedArray, *, config, mask, pos_ids=None, attend_fn=None, key=None) -> NamedArray:
+    """F(W(t), x) (module docstring); with `key`, each branch's residual dropout (`fields.dropout`)."""
     attn = self_attention(_norm(x, weights, "attn_norm", config), weights, config, mask, attend_fn=attend_fn)
     h = affine(_norm(x, weights, "mlp_norm", config), weights, "w1", config.Embed)
     ff = affine(config.activation_function.to_fn()(h), weights, "w2", config.Mlp)
+    if key is not None:  # a training step (qkvflow.models.fields.dropout)
+        attn, ff = branch_dropout(attn, ff, config.resid_pdrop, key)
     return attn + ff

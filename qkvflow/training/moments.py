@@ -1,0 +1,71 @@
+"""Adam's first moment of the hypernetwork projections stored in a narrower dtype (`hypernetwork_mu_dtype`).
+
+The projections hold almost all of a DiffEqFormer's parameters (d_emb times one layer's weights), so
+their Adam state is most of its optimizer memory and traffic. optax's `scale_by_adam(mu_dtype=...)`
+stores the first moment mu in `mu_dtype` between steps while each step computes in float32:
+
+    mu_k = cast(b1 * mu_{k-1} + (1 - b1) g_k, mu_dtype)      (the update uses mu_k before the cast)
+
+Levanter's `AdamConfig` builds `scale_by_adam` without that argument and for every leaf alike, so
+`with_hypernetwork_mu_dtype` applies the same rule around the optimizer Levanter builds, to the leaves
+under `generator.projections` only: it widens their stored mu to float32 before each update (exact) and
+casts the new mu back after it. The second moment nu stays float32: with Levanter's beta2 = 0.95 a
+bfloat16 nu would still move (each step changes it by 5%, over bfloat16's 0.4% spacing), but with a
+beta2 of 0.999 its 0.1% steps would round away.
+"""
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from qkvflow.errors import UserError
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+SCOPE = ".projections["
+"""Key-path text of the stacked hypernetwork projections (`qkvflow.models.generator.HyperGenerator`)."""
+
+
+def resolve(value: Optional[str]):
+    """The dtype `hypernetwork_mu_dtype` names, or None; one line for anything else."""
+    if value is None:
+        return None
+    if value not in DTYPES:
+        raise UserError(f"hypernetwork_mu_dtype={value!r} is invalid: expected null or one of {sorted(DTYPES)}")
+    return DTYPES[value]
+
+
+def is_projection(path) -> bool:
+    return SCOPE in jax.tree_util.keystr(path)
+
+
+def _cast_mu(state, dtype):
+    """`state` with the projections' leaves of every Adam mu cast to `dtype`."""
+
+    def fix(s):
+        if not isinstance(s, optax.ScaleByAdamState):
+            return s
+        mu = jax.tree_util.tree_map_with_path(
+            lambda path, m: m.astype(dtype) if is_projection(path) and m is not None else m, s.mu
+        )
+        return s._replace(mu=mu)
+
+    return jax.tree_util.tree_map(fix, state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+
+
+def with_hypernetwork_mu_dtype(optimizer: optax.GradientTransformation, value: Optional[str]):
+    """`optimizer` (Levanter's Adam) with the projections' mu stored in the dtype `value` names (None:
+    unchanged). Each update computes in float32, as optax's `mu_dtype` does."""
+    dtype = resolve(value)
+    if dtype is None:
+        return optimizer
+
+    def init(params):
+        return _cast_mu(optimizer.init(params), dtype)
+
+    def update(updates, state, params=None):
+        updates, state = optimizer.update(updates, _cast_mu(state, jnp.float32), params)
+        return updates, _cast_mu(state, dtype)
+
+    return optax.GradientTransformation(init, update)

@@ -1,0 +1,92 @@
+"""`hypernetwork_mu_dtype`: Adam's first moment of the hypernetwork projections stored in bfloat16.
+
+Reference (optax's `mu_dtype` rule, written out here): with g_k the clipped gradient,
+    m_k = b1 * m_{k-1} + (1 - b1) * g_k   in float32, from the stored m_{k-1} widened exactly,
+    stored: bfloat16(m_k) on the projections, m_k elsewhere; nu always float32, as plain Adam's.
+"""
+
+import jax
+import jax.numpy as jnp
+import jax.random as jrandom
+import numpy as np
+import optax
+import pytest
+from levanter.optim import AdamConfig
+
+from qkvflow.errors import UserError
+from qkvflow.training.moments import with_hypernetwork_mu_dtype
+from tests.helpers import tiny_config, tiny_model
+
+
+def _adam_states(state):
+    return [
+        s
+        for s in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+        if isinstance(s, optax.ScaleByAdamState)
+    ]
+
+
+def _leaves(tree):
+    return jax.tree_util.tree_leaves_with_path(tree)
+
+
+def test_mu_of_exactly_the_projections_is_bfloat16_and_follows_optax_rule():
+    import equinox as eqx
+
+    params = eqx.filter(tiny_model(tiny_config()), eqx.is_inexact_array)
+    adam = AdamConfig(learning_rate=1e-3, warmup=0.0, max_grad_norm=None, beta1=0.9)
+    plain, narrow = adam.build(10), with_hypernetwork_mu_dtype(adam.build(10), "bfloat16")
+    state_plain, state_narrow = plain.init(params), narrow.init(params)
+
+    (adam_narrow,) = _adam_states(state_narrow)
+    for path, m in _leaves(adam_narrow.mu):
+        name = jax.tree_util.keystr(path)
+        want = jnp.bfloat16 if ".generator.projections[" in name else jnp.float32
+        assert m.dtype == want, name
+    assert {m.dtype for m in jax.tree_util.tree_leaves(adam_narrow.nu)} == {jnp.dtype(jnp.float32)}
+    assert any(".generator.projections[" in jax.tree_util.keystr(p) for p, _ in _leaves(adam_narrow.mu))
+    assert any(".generator.mlps[" in jax.tree_util.keystr(p) for p, _ in _leaves(adam_narrow.mu))  # stays f32
+
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    m_ref = [np.zeros(x.shape, np.float32) for x in leaves]
+    for k in range(3):
+        keys = jrandom.split(jrandom.PRNGKey(k), len(leaves))
+        grads = jax.tree_util.tree_unflatten(treedef, [jrandom.normal(key, x.shape) for key, x in zip(keys, leaves)])
+        _, state_plain = plain.update(grads, state_plain, params)
+        _, state_narrow = narrow.update(grads, state_narrow, params)
+        paths = [jax.tree_util.keystr(p) for p, _ in _leaves(grads)]
+        for i, (name, g) in enumerate(zip(paths, jax.tree_util.tree_leaves(grads))):
+            m = 0.9 * m_ref[i] + np.float32(0.1) * np.asarray(g, np.float32)
+            m_ref[i] = (
+                np.asarray(jnp.asarray(m).astype(jnp.bfloat16).astype(jnp.float32)) if "projections[" in name else m
+            )
+    (adam_plain,) = _adam_states(state_plain)
+    (adam_narrow,) = _adam_states(state_narrow)
+    narrowed = 0
+    for (path, mu), mu_plain, want in zip(_leaves(adam_narrow.mu), jax.tree_util.tree_leaves(adam_plain.mu), m_ref):
+        name = jax.tree_util.keystr(path)
+        got = np.asarray(mu.astype(jnp.float32))
+        if "projections[" in name:
+            narrowed += 1
+            # one bfloat16 rounding of the same float32 sum: equal up to float32 round-off of that sum
+            np.testing.assert_allclose(got, want, rtol=2**-8, atol=0, err_msg=name)
+            assert not np.array_equal(got, np.asarray(mu_plain)), name  # it really is narrower
+        else:
+            np.testing.assert_array_equal(got, np.asarray(mu_plain), err_msg=name)  # untouched: plain Adam's
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=name)
+    assert narrowed == 8  # gpt2: the eight stacks of projections
+    for a, b in zip(jax.tree_util.tree_leaves(adam_narrow.nu), jax.tree_util.tree_leaves(adam_plain.nu)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_off_by_default_and_bad_values_get_one_line():
+    from qkvflow.training.config import TrainConfig
+
+    assert TrainConfig().hypernetwork_mu_dtype is None
+    optimizer = AdamConfig().build(10)
+    assert with_hypernetwork_mu_dtype(optimizer, None) is optimizer
+    with pytest.raises(UserError) as error:
+        with_hypernetwork_mu_dtype(optimizer, "bf16")
+    assert (
+        str(error.value) == "hypernetwork_mu_dtype='bf16' is invalid: expected null or one of ['bfloat16', 'float32']"
+    )
