@@ -51,6 +51,7 @@ VERBS = {
         "qkvflow.cli.tokenizer",
         "train a tokenizer on your own .txt/.jsonl files, offline (--files ... --output DIR)",
     ),
+    "plan": ("qkvflow.cli.plan", "compile the training step for absent GPUs/TPUs: memory, kernels, roofline"),
     "sweep": (
         "qkvflow.cli.sweep",
         "fine-tune over a grid of depths x methods; table and figure (--depths 9,12 --methods lora,full)",

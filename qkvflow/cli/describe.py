@@ -7,58 +7,18 @@ downloaded), else, for the default `gpt2`, GPT-2's 50,257 tokens. `vocab_source`
 """
 
 import json
-import os
 from dataclasses import dataclass
 from typing import Optional
 
-from qkvflow.errors import UserError
+from qkvflow.data.vocabulary import GPT2_VOCAB, vocabulary  # noqa: F401  (GPT2_VOCAB: re-exported)
 from qkvflow.models import accounting, registry
 from qkvflow.training.config import TrainConfig
-
-GPT2_VOCAB = 50257
 
 
 @dataclass
 class DescribeConfig(TrainConfig):
     vocab_size: Optional[int] = None
     """Vocabulary size to count embeddings with; by default the config's tokenizer's (see above)."""
-
-
-def vocabulary(config: DescribeConfig) -> tuple[int, str]:
-    """(size, where it came from) of the vocabulary to count embeddings with."""
-    if config.vocab_size is not None:
-        if isinstance(config.vocab_size, bool) or config.vocab_size < 1:
-            raise UserError(f"vocab_size={config.vocab_size!r} is invalid: expected null or an integer >= 1")
-        return config.vocab_size, "vocab_size"
-    if config.corpus is not None:
-        from qkvflow.data.corpora import corpus_vocab_size
-        from qkvflow.training.session import check_corpus
-
-        c = config.corpus
-        check_corpus(c)
-        try:
-            return corpus_vocab_size(c.name, vocab_size=c.vocab_size), f"corpus {c.name}"
-        except (ValueError, FileNotFoundError) as e:
-            raise UserError(f"corpus: {e}") from None
-    name = getattr(config.data, "tokenizer", None)
-    if name is None:
-        raise UserError("data has no tokenizer to count the vocabulary with: pass --vocab_size N")
-    from transformers import AutoTokenizer
-
-    try:
-        return len(AutoTokenizer.from_pretrained(name, local_files_only=True)), f"data.tokenizer {name}"
-    except Exception as e:  # noqa: BLE001 (HF raises OSError, ValueError, ...)
-        if os.path.isdir(name):
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise UserError(
-                f"data.tokenizer={name!r} could not be loaded ({first}); expected a tokenizer folder"
-            ) from None
-        if name == "gpt2":
-            return GPT2_VOCAB, "GPT-2's vocabulary (data.tokenizer gpt2, not in the local Hugging Face cache)"
-        raise UserError(
-            f"data.tokenizer={name!r} is not in the local Hugging Face cache: pass --vocab_size N "
-            "(describe downloads nothing)"
-        ) from None
 
 
 def describe(config: DescribeConfig) -> dict:

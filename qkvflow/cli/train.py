@@ -15,7 +15,6 @@ metrics, the loss curve and checkpoint metadata; every process writes its shards
 """
 
 import contextlib
-import functools
 import logging
 import os
 import signal
@@ -29,7 +28,7 @@ import levanter.tracker
 from qkvflow.plotting import plot_loss_curve
 from qkvflow.training import faults, halting_phase, loop, preflight, session
 from qkvflow.training.config import TrainConfig
-from qkvflow.training.loss import lm_loss
+from qkvflow.training.loss import train_loss
 from qkvflow.training.tracking import metrics_file
 
 logger = logging.getLogger("qkvflow.cli.train")
@@ -67,8 +66,7 @@ def _train(config: TrainConfig, preemption: faults.Preemption, cleanup: contextl
         is_trainable=is_trainable,
         flops_per_token=config.model.flops_per_token(len(tokenizer), Pos.size),
     )
-    loss_fn = functools.partial(lm_loss, z_loss_weight=config.z_loss_weight)
-    summary, _ = loop.train_run(run, loss_fn, tokenizer, preemption, tokens, inject, resume_from)
+    summary, _ = loop.train_run(run, train_loss(config), tokenizer, preemption, tokens, inject, resume_from)
 
     jsonl = loop.jsonl_tracker(t)
     if jsonl is not None and jax.process_index() == 0 and "run_id" in summary:

@@ -171,23 +171,32 @@ class Run:
     eval_before: bool = False
 
 
+def make_trainer(config, loss_fn, inject=None, trainer_config=None) -> tuple[Trainer, object]:
+    """Levanter's trainer for `config` (and the optimizer config with its weight-decay mask): the
+    optimizer with the hypernetworks' first-moment dtype (`hypernetwork_mu_dtype`) and wrapped in the
+    non-finite guard, crash_on_nan/inf off (the guard decides, after the step). `qkvflow plan`
+    compiles this trainer's step; `trainer_config` replaces `config.trainer`."""
+    t = dataclasses.replace(trainer_config or config.trainer, crash_on_nan=False, crash_on_inf=False)
+    optimizer_config = weight_decay.with_decay_mask(config.optimizer, config.model)
+    optimizer = moments.with_hypernetwork_mu_dtype(
+        optimizer_config.build(t.num_train_steps), config.hypernetwork_mu_dtype
+    )
+    optimizer = faults.guard_nonfinite(optimizer, inject)
+    return Trainer(t, optimizer, loss_fn, add_default_hooks=False), optimizer_config
+
+
 def train_run(
     run: Run, loss_fn, tokenizer, preemption: faults.Preemption, tokens: dict, inject=None, resume_from=None
 ) -> tuple[dict, object]:
     """Train `run` to `trainer.num_train_steps` (or `stop_after`, or a preemption) on the token caches
     `session.start` built (`session.build_caches`; `tokens`: tokens of each split). Returns the summary and the final trainer
     state (None if no state exists, e.g. stopped before the first step)."""
-    config, t = run.config, run.config.trainer
-    t = dataclasses.replace(t, crash_on_nan=False, crash_on_inf=False)  # the guard decides, after the step
-    optimizer_config = weight_decay.with_decay_mask(config.optimizer, config.model)
-    optimizer = moments.with_hypernetwork_mu_dtype(
-        optimizer_config.build(t.num_train_steps), config.hypernetwork_mu_dtype
-    )
-    optimizer = faults.guard_nonfinite(optimizer, inject)
+    config = run.config
+    trainer, optimizer_config = make_trainer(config, loss_fn, inject)
+    t, optimizer = trainer.config, trainer.optimizer
     guard = faults.NonFiniteGuard(optimizer, config.nonfinite, t.num_train_steps, verb=run.verb)
     summary: dict = {}
     target = min(t.num_train_steps, config.stop_after or math.inf)
-    trainer = Trainer(t, optimizer, loss_fn, add_default_hooks=False)
     data_key, _, _, training_key = jrandom.split(jrandom.PRNGKey(t.seed), 4)
     if config.data_seed is not None:
         data_key = jrandom.PRNGKey(config.data_seed)

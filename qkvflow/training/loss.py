@@ -11,6 +11,8 @@ and adds their terms (`qkvflow.training.dial_loss`); evaluation solves on the co
 Other models (Levanter's GPT-2/Llama baselines) go through their own `compute_next_token_loss`.
 """
 
+import functools
+
 import jax.numpy as jnp
 from levanter.metrics import Metric, ReductionType
 from levanter.models.lm_model import LmExample, LmHeadModel
@@ -69,6 +71,11 @@ def lm_loss(model: LmHeadModel, example: LmExample, *, key=None, z_loss_weight: 
     if added is not None:
         loss = loss + added
     return _with_ode_terms(model, loss, energy, stats, metrics)
+
+
+def train_loss(config):
+    """The loss `qkvflow train` trains `config` with (its `z_loss_weight` bound)."""
+    return functools.partial(lm_loss, z_loss_weight=config.z_loss_weight)
 
 
 def _with_ode_terms(model, loss, energy, stats, metrics: dict):

@@ -1,0 +1,106 @@
+"""`qkvflow plan` for the paper's configs: each DiffEqFormer and its baseline on 1 and 8 GPUs.
+
+    python benchmarks/plan_paper.py [--target H100-80GB] [--devices 1,8] [--max_batch] [--only small,medium]
+
+Each plan runs in a process of its own (a plan fixes the process's device count) and writes
+`benchmarks/results/plan_2026-11-28/<config>__<target>x<devices>.json`; a plan already written is
+skipped, so the script resumes. The WikiText-103 configs have the same models as the OpenWebText ones
+(same shapes, tokenizer and batch), so their plans are the OpenWebText ones. Needs the `gpu` extra.
+Slow on a small CPU: a compile takes from about a minute (small) to many minutes (1B), and
+--max_batch compiles 3-8 times per plan.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "benchmarks" / "results" / "plan_2026-11-28"
+PAIRS = {
+    "small": ("owt_small_ode", "owt_small_gpt2"),
+    "medium": ("owt_medium_ode", "owt_medium_gpt2"),
+    "large": ("owt_large_ode", "owt_large_gpt2"),
+    "1b": ("owt_llama_1b_ode", "owt_llama_1b_llama"),
+}
+VOCAB = {"1b": 32000}  # the Llama-2 tokenizer's, which is not in a fresh cache (the others: GPT-2's, built in)
+
+
+def run(name: str, size: str, target: str, devices: int, max_batch: bool, hlo_dir) -> None:
+    out = OUT / f"{name}__{target}x{devices}{'__max_batch' if max_batch else ''}.json"
+    if out.exists():
+        return
+    cmd = [sys.executable, "-m", "qkvflow", "plan", "--config_path", str(ROOT / "configs/paper" / f"{name}.yaml")]
+    cmd += ["--target", target, "--devices", str(devices), "--json"] + (["--max_batch"] if max_batch else [])
+    if size in VOCAB:
+        cmd += ["--vocab_size", str(VOCAB[size])]
+    shown = " ".join(cmd[1:]).replace(str(ROOT) + "/", "")
+    if hlo_dir:
+        cmd += ["--save_hlo", str(Path(hlo_dir) / f"{out.stem}.hlo.txt")]
+    start = time.time()
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    took = time.time() - start
+    if done.returncode != 0:
+        print(f"{out.name}: failed ({took:.0f} s): {done.stderr.strip().splitlines()[-1:]}", flush=True)
+        return
+    plan = json.loads(done.stdout.strip().splitlines()[-1])
+    plan["command"] = shown
+    plan["wall_s"] = round(took, 1)
+    OUT.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(plan, indent=1) + "\n")
+    print(f"{out.name}: {took:.0f} s", flush=True)
+
+
+def table(target: str) -> str:
+    """The markdown table of the plans written so far (docs/performance.md)."""
+    rows = [
+        "| pair | model | devices | per-device batch | memory per device (GiB) | fits | largest batch per device | "
+        "collectives per step (GiB) | est. step (ms) | est. MFU |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for size, names in PAIRS.items():
+        for devices in (1, 2, 4, 8):
+            for name in names:
+                path = OUT / f"{name}__{target}x{devices}.json"
+                if not path.exists():
+                    continue
+                p = json.loads(path.read_text())
+                best = OUT / f"{name}__{target}x{devices}__max_batch.json"
+                largest = "-"
+                if best.exists():
+                    found = json.loads(best.read_text())["max_batch"]
+                    largest = f"{'' if found['exact'] else '≥ '}{found['per_device']}"
+                comm = sum(c["bytes"] for c in p["collectives"].values()) / 2**30 if devices > 1 else 0
+                e = p["estimate"]
+                step = "n/a" if e["step_s"] is None else f"{e['step_s'] * 1e3:,.0f}"
+                mfu = "n/a" if e["mfu"] is None else f"{e['mfu']:.0%}"
+                rows.append(
+                    f"| {size} | {p['model_type'].replace('Config', '')} | {devices} | {p['batch']['per_device']} | "
+                    f"{p['memory']['total'] / 2**30:.1f} | {'yes' if p['fits'] else 'no'} | {largest} | {comm:.2f} | "
+                    f"{step} | {mfu} |"
+                )
+    return "\n".join(rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="H100-80GB")
+    p.add_argument("--devices", default="1,8")
+    p.add_argument("--max_batch", action="store_true")
+    p.add_argument("--only", default=",".join(PAIRS))
+    p.add_argument("--hlo_dir", default=None, help="also keep each compiled step's HLO text here")
+    p.add_argument("--table", action="store_true", help="print the markdown table of the plans written, and stop")
+    args = p.parse_args()
+    if args.table:
+        print(table(args.target))
+        return
+    for size in args.only.split(","):
+        for devices in (int(d) for d in args.devices.split(",")):
+            for name in PAIRS[size]:
+                run(name, size, args.target, devices, args.max_batch, args.hlo_dir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""`qkvflow plan --config_path CFG --target NAME [--devices N] [--max_batch] [--json] [--key value ...]`:
+compile the training step `qkvflow train` would run for CFG on N GPUs or TPU chips that are not here,
+and say what each device needs (qkvflow.plan; docs/plan.md)."""
+
+import argparse
+import json
+
+from qkvflow.plan import targets
+
+USAGE = "qkvflow plan --config_path CFG --target NAME [--devices N] [--max_batch] [--json] [--dotted.key value ...]"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qkvflow plan", usage=USAGE, description=__doc__, add_help=False)
+    p.add_argument("--target", required=True, help=f"one of {', '.join(targets.known())}")
+    p.add_argument("--devices", type=int, default=None, help="devices to compile for (default: 1; cpu:N's N)")
+    p.add_argument("--max_batch", action="store_true", help="also find the largest per-device batch that fits")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    p.add_argument("--device_memory", type=int, default=None, help="bytes of memory per device (default: the target's)")
+    p.add_argument("--save_hlo", default=None, help="also write the compiled step's optimised HLO text to this file")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    from qkvflow import cli
+    from qkvflow.errors import UserError
+
+    if "-h" in argv or "--help" in argv:
+        print(parser().format_help())
+        return 0
+    args, rest = parser().parse_known_args(argv)
+    target = targets.get(args.target, args.device_memory)
+    n = targets.cpu_devices(target)
+    if n is not None and args.devices not in (None, n):
+        raise UserError(f"--devices {args.devices} contradicts --target {target.name}: give one of the two")
+    devices = args.devices or n or 1
+    if devices < 1:
+        raise UserError(f"--devices {devices} is invalid: expected an integer >= 1")
+
+    from qkvflow.plan import backend, planner, report
+    from qkvflow.plan.config import PlanConfig, vocabulary
+
+    backend.start(devices)  # before anything runs on a backend
+    config = cli.parse(PlanConfig, rest, "plan", required="a training config")
+    out = planner.plan(
+        config, target, devices, vocabulary(config), search_max_batch=args.max_batch, hlo_file=args.save_hlo
+    )
+    print(json.dumps(out) if args.json else report.text(out))
+    return 0

@@ -1,0 +1,72 @@
+"""The plan as text: one screen, per device."""
+
+from __future__ import annotations
+
+
+def gib(n) -> str:
+    """Bytes in GiB, or in MiB / KiB when under one of the larger unit."""
+    if n is None:
+        return "n/a"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n / 2**10:,.2f} KiB"
+
+
+def _seconds(s) -> str:
+    if s is None:
+        return "n/a"
+    return f"{s * 1e3:,.1f} ms" if s >= 1e-3 else f"{s * 1e6:,.1f} us"
+
+
+def text(p: dict) -> str:
+    m, e, k = p["memory"], p["estimate"], p["kernels"]
+    b = p["batch"]
+    mfu = "n/a" if e["mfu"] is None else f"{e['mfu']:.0%}"
+    mesh = " x ".join(f"{name} {size}" for name, size in p["mesh"].items() if size > 1) or "1 device"
+    lines = [
+        f"{p['model_type']} on {p['devices']} x {p['target']} (mesh: {mesh}), "
+        f"batch {b['global']} x {b['seq_len']} tokens ({b['per_device']} per device), compute {p['compute_dtype']}",
+        "",
+        "memory per device (XLA's accounting of the compiled step):",
+        f"  parameters          {gib(m['parameters'])}",
+        f"  optimizer state     {gib(m['optimizer_state'])}",
+        f"  batch               {gib(m['batch'])}",
+        f"  temporaries         {gib(m['temporaries'])}  (gradients among them: {gib(m['gradients'])})",
+        f"  step needs          {gib(m['total'])}  of {gib(m['usable'])} usable: {m['usable_is']}",
+        f"  => {'fits' if p['fits'] else 'does NOT fit'}",
+    ]
+    if "max_batch" in p:
+        mb = p["max_batch"]
+        exact = "" if mb["exact"] else " (search stopped at its compile limit: at least this)"
+        lines.append(
+            f"  largest batch that fits: {mb['per_device']} per device, {mb['global']} in all{exact}; "
+            f"{mb['compiles']} compiles"
+        )
+    lines += [
+        "",
+        f"attention kernel: {', '.join(p['attention']['kernels'])} (attn_backend {p['attention']['config']})",
+        f"kernel launches per step: {k['launches']:,} ({k['static']:,} in the program, {k['fusions']:,} fusions; "
+        f"{k['once_per_step']:,} outside loops)",
+    ]
+    if k["unknown_trip_counts"]:
+        lines.append(
+            f"  {k['unknown_trip_counts']} loops without a known trip count taken to run "
+            f"{e['unknown_trip_counts_taken_as']} times"
+        )
+    if p["collectives"]:
+        lines.append("collectives per step:")
+        for kind, c in sorted(p["collectives"].items()):
+            lines.append(f"  {kind:<18} {c['count']:>6,} x, {gib(c['bytes'])} in all, groups of {c['group_size']}")
+    else:
+        lines.append("collectives per step: none")
+    lines += [
+        "",
+        "ESTIMATE (a roofline, not a measurement: every kernel at peak FLOP/s or full memory bandwidth, no",
+        "overlap of communication with compute, no launch overhead; matmuls not autotuned here):",
+        f"  step time {_seconds(e['step_s'])} = kernels {_seconds(e['kernels_s'])} "
+        f"(compute {_seconds(e['compute_s'])}, memory {_seconds(e['memory_s'])}) + collectives {_seconds(e['collectives_s'])}",
+        f"  MFU {mfu}  (model FLOPs {e['model_flops']:.3g} per device; {e['hlo_flops']:.3g} counted in the program)",
+        f"compiled in {p['compile_s']} s",
+    ]
+    return "\n".join(lines)

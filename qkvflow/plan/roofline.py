@@ -1,0 +1,160 @@
+"""A roofline estimate of one training step from its optimised HLO: an estimate, not a measurement.
+
+Each kernel k (qkvflow.plan.hlo.walk, loops weighted by trip count) takes
+
+    t_k = max(F_k / P, B_k / W)
+
+with F_k its matmul FLOPs, B_k the bytes it reads and writes in device memory, P the device's dense
+peak for the compute dtype and W its memory bandwidth (Williams, Waterman & Patterson, "Roofline",
+CACM 2009). F_k: 2 x (result elements) x (contracted size) for each `dot` in the kernel (in a
+fusion, in its fused computation), the same from a cuBLAS GEMM's dimension numbers, and for cuDNN's
+fused attention 4 B H S_q S_kv D forward and 2.5 times that backward (FlashAttention-2's count),
+halved for a causal mask. Everything else (elementwise work, reductions) is counted as bytes only.
+B_k: its operands plus its result, except that an operand a fusion only reads through
+`dynamic-slice` counts as the slices read, and a fusion whose root is a `dynamic-update-slice`
+writes in place: the update's bytes, not the buffer's. Each collective takes its ring traffic over the link:
+
+    all-gather, reduce-scatter: (n - 1)/n x bytes / L;  all-reduce: 2 (n - 1)/n x bytes / L
+
+with n the group size and L the one-direction bandwidth to another device (NVLink within a node, the
+network once a group spans nodes). The step is the kernels' sum plus the collectives' sum: no
+overlap of communication with compute, no launch overhead, every kernel at peak or at full
+bandwidth, so the truth can be slower (a kernel below its roofline) or faster (overlap).
+MFU = model FLOPs per step / (step time x P), the model FLOPs being Levanter's 3 x forward.
+"""
+
+from __future__ import annotations
+
+import math
+
+from qkvflow.plan import hlo
+
+
+def _dot_flops(module: hlo.Module, instr: hlo.Instr) -> float:
+    (_, out), lhs = hlo.shapes(instr.type)[0], hlo.shapes(module.operand_types(instr)[0])[0][1]
+    dims = instr.attr("lhs_contracting_dims") or "{}"
+    contracted = math.prod(lhs[int(d)] for d in dims.strip("{}").split(",") if d.strip())
+    return 2.0 * math.prod(out) * contracted
+
+
+def _custom_call_flops(module: hlo.Module, instr: hlo.Instr) -> float:
+    target = (instr.attr("custom_call_target") or "").strip('"')
+    config = instr.backend_config()
+    if "gemm" in target or "matmul" in target:
+        numbers = config.get("gemm_backend_config", config).get("dot_dimension_numbers", {})
+        lhs = hlo.shapes(module.operand_types(instr)[0])[0][1]
+        out = hlo.shapes(instr.type)[0][1]
+        contracted = math.prod(lhs[int(d)] for d in numbers.get("lhs_contracting_dimensions", []))
+        return 2.0 * math.prod(out) * contracted
+    if "fmha" in target:
+        operands = module.operand_types(instr)
+        q = hlo.shapes(operands[0])[0][1]  # [B, S, H, D], jax's layout
+        kv = hlo.shapes(operands[1])[0][1]
+        if len(q) != 4 or len(kv) != 4:
+            return 0.0
+        forward = 4.0 * q[0] * q[2] * q[1] * kv[1] * q[3]
+        causal = "CAUSAL" in str(config).upper()
+        return forward * (2.5 if "Backward" in target else 1.0) * (0.5 if causal else 1.0)
+    return 0.0
+
+
+def _fused_flops(module: hlo.Module, name: str) -> float:
+    total = 0.0
+    for instr in module.computations.get(name, []):
+        if instr.opcode == "dot":
+            total += _dot_flops(module, instr)
+        elif instr.opcode == "fusion":
+            total += sum(_fused_flops(module, c) for c in instr.called("calls"))
+    return total
+
+
+def kernel_flops(module: hlo.Module, instr: hlo.Instr) -> float:
+    """Matmul FLOPs of one kernel launch."""
+    if instr.opcode == "dot":
+        return _dot_flops(module, instr)
+    if instr.opcode == "custom-call":
+        return _custom_call_flops(module, instr)
+    if instr.opcode == "fusion":
+        return sum(_fused_flops(module, c) for c in instr.called("calls"))
+    return 0.0
+
+
+def _fusion_bytes(module: hlo.Module, instr: hlo.Instr) -> float | None:
+    (name,) = instr.called("calls") or [None]
+    body = module.computations.get(name)
+    if not body:
+        return None
+    users: dict = {}
+    for i in body:
+        for operand in i.operand_names():
+            users.setdefault(operand, []).append(i)
+    read = 0.0
+    for param in (i for i in body if i.opcode == "parameter"):
+        uses = users.get(param.name, [])
+        if uses and all(u.opcode == "dynamic-slice" and u.operand_names()[:1] == [param.name] for u in uses):
+            read += sum(hlo.nbytes(u.type) for u in uses)
+        elif not any(u.opcode == "dynamic-update-slice" and u.operand_names()[:1] == [param.name] for u in uses):
+            read += hlo.nbytes(param.type)
+    root = next((i for i in body if i.root), None)
+    if root is not None and root.opcode == "dynamic-update-slice":
+        return read + hlo.nbytes(module.operand_types(root)[1])
+    return read + hlo.nbytes(instr.type)
+
+
+def kernel_bytes(module: hlo.Module, instr: hlo.Instr) -> float:
+    """Bytes one kernel launch reads and writes in device memory."""
+    if instr.opcode == "fusion":
+        fused = _fusion_bytes(module, instr)
+        if fused is not None:
+            return fused
+    return module.operand_bytes(instr) + hlo.nbytes(instr.type)
+
+
+def ring_bytes(kind: str, size: float, n: int) -> float:
+    """Bytes each device sends in a ring implementation of a collective over `n` devices."""
+    if n <= 1:
+        return 0.0
+    if kind == "all-reduce":
+        return 2.0 * (n - 1) / n * size
+    if kind == "collective-permute":
+        return size
+    return (n - 1) / n * size
+
+
+def estimate(text_or_module, *, peak_flops, hbm_bytes_per_s, link_bytes_per_s, network_bytes_per_s=None,
+             devices_per_node: int = 8, model_flops: float | None = None, unknown_trip_count: int = 1) -> dict:  # fmt: skip
+    """The roofline of one step (see the module docstring); None for the terms whose rate is unknown."""
+    module = hlo._module(text_or_module)
+    flops = hbm = compute_s = memory_s = kernel_s = comm_bytes = comm_s = 0.0
+    for instr, weight in hlo.walk(module, unknown=unknown_trip_count):
+        f, b = kernel_flops(module, instr), kernel_bytes(module, instr)
+        flops += weight * f
+        hbm += weight * b
+        kind = hlo.COLLECTIVES.get(instr.opcode)
+        if kind is not None:
+            n = hlo.group_size(instr, module.num_partitions)
+            size = module.operand_bytes(instr) * (n if kind == "all-gather" else 1)
+            sent = ring_bytes(kind, size, n)
+            rate = network_bytes_per_s if n > devices_per_node and network_bytes_per_s else link_bytes_per_s
+            comm_bytes += weight * sent
+            comm_s += weight * sent / rate if rate else 0.0
+            continue
+        if peak_flops and hbm_bytes_per_s:
+            c, m = f / peak_flops, b / hbm_bytes_per_s
+            compute_s += weight * c
+            memory_s += weight * m
+            kernel_s += weight * max(c, m)
+    known = bool(peak_flops and hbm_bytes_per_s)
+    step = kernel_s + comm_s if known and (comm_bytes == 0 or link_bytes_per_s) else None
+    return {
+        "hlo_flops": flops,
+        "hbm_bytes": hbm,
+        "collective_bytes_sent": comm_bytes,
+        "compute_s": compute_s if known else None,
+        "memory_s": memory_s if known else None,
+        "kernels_s": kernel_s if known else None,
+        "collectives_s": comm_s if known else None,
+        "step_s": step,
+        "model_flops": model_flops,
+        "mfu": model_flops / (step * peak_flops) if step and model_flops else None,
+    }

@@ -1,0 +1,143 @@
+"""Kernel and collective counting on a hand-written HLO module, against counts made by hand."""
+
+from qkvflow.plan import collectives, count_kernels
+from qkvflow.plan.hlo import nbytes, parse
+
+# entry: 2 fusions, a copy, a cuBLAS GEMM, an all-gather (async pair), a reduce-scatter wrapped in
+# async-start/done, an all-reduce with explicit groups, a while (5 trips, known) and a while (trip
+# count unknown), a conditional (branches of 1 and 3 kernels); parameters/tuples/gte/bitcasts are free.
+HLO = """HloModule jit_step, is_scheduled=true, num_partitions=8
+
+%fused_add (p0: f32[8,16]) -> f32[8,16] {
+  %p0 = f32[8,16]{1,0} parameter(0)
+  ROOT %add = f32[8,16]{1,0} add(%p0, %p0)
+}
+
+%fused_dot (p0.1: bf16[4,32], p1.1: bf16[32,64]) -> bf16[4,64] {
+  %p0.1 = bf16[4,32]{1,0} parameter(0)
+  %p1.1 = bf16[32,64]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[4,64]{1,0} dot(%p0.1, %p1.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (b: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  %b = (s32[], f32[8,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%b), index=0
+  %x = f32[8,16]{1,0} get-tuple-element(%b), index=1
+  %f1 = f32[8,16]{1,0} fusion(%x), kind=kLoop, calls=%fused_add
+  %f2 = f32[8,16]{1,0} fusion(%f1), kind=kLoop, calls=%fused_add
+  %g = (f32[8,16]{1,0}, s8[1024]{0}) custom-call(%f2, %f2), custom_call_target="__cublas$lt$matmul"
+  %gx = f32[8,16]{1,0} get-tuple-element(%g), index=0
+  ROOT %t = (s32[], f32[8,16]{1,0}) tuple(%i, %gx)
+}
+
+%cond (c: (s32[], f32[8,16])) -> pred[] {
+  %c = (s32[], f32[8,16]{1,0}) parameter(0)
+  ROOT %lt = pred[] fusion(%c), kind=kLoop, calls=%fused_add
+}
+
+%inner_body (q: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  %q = (s32[], f32[8,16]{1,0}) parameter(0)
+  %qi = s32[] get-tuple-element(%q), index=0
+  %qx = f32[8,16]{1,0} get-tuple-element(%q), index=1
+  %ar = f32[8,16]{1,0} all-reduce(%qx), replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%fused_add
+  ROOT %qt = (s32[], f32[8,16]{1,0}) tuple(%qi, %ar)
+}
+
+%branch_small (s: f32[8,16]) -> f32[8,16] {
+  %s = f32[8,16]{1,0} parameter(0)
+  ROOT %s1 = f32[8,16]{1,0} fusion(%s), kind=kLoop, calls=%fused_add
+}
+
+%branch_big (u: f32[8,16]) -> f32[8,16] {
+  %u = f32[8,16]{1,0} parameter(0)
+  %u1 = f32[8,16]{1,0} fusion(%u), kind=kLoop, calls=%fused_add
+  %u2 = f32[8,16]{1,0} fusion(%u1), kind=kLoop, calls=%fused_add
+  ROOT %u3 = f32[8,16]{1,0} copy(%u2)
+}
+
+%rs_comp (r: f32[64,16]) -> f32[8,16] {
+  %r = f32[64,16]{1,0} parameter(0)
+  ROOT %rs = f32[8,16]{1,0} reduce-scatter(%r), replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%fused_add
+}
+
+ENTRY %main (a: f32[8,16], w: bf16[4,32], v: bf16[32,64], big: f32[64,16], k: pred[]) -> f32[8,16] {
+  %a = f32[8,16]{1,0} parameter(0)
+  %w = bf16[4,32]{1,0} parameter(1)
+  %v = bf16[32,64]{1,0} parameter(2)
+  %big = f32[64,16]{1,0} parameter(3)
+  %k = pred[] parameter(4)
+  %e1 = f32[8,16]{1,0} fusion(%a), kind=kLoop, calls=%fused_add
+  %e2 = bf16[4,64]{1,0} fusion(%w, %v), kind=kCustom, calls=%fused_dot
+  %cp = f32[8,16]{1,0} copy(%e1)
+  %bc = f32[128]{0} bitcast(%cp)
+  %ags = (f32[8,16]{1,0}, f32[64,16]{1,0}) all-gather-start(%cp), replica_groups=[1,8]<=[8], dimensions={0}
+  %agd = f32[64,16]{1,0} all-gather-done(%ags)
+  %rss = ((f32[64,16]{1,0}), f32[8,16]{1,0}) async-start(%big), calls=%rs_comp
+  %rsd = f32[8,16]{1,0} async-done(%rss)
+  %s0 = s32[] constant(0)
+  %t0 = (s32[], f32[8,16]{1,0}) tuple(%s0, %cp)
+  %w1 = (s32[], f32[8,16]{1,0}) while(%t0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  %w2 = (s32[], f32[8,16]{1,0}) while(%t0), condition=%cond, body=%inner_body
+  %x2 = f32[8,16]{1,0} get-tuple-element(%w2), index=1
+  ROOT %cd = f32[8,16]{1,0} conditional(%k, %x2, %x2), branch_computations={%branch_small, %branch_big}
+}
+"""
+
+
+def test_nbytes_reads_arrays_and_tuples():
+    assert nbytes("f32[8,16]{1,0}") == 8 * 16 * 4
+    assert nbytes("(bf16[4,64]{1,0}, s8[1024]{0})") == 4 * 64 * 2 + 1024
+    assert nbytes("f32[]") == 4 and nbytes("pred[3]") == 3
+
+
+def test_parse_finds_the_entry_and_every_computation():
+    module = parse(HLO)
+    assert module.entry == "main" and module.num_partitions == 8
+    assert len(module.computations) == 9
+    # operand types are looked up by name when the printer leaves them out
+    (dot,) = [i for i in module.computations["fused_dot"] if i.opcode == "dot"]
+    assert module.operand_types(dot) == ["bf16[4,32]{1,0}", "bf16[32,64]{1,0}"]
+
+
+def test_kernels_are_counted_with_loops_weighted_by_their_trip_counts():
+    k = count_kernels(HLO)
+    # entry: e1, e2, cp, all-gather-start, reduce-scatter (inside async) = 5
+    # while w1 (5 trips): body 3 kernels x 5 + condition 1 x 6 = 21
+    # while w2 (unknown, taken as 1): inner all-reduce x 1 + condition 1 x 2 = 3
+    # conditional: the costlier branch, 3 kernels
+    assert k["launches"] == 5 + 21 + 3 + 3
+    assert k["static"] == 5 + 4 + 2 + 3
+    assert k["fusions"] == 2 + 3 + 1 + 2  # entry, w1 (body 2 + cond 1), w2's cond, branch_big's 2
+    assert k["custom_calls"] == {"__cublas$lt$matmul": 5}
+    assert k["unknown_trip_counts"] == 1
+    assert k["once_per_step"] == 5 + 3
+    assert sorted((loop["trip_count"], loop["known"]) for loop in k["loops"]) == [(1, False), (5, True)]
+
+
+def test_a_loop_without_a_trip_count_takes_the_one_given():
+    k = count_kernels(HLO, unknown_trip_count=4)
+    assert k["launches"] == 5 + 21 + (4 + 5) + 3  # w2: all-reduce x 4, condition x 5
+    assert k["by_opcode"]["all-reduce"] == 4
+
+
+def test_collectives_count_their_arrays_and_groups():
+    c = collectives(HLO, unknown_trip_count=3)
+    ag = 8 * 16 * 4 * 8  # the gathered array: the operand x 8 devices
+    assert c["all-gather"] == {"count": 1, "bytes": ag, "group_size": 8}
+    assert c["reduce-scatter"] == {"count": 1, "bytes": 64 * 16 * 4, "group_size": 8}
+    assert c["all-reduce"] == {"count": 3, "bytes": 3 * 8 * 16 * 4, "group_size": 4}
+
+
+def test_the_gpu_start_and_done_pairs_are_one_collective_each():
+    text = """HloModule m, num_partitions=8
+
+ENTRY %main (g: bf16[64,32], h: bf16[8]) -> bf16[8,32] {
+  %g = bf16[64,32]{1,0} parameter(0)
+  %h = bf16[8]{0} parameter(1)
+  %rs = ((bf16[64,32]{1,0}, bf16[8]{0}), (bf16[8,32]{1,0}, bf16[1]{0})) reduce-scatter-start(%g, %h), replica_groups=[1,8]<=[8], dimensions={0}
+  %rd = (bf16[8,32]{1,0}, bf16[1]{0}) reduce-scatter-done(%rs)
+  ROOT %r = bf16[8,32]{1,0} get-tuple-element(%rd), index=0
+}
+"""
+    assert collectives(text) == {"reduce-scatter": {"count": 1, "bytes": (64 * 32 + 8) * 2, "group_size": 8}}
+    assert count_kernels(text)["launches"] == 1

@@ -1,0 +1,119 @@
+"""The parts of a plan that need no compile: targets, topologies, usable memory, the batch search."""
+
+import pytest
+
+from qkvflow.errors import UserError
+from qkvflow.plan import backend, planner, step, targets
+
+
+def test_targets_are_found_by_name_and_an_unknown_one_is_refused_with_the_list():
+    assert targets.get("h100-80gb").name == "H100-80GB"
+    assert targets.get("H200").memory_bytes == 150_000_000_000
+    assert targets.get("cpu:4").name == "cpu:4" and targets.cpu_devices(targets.get("cpu:4")) == 4
+    assert targets.get("A100-80GB", device_memory=123).memory_bytes == 123
+    with pytest.raises(
+        UserError, match=r"--target 'H300' is unknown: expected one of H100-80GB, H200, A100-80GB, v5e, v5p, cpu:N"
+    ):
+        targets.get("H300")
+
+
+@pytest.mark.parametrize("name", sorted(n for n, t in targets.TARGETS.items() if t.platform == "gpu"))
+def test_every_gpu_target_ships_its_spec_with_its_memory(name):
+    target = targets.TARGETS[name]
+    text = target.spec_text()
+    assert text.startswith("# ") and "openxla/xla" in text.splitlines()[0] + text.splitlines()[1]
+    assert f"device_memory_size: {target.memory_bytes}" in text
+    assert f"memory_bandwidth: {int(target.hbm_bytes_per_s)}" in text
+
+
+def test_topologies_put_eight_gpus_on_a_node():
+    assert backend.topology_string(1, 8) == "1x1x1"
+    assert backend.topology_string(8, 8) == "1x1x8"
+    assert backend.topology_string(16, 8) == "1x2x8"
+    with pytest.raises(UserError, match="not a whole number of 8-device nodes"):
+        backend.topology_string(12, 8)
+
+
+def test_tpu_slices_are_named_as_libtpu_names_them():
+    assert [backend.tpu_grid(n, "v5p") for n in (1, 4, 8, 16)] == ["1x1x1", "2x2x1", "2x2x2", "2x2x4"]
+    assert [backend.tpu_grid(n, "v5e") for n in (1, 4, 8)] == ["1x1", "2x2", "2x4"]
+    with pytest.raises(UserError, match="a TPU slice has a power-of-two number of chips"):
+        backend.tpu_grid(6, "v5p")
+
+
+def test_a_gpu_may_use_the_fraction_jax_preallocates(monkeypatch):
+    gpu = targets.get("H100-80GB")
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    assert planner.usable_memory(gpu)[0] == int(0.75 * 84_978_434_048)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", ".9")
+    assert planner.usable_memory(gpu)[0] == int(0.9 * 84_978_434_048)
+    assert planner.usable_memory(targets.get("cpu:1", device_memory=1000))[0] == 1000
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "most")
+    with pytest.raises(UserError, match="XLA_PYTHON_CLIENT_MEM_FRACTION='most' is invalid"):
+        planner.usable_memory(gpu)
+
+
+def test_the_batch_splits_over_the_data_parallel_axes():
+    assert step.data_parallel({"data": 4, "replica": 2, "model": 2, "replica_dcn": 1}) == 8
+
+
+def brute_force(total, limit):
+    b = 0
+    while total(b + 1) <= limit:
+        b += 1
+    return b
+
+
+@pytest.mark.parametrize(
+    "total, start, limit",
+    [
+        (lambda b: 100 + 10 * b, 8, 555),  # linear: found from the line in a few compiles
+        (lambda b: 100 + 10 * b + b * b // 10, 8, 2000),  # curved: the line overshoots, bisection ends it
+        (lambda b: 100 + 10 * b, 64, 555),  # the start does not fit
+        (lambda b: 1000 + 10 * b, 8, 555),  # nothing fits
+        (lambda b: 100 + 10 * b, 8, 100 + 10 * 8),  # the start is the answer
+        (lambda b: 100 if b <= 5 else 1000, 1, 500),  # a step: no line helps, bisection must close the gap
+    ],
+)
+def test_the_largest_batch_that_fits_is_found(total, start, limit):
+    calls = []
+    found = planner.largest_fitting(lambda b: calls.append(b) or total(b), start, limit)
+    assert found["per_device"] == brute_force(total, limit) and found["exact"]
+    assert found["compiles"] == len(calls) <= planner.MAX_COMPILES
+    assert len(set(calls)) == len(calls)  # no batch compiled twice
+
+
+def test_the_batch_search_stops_at_its_compile_limit():
+    found = planner.largest_fitting(lambda b: b * b, 1, 10**9, max_compiles=3)
+    # 1 and 2 fit; the line through them (slope 3) guesses far beyond, which does not fit: 3 compiles
+    assert found == {"per_device": 2, "compiles": 3, "exact": False}
+
+
+def test_the_plan_searches_per_device_batches_and_compiles_global_ones(monkeypatch):
+    """planner.plan with --max_batch, its compiles replaced by a step whose memory is 1000 + 10 b bytes
+    for a global batch b: on 4 data-parallel devices the largest per-device batch under 2000 is 25."""
+    import types
+
+    from qkvflow.plan import step as step_module
+
+    hlo_text = "HloModule m\n\nENTRY %main (a: f32[4]) -> f32[4] {\n  ROOT %a = f32[4]{0} parameter(0)\n}\n"
+    compiled_batches = []
+
+    def fake_compile(config, target, devices, vocab, batch=None):
+        batch = batch or 8
+        compiled_batches.append(batch)
+        stats = types.SimpleNamespace(
+            argument_size_in_bytes=1000, output_size_in_bytes=0, alias_size_in_bytes=0, temp_size_in_bytes=10 * batch
+        )
+        executable = types.SimpleNamespace(memory_analysis=lambda: stats, as_text=lambda: hlo_text)
+        return step_module.Compiled(executable, 0.0, {"data": 4, "model": 1}, 64, batch, "xla", "float32", 1, 2, 3, 1)
+
+    monkeypatch.setattr(step_module, "compile_step", fake_compile)
+    monkeypatch.setattr(backend, "devices_for", lambda target, n: list(range(n)))
+    config = types.SimpleNamespace(model=types.SimpleNamespace(max_seq_len=32, ode=None))
+    monkeypatch.setattr(planner, "model_flops_per_device", lambda *a: 1.0)
+    target = targets.get("cpu:4", device_memory=2000)
+    out = planner.plan(config, target, 4, 64, search_max_batch=True)
+    assert out["batch"]["per_device"] == 2 and out["memory"]["total"] == 1080
+    assert out["max_batch"]["per_device"] == 25 and out["max_batch"]["global"] == 100
+    assert all(b % 4 == 0 for b in compiled_batches)  # every compile is of a whole global batch
