@@ -134,11 +134,17 @@ def reference(tmp_path_factory):
 
 
 def _kill_at_random(workdir, corpus_root, jax_cache, rng, latest=3) -> tuple[Run, int]:
-    """SIGKILL once a random number of steps (1 to `latest`) is done, plus a random delay of up to a
-    second (about one step); returns the run and the last step it finished."""
+    """SIGKILL once a random number of steps (2 to `latest`) is done, plus a random delay of up to one
+    step's time (measured: the time from the first step's line to the second's); returns the run and the
+    last step it finished. A fixed delay would land steps later once steps get faster, and leave the
+    SIGTERM and SIGINT runs after it no steps to interrupt."""
     run = Run(workdir, corpus_root, jax_cache)
-    after = rng.randint(1, latest)
-    delay = rng.uniform(0.0, 1.0)
+    after = rng.randint(2, latest)
+    fraction = rng.uniform(0.0, 1.0)
+    run.wait_for(lambda: run.steps_done() >= 1)
+    first = time.monotonic()
+    run.wait_for(lambda: run.steps_done() >= 2)
+    delay = fraction * (time.monotonic() - first)
     run.wait_for(lambda: run.steps_done() >= after)
     time.sleep(delay)
     run.proc.send_signal(signal.SIGKILL)
