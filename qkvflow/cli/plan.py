@@ -11,7 +11,11 @@ USAGE = "qkvflow plan --config_path CFG --target NAME [--devices N] [--max_batch
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qkvflow plan", usage=USAGE, description=__doc__, add_help=False)
+    from qkvflow.cli import usage
+
+    p = argparse.ArgumentParser(
+        prog="qkvflow plan", usage=USAGE, description=__doc__, add_help=False, epilog=usage.footer("plan")
+    )
     p.add_argument("--target", required=True, help=f"one of {', '.join(targets.known())}")
     p.add_argument("--devices", type=int, default=None, help="devices to compile for (default: 1; cpu:N's N)")
     p.add_argument("--max_batch", action="store_true", help="also find the largest per-device batch that fits")

@@ -39,8 +39,9 @@ REFERENCE = {
     "sweep": "docs/finetune.md",
     "eval": "docs/evaluate.md",
     "generate": "docs/generate.md",
-    "describe": "configs/README.md",
+    "describe": "docs/model.md",
     "tokenizer": "docs/own_text.md",
+    "plan": "docs/plan.md",
 }
 """Each verb's documentation page (relative to the repository root), named at the end of its `--help`."""
 
