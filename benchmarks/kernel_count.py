@@ -1,23 +1,19 @@
 """Kernel launches, fusions and memory of one training step compiled for a GPU that is not present.
 
     python benchmarks/kernel_count.py --config_path benchmarks/configs/accelerator_small.yaml \
-        --target ../shared/gpu-targets/h200.txtpb --batch 8 --model ode [--json_out out.json]
+        --target H200 --batch 8 --model ode [--json_out out.json]
 
 Run it with the `gpu` extra installed (jax-cuda12-plugin); no GPU or driver is needed. The step is
 `qkvflow.bench.speed`'s (loss, gradient, Levanter's Adam, donated state) for the config's DiffEqFormer
 (`--model ode`) or its same-shape Levanter baseline (`--model baseline`), at `p=f32,c=bfloat16` (the
 `--dtype` of `qkvflow bench speed`), with the attention kernel `auto` picks on a GPU. It is lowered from
-abstract arrays (nothing is allocated) on a one-device topology described by the XLA
-`GpuTargetConfigProto` text `--target`, and compiled (`jax.experimental.topologies`).
+abstract arrays (nothing is allocated) for one compile-only device of `--target` (a `qkvflow plan`
+target name, H200, H100-80GB or A100-80GB, or an XLA `GpuTargetConfigProto` text file; the device
+comes from `qkvflow.plan.backend`), and compiled.
 
-`--target` is a `qkvflow plan` target name (H200, H100-80GB, A100-80GB) or such a text file; the
-devices come from `qkvflow.plan.backend`. Counts are `qkvflow.plan.count_kernels` of the optimised
-HLO, the counter `qkvflow plan` reports: its module docstring (`qkvflow/plan/hlo.py`) states what
-counts as a launch and how loops are weighted; a loop whose trip count XLA does not know (the ODE
-solve's) counts as many iterations as `qkvflow plan` takes (`qkvflow.plan.planner.unknown_trips`: the
-config's `ode.num_steps` for a fixed-step solver). XLA may still merge launches at run time (CUDA
-graphs / command buffers), so this is the number of kernels the program asks for, not a measured
-count. Memory is `compiled.memory_analysis()`.
+Counts are `qkvflow.plan.count_kernels` of the optimised HLO, the counter `qkvflow plan` reports,
+with the trip count `qkvflow plan` takes for the ODE solve's loops; `qkvflow/plan/hlo.py`'s module
+docstring states the rule. Memory is `compiled.memory_analysis()`.
 """
 
 import argparse
@@ -92,7 +88,8 @@ def target_of(name: str):
         return targets.from_spec_file(name)
     target = targets.get(name)
     if target.platform != "gpu":
-        raise UserError(f"--target {name}: expected a GPU target ({', '.join(targets.TARGETS)}) or a .txtpb file")
+        gpus = ", ".join(n for n, t in targets.TARGETS.items() if t.platform == "gpu")
+        raise UserError(f"--target {name}: expected a GPU target ({gpus}) or a .txtpb file")
     return target
 
 

@@ -1,12 +1,17 @@
 """Reading an optimised XLA HLO module (`compiled.as_text()`): what runs, how often, and what it moves.
 
-After XLA's passes, each instruction of the entry computation is one kernel launch (a `fusion`, a
-`custom-call` such as a cuBLAS GEMM or cuDNN's fused attention, a collective, a copy, ...), except the
-ones that launch nothing (`FREE`: parameters, tuples, bitcasts, the `-done` halves of async pairs).
-Control flow runs other computations: a `while` runs its body n times and its condition n + 1 times
-(n: XLA's `known_trip_count`, weight 1 and counted in `unknown_trip_counts` when XLA does not know
-it), a `call` and an `async-start` run theirs once, a `conditional` one branch (the costliest is
-counted). A fused computation is part of its fusion's single kernel and is not walked.
+The counting rule (the one `qkvflow plan` and `benchmarks/kernel_count.py` report). After XLA's
+passes, each instruction of the entry computation is one kernel launch (a `fusion`, a `custom-call`
+such as a cuBLAS GEMM or cuDNN's fused attention, a collective, a copy, ...), except the ones that
+launch nothing (`FREE`: parameters, tuples, bitcasts, control flow, the `-done` halves of async
+pairs). Control flow runs other computations: a `while` runs its body n times and its condition
+n + 1 times, a `call` and an `async-start` run theirs once, a `conditional` one branch (the costliest
+is counted). n is XLA's `known_trip_count`; a loop XLA has none for (a diffrax solve's `while`) runs
+`unknown_trip_count` times (1 unless given; the callers pass a fixed-step ODE's `num_steps`,
+`qkvflow.plan.planner.unknown_trips`) and is counted in `unknown_trip_counts`. A fused computation is
+part of its fusion's single kernel and is not walked. `once_per_step` is every launch outside loops,
+inside called computations and branches too. XLA may still merge launches at run time (CUDA graphs,
+command buffers): these are the kernels the program asks for, not a measured count.
 
     count_kernels(text)  -> kernel launches per step, fusions, custom calls by target, loops
     collectives(text)    -> per kind (all-gather, reduce-scatter, all-reduce, ...): count, bytes, group size
