@@ -23,18 +23,7 @@ import sys
 from pathlib import Path
 
 from qkvflow.errors import UserError
-from qkvflow.plan import hlo as hlo_text
-
-
-def loops_of(module, trips: int) -> list:
-    """The entry's loops: trip count (None: XLA does not know it) and launches per iteration of the body."""
-    out = []
-    for instr in module.computations[module.entry]:
-        if instr.opcode == "while":
-            body = instr.called("body")[0]
-            per_iteration = sum(w for _, w in hlo_text.walk(module, body, unknown=trips))
-            out.append({"trip_count": hlo_text.trip_count(instr), "launches_per_iteration": per_iteration})
-    return out
+from qkvflow.plan import count_kernels
 
 
 def abstract_inputs(config, Vocab, Batch, dtype: str, optimizer):
@@ -138,7 +127,7 @@ def run(args) -> int:
     Vocab, Batch = hax.Axis("vocab", defaults["vocab_size"]), hax.Axis("batch", args.batch)
     compiled, seconds = compile_step(model, Vocab, Batch, args.dtype, target, optimizer)
     hlo = compiled.as_text()
-    module, trips = hlo_text.parse(hlo), unknown_trips(model)
+    trips = unknown_trips(model)
     if args.hlo_out:
         Path(args.hlo_out).write_text(hlo)
     result = {
@@ -153,8 +142,7 @@ def run(args) -> int:
         "memory": xla_memory(compiled),
         "cudnn_attention_calls": hlo.count("__cudnn$fmha"),
         "unknown_trip_count_taken_as": trips,
-        **hlo_text.count_kernels(module, unknown_trip_count=trips),
-        "entry_loops": loops_of(module, trips),
+        **count_kernels(hlo, unknown_trip_count=trips),
     }
     text = json.dumps(result, indent=2)
     if args.json_out:

@@ -228,9 +228,12 @@ def walk(
             if n is None:
                 stats["unknown_trip_counts"] = stats.get("unknown_trip_counts", 0) + 1
                 n = unknown
-            stats.setdefault("loops", []).append({"trip_count": n, "known": trip_count(instr) is not None})
+            body = instr.called("body")[0]
+            per_iteration = sum(w for _, w in walk(module, body, 1, {}, unknown))
+            loop = {"trip_count": n, "known": trip_count(instr) is not None, "launches_per_iteration": per_iteration}
+            stats.setdefault("loops", []).append(loop)
             yield from walk(module, instr.called("condition")[0], weight * (n + 1), stats, unknown)
-            yield from walk(module, instr.called("body")[0], weight * n, stats, unknown)
+            yield from walk(module, body, weight * n, stats, unknown)
         elif op in ("call", "async-start"):
             for c in instr.called("to_apply") + instr.called("calls"):
                 yield from walk(module, c, weight, stats, unknown, loops)
@@ -253,7 +256,8 @@ def count_kernels(hlo, unknown_trip_count: int = 1) -> dict:
     """Kernel launches per step of an optimised HLO module (text or `parse`d), loops weighted by trip
     count (`unknown_trip_count` for a loop XLA has none for): `launches` in all, `once_per_step` (outside loops),
     `static` (each instruction once), `fusions` (static), `custom_calls` (launches per target),
-    `by_opcode` (launches), `loops` and `unknown_trip_counts`."""
+    `by_opcode` (launches), `loops` (trip count, whether XLA knows it, launches per iteration of the
+    body) and `unknown_trip_counts`."""
     module = _module(hlo)
     stats: dict = {}
     launches, static, fusions = 0, 0, 0
