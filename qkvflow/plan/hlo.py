@@ -1,12 +1,17 @@
 """Reading an optimised XLA HLO module (`compiled.as_text()`): what runs, how often, and what it moves.
 
-After XLA's passes, each instruction of the entry computation is one kernel launch (a `fusion`, a
-`custom-call` such as a cuBLAS GEMM or cuDNN's fused attention, a collective, a copy, ...), except the
-ones that launch nothing (`FREE`: parameters, tuples, bitcasts, the `-done` halves of async pairs).
-Control flow runs other computations: a `while` runs its body n times and its condition n + 1 times
-(n: XLA's `known_trip_count`, weight 1 and counted in `unknown_trip_counts` when XLA does not know
-it), a `call` and an `async-start` run theirs once, a `conditional` one branch (the costliest is
-counted). A fused computation is part of its fusion's single kernel and is not walked.
+The counting rule (the one `qkvflow plan` and `benchmarks/kernel_count.py` report). After XLA's
+passes, each instruction of the entry computation is one kernel launch (a `fusion`, a `custom-call`
+such as a cuBLAS GEMM or cuDNN's fused attention, a collective, a copy, ...), except the ones that
+launch nothing (`FREE`: parameters, tuples, bitcasts, control flow, the `-done` halves of async
+pairs). Control flow runs other computations: a `while` runs its body n times and its condition
+n + 1 times, a `call` and an `async-start` run theirs once, a `conditional` one branch (the costliest
+is counted). n is XLA's `known_trip_count`; a loop XLA has none for (a diffrax solve's `while`) runs
+`unknown_trip_count` times (1 unless given; the callers pass a fixed-step ODE's `num_steps`,
+`qkvflow.plan.planner.unknown_trips`) and is counted in `unknown_trip_counts`. A fused computation is
+part of its fusion's single kernel and is not walked. `once_per_step` is every launch outside loops,
+inside called computations and branches too. XLA may still merge launches at run time (CUDA graphs,
+command buffers): these are the kernels the program asks for, not a measured count.
 
     count_kernels(text)  -> kernel launches per step, fusions, custom calls by target, loops
     collectives(text)    -> per kind (all-gather, reduce-scatter, all-reduce, ...): count, bytes, group size
@@ -223,9 +228,12 @@ def walk(
             if n is None:
                 stats["unknown_trip_counts"] = stats.get("unknown_trip_counts", 0) + 1
                 n = unknown
-            stats.setdefault("loops", []).append({"trip_count": n, "known": trip_count(instr) is not None})
+            body = instr.called("body")[0]
+            per_iteration = sum(w for _, w in walk(module, body, 1, {}, unknown))
+            loop = {"trip_count": n, "known": trip_count(instr) is not None, "launches_per_iteration": per_iteration}
+            stats.setdefault("loops", []).append(loop)
             yield from walk(module, instr.called("condition")[0], weight * (n + 1), stats, unknown)
-            yield from walk(module, instr.called("body")[0], weight * n, stats, unknown)
+            yield from walk(module, body, weight * n, stats, unknown)
         elif op in ("call", "async-start"):
             for c in instr.called("to_apply") + instr.called("calls"):
                 yield from walk(module, c, weight, stats, unknown, loops)
@@ -248,7 +256,8 @@ def count_kernels(hlo, unknown_trip_count: int = 1) -> dict:
     """Kernel launches per step of an optimised HLO module (text or `parse`d), loops weighted by trip
     count (`unknown_trip_count` for a loop XLA has none for): `launches` in all, `once_per_step` (outside loops),
     `static` (each instruction once), `fusions` (static), `custom_calls` (launches per target),
-    `by_opcode` (launches), `loops` and `unknown_trip_counts`."""
+    `by_opcode` (launches), `loops` (trip count, whether XLA knows it, launches per iteration of the
+    body) and `unknown_trip_counts`."""
     module = _module(hlo)
     stats: dict = {}
     launches, static, fusions = 0, 0, 0

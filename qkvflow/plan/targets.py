@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from importlib import resources
+from pathlib import Path
 from typing import Optional
 
 from qkvflow.errors import UserError
@@ -35,10 +36,12 @@ class Target:
     link_bytes_per_s: Optional[float] = None  # to another device of the same node, one direction
     network_bytes_per_s: Optional[float] = None  # to a device of another node, one direction
     devices_per_node: int = 8
-    spec: Optional[str] = None  # the GpuTargetConfigProto file under specs/
+    spec: Optional[str] = None  # the GpuTargetConfigProto file under specs/, or an absolute path
     source: str = ""
 
     def spec_text(self) -> str:
+        if Path(self.spec).is_absolute():
+            return Path(self.spec).read_text()
         return resources.files("qkvflow.plan").joinpath("specs").joinpath(self.spec).read_text()
 
 
@@ -101,6 +104,21 @@ def get(name: str, device_memory: Optional[int] = None) -> Target:
             raise UserError(f"--device_memory={device_memory} is invalid: expected a number of bytes >= 1")
         target = dataclasses.replace(target, memory_bytes=int(device_memory))
     return target
+
+
+def from_spec_file(path: str) -> Target:
+    """A GPU target read from a `GpuTargetConfigProto` text file: its `device_memory_size`, and no
+    datasheet numbers (peak, bandwidths: the roofline says n/a). A file that is missing or has no
+    memory size is refused in one line."""
+    file = Path(path).resolve()
+    try:
+        text = file.read_text()
+    except OSError as e:
+        raise UserError(f"--target {path}: cannot read it ({e.strerror})") from None
+    memory = re.search(r"device_memory_size:\s*(\d+)", text)
+    if memory is None:
+        raise UserError(f"--target {path}: no device_memory_size; expected an XLA GpuTargetConfigProto text")
+    return Target(path, "gpu", int(memory.group(1)), {}, spec=str(file), source=path)
 
 
 def cpu_devices(target: Target) -> Optional[int]:

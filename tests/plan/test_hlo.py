@@ -111,7 +111,8 @@ def test_kernels_are_counted_with_loops_weighted_by_their_trip_counts():
     assert k["custom_calls"] == {"__cublas$lt$matmul": 5}
     assert k["unknown_trip_counts"] == 1
     assert k["once_per_step"] == 5 + 3
-    assert sorted((loop["trip_count"], loop["known"]) for loop in k["loops"]) == [(1, False), (5, True)]
+    loops = sorted((loop["trip_count"], loop["known"], loop["launches_per_iteration"]) for loop in k["loops"])
+    assert loops == [(1, False, 1), (5, True, 3)]  # w2's body: the all-reduce; w1's: 3 kernels
 
 
 def test_a_loop_without_a_trip_count_takes_the_one_given():

@@ -26,6 +26,19 @@ def test_every_gpu_target_ships_its_spec_with_its_memory(name):
     assert f"memory_bandwidth: {int(target.hbm_bytes_per_s)}" in text
 
 
+def test_a_gpu_target_is_read_from_a_spec_file_outside_the_package(tmp_path):
+    spec = tmp_path / "mine.txtpb"
+    spec.write_text("gpu_device_info {\n  core_count: 132\n  device_memory_size: 12345\n}\n")
+    target = targets.from_spec_file(str(spec))
+    assert (target.platform, target.memory_bytes, target.peak_flops) == ("gpu", 12345, {})
+    assert target.spec_text() == spec.read_text()
+    (tmp_path / "bad.txtpb").write_text("gpu_device_info { core_count: 132 }\n")
+    with pytest.raises(UserError, match=r"bad.txtpb: no device_memory_size; expected an XLA GpuTargetConfigProto"):
+        targets.from_spec_file(str(tmp_path / "bad.txtpb"))
+    with pytest.raises(UserError, match=r"absent.txtpb: cannot read it"):
+        targets.from_spec_file(str(tmp_path / "absent.txtpb"))
+
+
 def test_topologies_put_eight_gpus_on_a_node():
     assert backend.topology_string(1, 8) == "1x1x1"
     assert backend.topology_string(8, 8) == "1x1x8"
