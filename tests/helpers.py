@@ -43,15 +43,19 @@ def smooth_model(config, seed=0):
 
 
 def config_class(path):
-    """The dataclass a shipped YAML is written for: a fine-tuning config names its `pretrained` model."""
+    """The dataclass a shipped YAML is written for: a fine-tuning config names its `pretrained` model; a
+    config for `qkvflow plan` alone sets the vocabulary its model is built with (`vocab_size`)."""
     import yaml
 
+    from qkvflow.plan.config import PlanConfig
     from qkvflow.training.config import TrainConfig
     from qkvflow.training.finetune import FinetuneConfig
 
     with open(path) as f:
         content = yaml.safe_load(f)
-    return FinetuneConfig if isinstance(content, dict) and "pretrained" in content else TrainConfig
+    if isinstance(content, dict) and "pretrained" in content:
+        return FinetuneConfig
+    return PlanConfig if isinstance(content, dict) and "vocab_size" in content else TrainConfig
 
 
 def parse_config(path, cls=None, args=()):

@@ -606,7 +606,7 @@ def _truncate_a_data_file(step: Path) -> str:
     os.truncate(data, data.stat().st_size // 2)
     return (
         rf"(its OCDBT database file 'd/{data.name}' is damaged \("
-        r"|array model\.[\w.]+ cannot be read, its chunk '[\d/]+' is damaged \()"
+        r"|array model\.[\w.+]+ cannot be read, its chunk '[\d/]+' is damaged \()"
     )
 
 

@@ -468,7 +468,7 @@ def test_a_damaged_checkpoint_is_named_in_one_line(runs, tmp_path, capsys):
         assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
         assert err.startswith(f"qkvflow export: error: checkpoint '{copy / 'step-0'}': ") and len(err) < 400, err
         assert "is damaged (Requested byte range" in err and err.endswith("; use an earlier step-N folder of the run\n")
-        array = re.search(r": array (model\.[\w.]+) cannot be read, its (chunk '[\d/]+'|metadata \(zarr.json\))", err)
+        array = re.search(r": array (model\.[\w.+]+) cannot be read, its (chunk '[\d/]+'|metadata \(zarr.json\))", err)
         index = f": its OCDBT database file 'd/{name}' is damaged (" in err
         assert (array.group(1) if array else "index" if index else None) in damaged, (err, damaged)
         named.append(array.group(1) if array else "index")
