@@ -67,7 +67,7 @@ def test_embedding_dropout_zeroes_and_scales_the_embedding():
     model = tiny_model(tiny_config("gpt2", embed_pdrop=p))
     model = eqx.tree_at(lambda m: m.generator, model, jax.tree_util.tree_map(jnp.zeros_like, model.generator))
     ids = random_tokens(model.config)
-    x1 = flow(model, ids, KEY).astype(np.float64)
+    x1 = np.asarray(flow(model, ids, KEY), dtype=np.float64)
     x0 = np.stack([official_embedding(model, np.asarray(ids["batch", b].array)) for b in range(ids.shape["batch"])])
     kept = x1 != 0
     np.testing.assert_allclose(x1[kept], x0[kept] / (1 - p), rtol=1e-6)
@@ -82,7 +82,7 @@ def test_residual_dropout_masks_each_branch_and_scales_by_one_over_keep():
     p = 0.4
     base = official_model(1, "right", resid_pdrop=p)
     ids = random_tokens(base.config)
-    x1 = flow(base, ids, KEY).astype(np.float64)
+    x1 = np.asarray(flow(base, ids, KEY), dtype=np.float64)
     w = official_weights(base.generator, 1.0, base.config.num_frequencies)  # right grid: W(1) for the step
     hits = np.zeros(4)
     for b in range(ids.shape["batch"]):
