@@ -472,7 +472,7 @@ def test_a_damaged_checkpoint_is_named_in_one_line(runs, tmp_path, capsys):
         index = f": its OCDBT database file 'd/{name}' is damaged (" in err
         assert (array.group(1) if array else "index" if index else None) in damaged, (err, damaged)
         named.append(array.group(1) if array else "index")
-    assert named[-len(alone) :] == [what for _, (_, _, what) in alone]  # each array cut alone, by its name
+    assert named[len(named) - len(alone) :] == [what for _, (_, _, what) in alone]  # each array cut alone, by its name
 
 
 def _snapshot(folder: Path) -> dict:
