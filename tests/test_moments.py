@@ -79,14 +79,61 @@ def test_mu_of_exactly_the_projections_is_bfloat16_and_follows_optax_rule():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_off_by_default_and_bad_values_get_one_line():
+def test_bfloat16_for_new_runs_by_default_and_bad_values_get_one_line():
     from qkvflow.training.config import TrainConfig
+    from qkvflow.training.moments import resolve
 
-    assert TrainConfig().hypernetwork_mu_dtype is None
+    assert TrainConfig().hypernetwork_mu_dtype == "auto"
+    assert resolve("auto") == jnp.bfloat16 and resolve(None) == jnp.float32 and resolve("float32") == jnp.float32
     optimizer = AdamConfig().build(10)
     assert with_hypernetwork_mu_dtype(optimizer, None) is optimizer
+    assert with_hypernetwork_mu_dtype(optimizer, "float32") is optimizer
     with pytest.raises(UserError) as error:
         with_hypernetwork_mu_dtype(optimizer, "bf16")
-    assert (
-        str(error.value) == "hypernetwork_mu_dtype='bf16' is invalid: expected null or one of ['bfloat16', 'float32']"
+    assert str(error.value) == (
+        "hypernetwork_mu_dtype='bf16' is invalid: expected auto, null or one of ['bfloat16', 'float32']"
     )
+
+
+def _checkpoint(folder, mu_dtypes: dict) -> str:
+    """A checkpoint folder in Levanter 1.2's layout (a zarr v2 `.zarray` per array), metadata only."""
+    import json
+
+    for key, dtype in {"model/generator/projections/w1": "<f4", **mu_dtypes}.items():
+        (folder / key).mkdir(parents=True)
+        (folder / key / ".zarray").write_text(json.dumps({"shape": [8, 4], "dtype": dtype}))
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    "stored, value, want",
+    [
+        ("<f4", "auto", "float32"),  # a run begun with float32 moments goes on in float32
+        ("bfloat16", "auto", "bfloat16"),
+        ("<f4", "float32", "float32"),
+        ("<f4", None, None),
+        ("bfloat16", "bfloat16", "bfloat16"),
+    ],
+)
+def test_a_resumed_run_keeps_the_dtype_its_checkpoint_stores(tmp_path, stored, value, want):
+    from qkvflow.training.moments import for_resume
+
+    mu = {f"opt_state/inner/inner_state/1/mu/generator/projections/{n}": stored for n in ("w1", "q+k+v")}
+    mu["opt_state/inner/inner_state/1/mu/token_embeddings/weight"] = "<f4"  # not a projection: never read
+    mu["opt_state/inner/inner_state/1/nu/generator/projections/w1"] = "<f4"
+    assert for_resume(value, _checkpoint(tmp_path, mu)) == want
+    assert for_resume(value, None) == value  # a new run
+
+
+def test_resuming_with_another_dtype_than_stored_is_refused_in_one_line(tmp_path):
+    from qkvflow.training.moments import for_resume
+
+    path = _checkpoint(tmp_path, {"opt_state/inner/inner_state/1/mu/generator/projections/w1": "bfloat16"})
+    with pytest.raises(UserError) as error:
+        for_resume("float32", path)
+    assert str(error.value) == (
+        f"hypernetwork_mu_dtype='float32' but checkpoint {path!r} stores the first moments in bfloat16: resume "
+        "with hypernetwork_mu_dtype: auto (or bfloat16), or start a new run (a new trainer.id)"
+    )
+    # a checkpoint with no hypernetwork moments (a GPT-2's) decides nothing
+    assert for_resume("float32", _checkpoint(tmp_path / "gpt2", {"opt_state/mu/blocks/w": "bfloat16"})) == "float32"

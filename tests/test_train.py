@@ -101,6 +101,43 @@ def test_stop_and_resume_reproduces_uninterrupted_losses(four_device_runs):
     assert len(whole) == 8 and losses(workdir) == whole
 
 
+def test_a_run_begun_with_float32_moments_resumes_in_float32(four_device_runs):
+    """`hypernetwork_mu_dtype: auto` (the default) keeps the dtype the checkpoint stores: a run begun with
+    float32 first moments resumes bit for bit as the uninterrupted float32 run, and its next checkpoint
+    still stores float32; asking for bfloat16 on resume is refused in one line, before anything is written."""
+    from qkvflow.training.checkpoint_arrays import array_dtypes
+
+    workdir, code, _, stderr, _ = four_device_runs["f32-as-bf16"]
+    assert code == 2, stderr[-2000:]
+    assert (
+        stderr.strip()
+        .splitlines()[-1]
+        .endswith(
+            f"hypernetwork_mu_dtype='bfloat16' but checkpoint '{workdir}/checkpoints/tiny/step-4' stores the first "
+            "moments in float32: resume with hypernetwork_mu_dtype: auto (or float32), or start a new run (a new trainer.id)"
+        )
+    )
+    _, code, stdout, stderr, _ = four_device_runs["f32-resume"]
+    assert code == 0, stderr[-3000:]
+    assert "resuming run tiny after step 4" in stdout
+    whole = losses(four_device_runs["f32"][0])
+    assert len(whole) == 8 and losses(workdir) == whole
+    assert whole != losses(four_device_runs["fsdp"][0])  # the default run's bfloat16 moments do change the losses
+    mu = {k: v for k, v in array_dtypes(str(workdir / "checkpoints/tiny/step-8")).items() if "/mu/" in k}
+    assert {v for k, v in mu.items() if "/projections/" in k} == {"float32"}
+
+
+def test_a_new_run_stores_the_projections_first_moments_in_bfloat16(four_device_runs):
+    from qkvflow.training.checkpoint_arrays import array_dtypes
+
+    workdir = four_device_runs["resume"][0]
+    stored = array_dtypes(str(workdir / "checkpoints/tiny/step-8"))
+    mu = {k: v for k, v in stored.items() if "/mu/" in k}
+    assert {v for k, v in mu.items() if "/projections/" in k} == {"bfloat16"}
+    assert {v for k, v in mu.items() if "/projections/" not in k} == {"float32"}  # e.g. the time MLPs
+    assert {v for k, v in stored.items() if "/nu/" in k} == {"float32"}
+
+
 @pytest.mark.parametrize(
     "summary, stop_after, line",
     [
@@ -189,6 +226,21 @@ def four_device_runs(tmp_path_factory, corpus_root):
     before["stop"] = before["resume"] = (stopped, None)
     cases["stop"] = train_args(stopped, corpus_root, "--stop_after", "4", *NO_EVAL)[3:]
     cases["resume"] = train_args(stopped, corpus_root, *NO_EVAL)[3:]  # runs after "stop" (dicts keep order)
+    # a run begun with float32 first moments (the default before bfloat16), uninterrupted and stopped; its
+    # resume with an explicit bfloat16 is refused, with the default `auto` it continues in float32
+    f32, whole, stopped_f32 = (
+        ["--hypernetwork_mu_dtype", "float32"],
+        tmp_path_factory.mktemp("four-f32"),
+        tmp_path_factory.mktemp("four-f32-stop"),
+    )
+    for case, workdir, args in [
+        ("f32", whole, f32),
+        ("f32-stop", stopped_f32, [*f32, "--stop_after", "4"]),
+        ("f32-as-bf16", stopped_f32, ["--hypernetwork_mu_dtype", "bfloat16"]),
+        ("f32-resume", stopped_f32, []),
+    ]:
+        before[case] = (workdir, None)
+        cases[case] = train_args(workdir, corpus_root, *args, *NO_EVAL)[3:]
     for case, (args, _message) in zip(BAD_IDS, BAD):
         workdir = tmp_path_factory.mktemp(f"bad-{case}")
         existing = workdir / "checkpoints" / "tiny" / "step-5"

@@ -15,6 +15,7 @@ metrics, the loss curve and checkpoint metadata; every process writes its shards
 """
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -26,7 +27,7 @@ import levanter
 import levanter.tracker
 
 from qkvflow.plotting import plot_loss_curve
-from qkvflow.training import faults, halting_phase, loop, preflight, session
+from qkvflow.training import faults, halting_phase, loop, moments, preflight, session
 from qkvflow.training.config import TrainConfig
 from qkvflow.training.loss import train_loss
 from qkvflow.training.tracking import metrics_file
@@ -51,6 +52,8 @@ def _train(config: TrainConfig, preemption: faults.Preemption, cleanup: contextl
         # only its halting head trains; its own checkpoints hold only the head, so check_resume does not apply
         config, model, is_trainable = halting_phase.prepare(config, Vocab, model_key)
         resume_from = None if model is not None else preflight.check_resume(config, Vocab)
+        mu_dtype = moments.for_resume(config.hypernetwork_mu_dtype, resume_from)  # auto: as the run began
+        config = dataclasses.replace(config, hypernetwork_mu_dtype=mu_dtype)
         return (config, model, is_trainable, resume_from, model_key), config.model.max_Pos
 
     _, tokenizer, inject, Vocab, tokens, prepared = session.start(config, cleanup, prepare)

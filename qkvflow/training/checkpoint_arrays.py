@@ -7,6 +7,7 @@ Two layouts exist:
 * Levanter 1.2 wrote a folder per array with a zarr v2 `.zarray` file (`model/token_embeddings/weight/.zarray`).
 
     array_shapes("checkpoints/run/step-100")["model/token_embeddings/weight"] == (50304, 768)
+    array_dtypes("checkpoints/run/step-100")["model/token_embeddings/weight"] == "float32"
 """
 
 from __future__ import annotations
@@ -24,28 +25,43 @@ def is_ocdbt(checkpoint: str) -> bool:
 
 def array_shapes(checkpoint: str) -> dict[str, tuple[int, ...]]:
     """{"model/...": shape} for every array of the checkpoint (a `step-N` folder)."""
+    return {key: tuple(m["shape"]) for key, m in _metadata(checkpoint).items() if m.get("shape") is not None}
+
+
+def array_dtypes(checkpoint: str) -> dict[str, str]:
+    """{"opt_state/...": "float32"} for every array of the checkpoint: numpy's name of its stored dtype
+    (zarr v3's `data_type`, or zarr v2's `dtype` such as "<f4")."""
+    import numpy as np
+
+    dtypes = {}
+    for key, m in _metadata(checkpoint).items():
+        name = m.get("data_type") or m.get("dtype")
+        if isinstance(name, str):
+            dtypes[key] = name if name == "bfloat16" else np.dtype(name).name
+    return dtypes
+
+
+def _metadata(checkpoint: str) -> dict[str, dict]:
+    """{path: zarr metadata} for every array of the checkpoint."""
     if is_ocdbt(checkpoint):
-        return _ocdbt_shapes(str(checkpoint))
+        return _ocdbt_metadata(str(checkpoint))
     fs, root = fsspec.core.url_to_fs(str(checkpoint))
-    shapes = {}
+    found = {}
     for name in (".zarray", "zarr.json"):
         for file in fs.glob(os.path.join(root, "**", name)):
             with fs.open(file) as f:
-                shape = json.load(f).get("shape")
-            if shape is not None:
-                shapes[os.path.relpath(os.path.dirname(file), root)] = tuple(shape)
-    return shapes
+                found[os.path.relpath(os.path.dirname(file), root)] = json.load(f)
+    return found
 
 
-def _ocdbt_shapes(checkpoint: str) -> dict[str, tuple[int, ...]]:
+def _ocdbt_metadata(checkpoint: str) -> dict[str, dict]:
     import tensorstore as ts
     from levanter.tensorstore_serialization import build_kvstore_spec
 
     store = ts.KvStore.open({"driver": "ocdbt", "base": build_kvstore_spec(checkpoint)}).result()
-    shapes = {}
+    found = {}
     for key in store.list().result():
         key = key.decode("utf-8")
         if key.endswith("/zarr.json"):
-            metadata = json.loads(store.read(key).result().value)
-            shapes[key[: -len("/zarr.json")]] = tuple(metadata["shape"])
-    return shapes
+            found[key[: -len("/zarr.json")]] = json.loads(store.read(key).result().value)
+    return found

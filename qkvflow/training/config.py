@@ -43,10 +43,10 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     model: LmConfig = field(default_factory=DiffEqFormerGpt2Config)
     optimizer: OptimizerConfig = field(default_factory=AdamConfig)
-    hypernetwork_mu_dtype: Optional[str] = None
-    """`bfloat16`: Adam's first moment of a DiffEqFormer's hypernetwork projections is stored in bfloat16
-    between steps (optax's `mu_dtype` rule, `qkvflow.training.moments`); null: float32, like every other
-    moment."""
+    hypernetwork_mu_dtype: Optional[str] = "auto"
+    """Dtype in which Adam's first moment of a DiffEqFormer's hypernetwork projections is stored between
+    steps (optax's `mu_dtype` rule, `qkvflow.training.moments`): `bfloat16`, or `float32` (null too) like
+    every other moment. `auto`: bfloat16 for a new run; a resumed run keeps the dtype its checkpoint stores."""
     epochs: int = 0
     """Passes over the training data: 0 reads it once (the run ends early if it runs out);
     N > 0 loops it N times (reshuffled by Levanter each pass)."""

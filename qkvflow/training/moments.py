@@ -12,6 +12,10 @@ under `generator.projections` only: it widens their stored mu to float32 before 
 casts the new mu back after it. The second moment nu stays float32: with Levanter's beta2 = 0.95 a
 bfloat16 nu would still move (each step changes it by 5%, over bfloat16's 0.4% spacing), but with a
 beta2 of 0.999 its 0.1% steps would round away.
+
+The default, `auto`, is bfloat16 for a new run; a resumed run keeps the dtype its checkpoint stores
+(`for_resume`), so a run started with float32 moments continues exactly as it began. bfloat16 became
+the default after two `qkvflow bench compare` studies found no change in quality (docs/performance.md).
 """
 
 from typing import Optional
@@ -23,17 +27,54 @@ import optax
 from qkvflow.errors import UserError
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+AUTO = "auto"
+NEW_RUN = "bfloat16"
+"""What `auto` means for a run that does not resume."""
 SCOPE = ".projections["
 """Key-path text of the stacked hypernetwork projections (`qkvflow.models.generator.HyperGenerator`)."""
 
 
 def resolve(value: Optional[str]):
-    """The dtype `hypernetwork_mu_dtype` names, or None; one line for anything else."""
+    """The dtype `hypernetwork_mu_dtype` names for a new run (`auto`: bfloat16; null: float32); one line
+    for anything else."""
     if value is None:
-        return None
+        return jnp.float32
+    if value == AUTO:
+        value = NEW_RUN
     if value not in DTYPES:
-        raise UserError(f"hypernetwork_mu_dtype={value!r} is invalid: expected null or one of {sorted(DTYPES)}")
+        raise UserError(f"hypernetwork_mu_dtype={value!r} is invalid: expected {AUTO}, null or one of {sorted(DTYPES)}")
     return DTYPES[value]
+
+
+def stored_dtype(checkpoint: str) -> Optional[str]:
+    """The dtype of the projections' first moment in a checkpoint's optimizer state (read from the arrays'
+    metadata), or None if it holds none (no hypernetwork, or no optimizer state)."""
+    from qkvflow.training.checkpoint_arrays import array_dtypes
+
+    found = {
+        dtype
+        for key, dtype in array_dtypes(checkpoint).items()
+        if key.startswith("opt_state/") and "/mu/" in key and "/projections/" in key
+    }
+    if len(found) > 1:
+        raise UserError(f"checkpoint {checkpoint!r} holds first moments of several dtypes {sorted(found)}")
+    return found.pop() if found else None
+
+
+def for_resume(value: Optional[str], checkpoint: Optional[str]) -> Optional[str]:
+    """`hypernetwork_mu_dtype` for a run resuming from `checkpoint` (None: a new run, `value` unchanged):
+    `auto` becomes the dtype the checkpoint stores; an explicit dtype must be that one (one line if not)."""
+    stored = stored_dtype(checkpoint) if checkpoint else None
+    if stored is None:
+        return value
+    if value == AUTO:
+        return stored
+    if resolve(value) != DTYPES.get(stored):
+        raise UserError(
+            f"hypernetwork_mu_dtype={value!r} but checkpoint {checkpoint!r} stores the first moments in {stored}: "
+            f"resume with hypernetwork_mu_dtype: {AUTO} (or {stored}), or start a new run (a new trainer.id)"
+        )
+    return value
 
 
 def is_projection(path) -> bool:
@@ -55,10 +96,10 @@ def _cast_mu(state, dtype):
 
 
 def with_hypernetwork_mu_dtype(optimizer: optax.GradientTransformation, value: Optional[str]):
-    """`optimizer` (Levanter's Adam) with the projections' mu stored in the dtype `value` names (None:
-    unchanged). Each update computes in float32, as optax's `mu_dtype` does."""
+    """`optimizer` (Levanter's Adam) with the projections' mu stored in the dtype `value` names (float32 or
+    null: unchanged). Each update computes in float32, as optax's `mu_dtype` does."""
     dtype = resolve(value)
-    if dtype is None:
+    if dtype == jnp.float32:
         return optimizer
 
     def init(params):
