@@ -137,3 +137,18 @@ def test_resuming_with_another_dtype_than_stored_is_refused_in_one_line(tmp_path
     )
     # a checkpoint with no hypernetwork moments (a GPT-2's) decides nothing
     assert for_resume("float32", _checkpoint(tmp_path / "gpt2", {"opt_state/mu/blocks/w": "bfloat16"})) == "float32"
+
+
+def test_bench_speed_times_the_optimizer_state_a_new_run_has():
+    """`qkvflow bench speed` steps with the first moments `qkvflow train` stores by default (bfloat16 on the
+    projections), and with float32 ones when asked (the kernel counts made before the switch)."""
+    import equinox as eqx
+
+    from qkvflow.bench.speed import bench_optimizer
+
+    params = eqx.filter(tiny_model(tiny_config()), eqx.is_inexact_array)
+    for mu_dtype, want in [("auto", jnp.bfloat16), ("float32", jnp.float32)]:
+        (adam,) = _adam_states(bench_optimizer(mu_dtype).init(params))
+        stored = {jax.tree_util.keystr(p): m.dtype for p, m in _leaves(adam.mu)}
+        assert {d for name, d in stored.items() if ".generator.projections[" in name} == {jnp.dtype(want)}
+        assert {d for name, d in stored.items() if ".generator.projections[" not in name} == {jnp.dtype(jnp.float32)}

@@ -264,11 +264,16 @@ def train_flops_per_token(config, vocab: int, tokens_per_batch: int) -> dict:
     }
 
 
-def bench_optimizer(**changes):
-    """The benchmark's optimizer: Levanter's AdamConfig at a fixed learning rate (`changes` override its fields)."""
+def bench_optimizer(mu_dtype: str = "auto", **changes):
+    """The benchmark's optimizer: Levanter's AdamConfig at a fixed learning rate (`changes` override its
+    fields), with the hypernetwork projections' first moment in `mu_dtype` as `qkvflow train` stores it
+    (`hypernetwork_mu_dtype`; `auto`, a new run's default: bfloat16)."""
     from levanter.optim import AdamConfig
 
-    return AdamConfig(**({"learning_rate": 1e-4, "warmup": 0.0} | changes)).build(1_000_000)
+    from qkvflow.training.moments import with_hypernetwork_mu_dtype
+
+    adam = AdamConfig(**({"learning_rate": 1e-4, "warmup": 0.0} | changes)).build(1_000_000)
+    return with_hypernetwork_mu_dtype(adam, mu_dtype)
 
 
 def train_step(static, policy, optimizer):
