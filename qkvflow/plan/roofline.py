@@ -121,16 +121,35 @@ def ring_bytes(kind: str, size: float, n: int) -> float:
     return (n - 1) / n * size
 
 
+def kernels(text_or_module, *, peak_flops=None, hbm_bytes_per_s=None, unknown_trip_count: int = 1):
+    """One dict per kernel of the step, in program order: `instr` (the `hlo.Instr`), `launches` (per step,
+    loops weighted), and per launch `flops`, `bytes` and, with both rates given, `compute_s`,
+    `memory_s` and `seconds` (their maximum, the kernel's roofline; None otherwise). A collective gets
+    `collective` (its kind) and no time here: `estimate` charges it to the link."""
+    module = hlo._module(text_or_module)
+    known = bool(peak_flops and hbm_bytes_per_s)
+    for instr, weight in hlo.walk(module, unknown=unknown_trip_count):
+        f, b = kernel_flops(module, instr), kernel_bytes(module, instr)
+        kind = hlo.COLLECTIVES.get(instr.opcode)
+        c = f / peak_flops if known and kind is None else None
+        m = b / hbm_bytes_per_s if known and kind is None else None
+        yield {
+            "instr": instr, "launches": weight, "flops": f, "bytes": b, "collective": kind,
+            "compute_s": c, "memory_s": m, "seconds": None if c is None else max(c, m),
+        }  # fmt: skip
+
+
 def estimate(text_or_module, *, peak_flops, hbm_bytes_per_s, link_bytes_per_s, network_bytes_per_s=None,
              devices_per_node: int = 8, model_flops: float | None = None, unknown_trip_count: int = 1) -> dict:  # fmt: skip
     """The roofline of one step (see the module docstring); None for the terms whose rate is unknown."""
     module = hlo._module(text_or_module)
     flops = hbm = compute_s = memory_s = kernel_s = comm_bytes = comm_s = 0.0
-    for instr, weight in hlo.walk(module, unknown=unknown_trip_count):
-        f, b = kernel_flops(module, instr), kernel_bytes(module, instr)
-        flops += weight * f
-        hbm += weight * b
-        kind = hlo.COLLECTIVES.get(instr.opcode)
+    for k in kernels(
+        module, peak_flops=peak_flops, hbm_bytes_per_s=hbm_bytes_per_s, unknown_trip_count=unknown_trip_count
+    ):
+        instr, weight, kind = k["instr"], k["launches"], k["collective"]
+        flops += weight * k["flops"]
+        hbm += weight * k["bytes"]
         if kind is not None:
             n = hlo.group_size(instr, module.num_partitions)
             size = module.operand_bytes(instr) * (n if kind == "all-gather" else 1)
@@ -139,11 +158,10 @@ def estimate(text_or_module, *, peak_flops, hbm_bytes_per_s, link_bytes_per_s, n
             comm_bytes += weight * sent
             comm_s += weight * sent / rate if rate else 0.0
             continue
-        if peak_flops and hbm_bytes_per_s:
-            c, m = f / peak_flops, b / hbm_bytes_per_s
-            compute_s += weight * c
-            memory_s += weight * m
-            kernel_s += weight * max(c, m)
+        if k["seconds"] is not None:
+            compute_s += weight * k["compute_s"]
+            memory_s += weight * k["memory_s"]
+            kernel_s += weight * k["seconds"]
     known = bool(peak_flops and hbm_bytes_per_s)
     step = kernel_s + comm_s if known and (comm_bytes == 0 or link_bytes_per_s) else None
     return {

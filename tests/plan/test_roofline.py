@@ -119,3 +119,18 @@ ENTRY %main (a: bf16[64,96], b: bf16[96,32]) -> bf16[64,32] {
     assert parse(text).entry == "main"
     e = roofline.estimate(text, peak_flops=None, hbm_bytes_per_s=None, link_bytes_per_s=None)
     assert e["hlo_flops"] == 2 * 64 * 32 * 96
+
+
+def test_each_kernels_share_sums_to_the_estimate():
+    rows = list(roofline.kernels(HLO, peak_flops=P, hbm_bytes_per_s=W))
+    assert [(k["instr"].name, k["launches"]) for k in rows] == [("f", 10), ("e", 1), ("up", 1), ("sl", 1), ("ar", 1), ("out", 1)]  # fmt: skip
+    dot, ew, up, *_, ar, out = rows
+    assert dot["flops"] == 2 * 128 * 512 * 256 and dot["bytes"] == (128 * 256 + 256 * 512 + 128 * 512) * 2
+    assert dot["seconds"] == max(dot["flops"] / P, dot["bytes"] / W) and ew["flops"] == 0
+    assert up["bytes"] == 1024 * 4 + 4 + 1024 * 4  # the in-place update, as the estimate counts it
+    assert ar["collective"] == "all-reduce" and ar["seconds"] is None  # the link's time, not a kernel's
+    assert out["seconds"] == out["memory_s"] == 2 * 1024 * 1024 * 4 / W
+    e = roofline.estimate(HLO, peak_flops=P, hbm_bytes_per_s=W, link_bytes_per_s=L)
+    assert sum(k["launches"] * k["seconds"] for k in rows if k["seconds"]) == pytest.approx(e["kernels_s"], rel=1e-12)
+    assert sum(k["launches"] * k["bytes"] for k in rows) == e["hbm_bytes"]
+    assert all(k["seconds"] is None for k in roofline.kernels(HLO))  # no rates, no times
