@@ -92,6 +92,12 @@ class Instr:
         except (json.JSONDecodeError, TypeError):
             return {}
 
+    def op_name(self) -> str:
+        """The JAX name stack XLA keeps in `metadata={op_name="jit(step)/.../dot_general" ...}` (the
+        scopes the instruction was traced under, `transpose(jvp(...))` for the backward pass); "" if none."""
+        m = re.search(r'op_name="((?:[^"\\]|\\.)*)"', self.attr("metadata") or "")
+        return m.group(1) if m else ""
+
     def operand_names(self) -> list[str]:
         """The operands' names (with or without XLA's `%`; inline types dropped)."""
         names = []

@@ -172,6 +172,7 @@ def plan(config, target: Target, devices: int, vocab: int, *, search_max_batch: 
         "estimate": roofline.estimate(
             module,
             peak_flops=peak,
+            f32_peak_flops=target.peak_flops.get("float32") if peak else None,
             hbm_bytes_per_s=target.hbm_bytes_per_s,
             link_bytes_per_s=target.link_bytes_per_s,
             network_bytes_per_s=target.network_bytes_per_s,

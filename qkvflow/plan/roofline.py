@@ -5,7 +5,8 @@ Each kernel k (qkvflow.plan.hlo.walk, loops weighted by trip count) takes
     t_k = max(F_k / P, B_k / W)
 
 with F_k its matmul FLOPs, B_k the bytes it reads and writes in device memory, P the device's dense
-peak for the compute dtype and W its memory bandwidth (Williams, Waterman & Patterson, "Roofline",
+peak for the compute dtype (a product whose operands are both f32 is charged at the f32 peak, TF32 on
+these GPUs, when that one is given: a bf16 step's loss can take f32 products) and W its memory bandwidth (Williams, Waterman & Patterson, "Roofline",
 CACM 2009). F_k: 2 x (result elements) x (contracted size) for each `dot` in the kernel (in a
 fusion, in its fused computation), the same from a cuBLAS GEMM's dimension numbers, and for cuDNN's
 fused attention 4 B H S_q S_kv D forward and 2.5 times that backward (FlashAttention-2's count),
@@ -58,14 +59,29 @@ def _custom_call_flops(module: hlo.Module, instr: hlo.Instr) -> float:
     return 0.0
 
 
-def _fused_flops(module: hlo.Module, name: str) -> float:
+def _fused_flops(module: hlo.Module, name: str, f32_only: bool = False) -> float:
     total = 0.0
     for instr in module.computations.get(name, []):
-        if instr.opcode == "dot":
+        if instr.opcode == "dot" and (not f32_only or _f32_operands(module, instr)):
             total += _dot_flops(module, instr)
         elif instr.opcode == "fusion":
-            total += sum(_fused_flops(module, c) for c in instr.called("calls"))
+            total += sum(_fused_flops(module, c, f32_only) for c in instr.called("calls"))
     return total
+
+
+def _f32_operands(module: hlo.Module, instr: hlo.Instr) -> bool:
+    """Whether a product's two operands are f32 (it then runs at the f32 rate, TF32 on a GPU)."""
+    dtypes = [hlo.shapes(t)[0][0] for t in module.operand_types(instr)[:2] if hlo.shapes(t)]
+    return len(dtypes) == 2 and all(d == "f32" for d in dtypes)
+
+
+def kernel_f32_flops(module: hlo.Module, instr: hlo.Instr) -> float:
+    """The part of `kernel_flops` in products whose operands are both f32."""
+    if instr.opcode == "fusion":
+        return sum(_fused_flops(module, c, f32_only=True) for c in instr.called("calls"))
+    if instr.opcode in ("dot", "custom-call") and _f32_operands(module, instr):
+        return kernel_flops(module, instr)
+    return 0.0
 
 
 def kernel_flops(module: hlo.Module, instr: hlo.Instr) -> float:
@@ -121,16 +137,42 @@ def ring_bytes(kind: str, size: float, n: int) -> float:
     return (n - 1) / n * size
 
 
-def estimate(text_or_module, *, peak_flops, hbm_bytes_per_s, link_bytes_per_s, network_bytes_per_s=None,
-             devices_per_node: int = 8, model_flops: float | None = None, unknown_trip_count: int = 1) -> dict:  # fmt: skip
-    """The roofline of one step (see the module docstring); None for the terms whose rate is unknown."""
+def kernels(text_or_module, *, peak_flops=None, hbm_bytes_per_s=None, unknown_trip_count: int = 1,
+            f32_peak_flops=None):  # fmt: skip
+    """One dict per kernel of the step, in program order: `instr` (the `hlo.Instr`), `launches` (per step,
+    loops weighted), and per launch `flops` (`f32_flops` of them in products of two f32 operands),
+    `bytes` and, with both rates given, `compute_s` (the f32 products at `f32_peak_flops` when given,
+    the rest at `peak_flops`), `memory_s` and `seconds` (their maximum, the kernel's roofline; None
+    otherwise). A collective gets `collective` (its kind) and no time here: `estimate` charges it to the link."""
     module = hlo._module(text_or_module)
-    flops = hbm = compute_s = memory_s = kernel_s = comm_bytes = comm_s = 0.0
+    known = bool(peak_flops and hbm_bytes_per_s)
     for instr, weight in hlo.walk(module, unknown=unknown_trip_count):
         f, b = kernel_flops(module, instr), kernel_bytes(module, instr)
-        flops += weight * f
-        hbm += weight * b
+        f32 = kernel_f32_flops(module, instr) if f else 0.0
         kind = hlo.COLLECTIVES.get(instr.opcode)
+        c = m = None
+        if known and kind is None:
+            c = (f - f32) / peak_flops + f32 / (f32_peak_flops or peak_flops)
+            m = b / hbm_bytes_per_s
+        yield {
+            "instr": instr, "launches": weight, "flops": f, "f32_flops": f32, "bytes": b, "collective": kind,
+            "compute_s": c, "memory_s": m, "seconds": None if c is None else max(c, m),
+        }  # fmt: skip
+
+
+def estimate(text_or_module, *, peak_flops, hbm_bytes_per_s, link_bytes_per_s, network_bytes_per_s=None,
+             devices_per_node: int = 8, model_flops: float | None = None, unknown_trip_count: int = 1,
+             f32_peak_flops=None) -> dict:  # fmt: skip
+    """The roofline of one step (see the module docstring); None for the terms whose rate is unknown.
+    `f32_flops` is the part of `hlo_flops` in products of two f32 operands."""
+    module = hlo._module(text_or_module)
+    flops = f32_flops = hbm = compute_s = memory_s = kernel_s = comm_bytes = comm_s = 0.0
+    rates = {"peak_flops": peak_flops, "hbm_bytes_per_s": hbm_bytes_per_s, "f32_peak_flops": f32_peak_flops}
+    for k in kernels(module, unknown_trip_count=unknown_trip_count, **rates):
+        instr, weight, kind = k["instr"], k["launches"], k["collective"]
+        flops += weight * k["flops"]
+        f32_flops += weight * k["f32_flops"]
+        hbm += weight * k["bytes"]
         if kind is not None:
             n = hlo.group_size(instr, module.num_partitions)
             size = module.operand_bytes(instr) * (n if kind == "all-gather" else 1)
@@ -139,15 +181,15 @@ def estimate(text_or_module, *, peak_flops, hbm_bytes_per_s, link_bytes_per_s, n
             comm_bytes += weight * sent
             comm_s += weight * sent / rate if rate else 0.0
             continue
-        if peak_flops and hbm_bytes_per_s:
-            c, m = f / peak_flops, b / hbm_bytes_per_s
-            compute_s += weight * c
-            memory_s += weight * m
-            kernel_s += weight * max(c, m)
+        if k["seconds"] is not None:
+            compute_s += weight * k["compute_s"]
+            memory_s += weight * k["memory_s"]
+            kernel_s += weight * k["seconds"]
     known = bool(peak_flops and hbm_bytes_per_s)
     step = kernel_s + comm_s if known and (comm_bytes == 0 or link_bytes_per_s) else None
     return {
         "hlo_flops": flops,
+        "f32_flops": f32_flops,
         "hbm_bytes": hbm,
         "collective_bytes_sent": comm_bytes,
         "compute_s": compute_s if known else None,

@@ -142,3 +142,18 @@ ENTRY %main (g: bf16[64,32], h: bf16[8]) -> bf16[8,32] {
 """
     assert collectives(text) == {"reduce-scatter": {"count": 1, "bytes": (64 * 32 + 8) * 2, "group_size": 8}}
     assert count_kernels(text)["launches"] == 1
+
+
+def test_op_name_reads_the_jax_name_stack_from_the_metadata():
+    text = """HloModule m
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %n = f32[8]{0} negate(%a), metadata={op_name="jit(step)/transpose(jvp(lm_head))/neg" source_file="x.py" source_line=3}
+  %q = f32[8]{0} add(%n, %n), metadata={op_name="jit(step)/say \\"hi\\"/add"}
+  ROOT %c = f32[8]{0} copy(%q)
+}
+"""
+    n, q, c = parse(text).computations["main"][1:]
+    assert n.op_name() == "jit(step)/transpose(jvp(lm_head))/neg"
+    assert q.op_name() == 'jit(step)/say \\"hi\\"/add' and c.op_name() == ""

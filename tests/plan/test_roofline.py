@@ -119,3 +119,53 @@ ENTRY %main (a: bf16[64,96], b: bf16[96,32]) -> bf16[64,32] {
     assert parse(text).entry == "main"
     e = roofline.estimate(text, peak_flops=None, hbm_bytes_per_s=None, link_bytes_per_s=None)
     assert e["hlo_flops"] == 2 * 64 * 32 * 96
+
+
+def test_each_kernels_share_sums_to_the_estimate():
+    rows = list(roofline.kernels(HLO, peak_flops=P, hbm_bytes_per_s=W))
+    assert [(k["instr"].name, k["launches"]) for k in rows] == [("f", 10), ("e", 1), ("up", 1), ("sl", 1), ("ar", 1), ("out", 1)]  # fmt: skip
+    dot, ew, up, *_, ar, out = rows
+    assert dot["flops"] == 2 * 128 * 512 * 256 and dot["bytes"] == (128 * 256 + 256 * 512 + 128 * 512) * 2
+    assert dot["seconds"] == max(dot["flops"] / P, dot["bytes"] / W) and ew["flops"] == 0
+    assert up["bytes"] == 1024 * 4 + 4 + 1024 * 4  # the in-place update, as the estimate counts it
+    assert ar["collective"] == "all-reduce" and ar["seconds"] is None  # the link's time, not a kernel's
+    assert out["seconds"] == out["memory_s"] == 2 * 1024 * 1024 * 4 / W
+    e = roofline.estimate(HLO, peak_flops=P, hbm_bytes_per_s=W, link_bytes_per_s=L)
+    assert sum(k["launches"] * k["seconds"] for k in rows if k["seconds"]) == pytest.approx(e["kernels_s"], rel=1e-12)
+    assert sum(k["launches"] * k["bytes"] for k in rows) == e["hbm_bytes"]
+    assert all(k["seconds"] is None for k in roofline.kernels(HLO))  # no rates, no times
+
+
+def test_a_product_of_two_f32_operands_runs_at_the_f32_peak():
+    # one fusion with a bf16 product and an f32 one (a bf16 step's loss gradient), a cuBLAS GEMM on f32
+    text = """HloModule m
+
+%mixed (a: bf16[64,32], b: bf16[32,16], c: f32[64,32], d: f32[32,16]) -> (bf16[64,16], f32[64,16]) {
+  %a = bf16[64,32]{1,0} parameter(0)
+  %b = bf16[32,16]{1,0} parameter(1)
+  %c = f32[64,32]{1,0} parameter(2)
+  %d = f32[32,16]{1,0} parameter(3)
+  %lo = bf16[64,16]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %hi = f32[64,16]{1,0} dot(%c, %d), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %t = (bf16[64,16]{1,0}, f32[64,16]{1,0}) tuple(%lo, %hi)
+}
+
+ENTRY %main (a: bf16[64,32], b: bf16[32,16], c: f32[64,32], d: f32[32,16]) -> f32[64,16] {
+  %a.0 = bf16[64,32]{1,0} parameter(0)
+  %b.0 = bf16[32,16]{1,0} parameter(1)
+  %c.0 = f32[64,32]{1,0} parameter(2)
+  %d.0 = f32[32,16]{1,0} parameter(3)
+  %f = (bf16[64,16]{1,0}, f32[64,16]{1,0}) fusion(%a.0, %b.0, %c.0, %d.0), kind=kCustom, calls=%mixed
+  %g = (f32[64,16]{1,0}, s8[1024]{0}) custom-call(%c.0, %d.0), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
+  ROOT %r = f32[64,16]{1,0} get-tuple-element(%g), index=0
+}
+"""
+    one = 2 * 64 * 16 * 32
+    fused, gemm = roofline.kernels(text, peak_flops=4.0, hbm_bytes_per_s=1e30, f32_peak_flops=1.0)
+    assert (fused["flops"], fused["f32_flops"]) == (2 * one, one) and (gemm["flops"], gemm["f32_flops"]) == (one, one)
+    assert fused["compute_s"] == one / 4.0 + one / 1.0 and gemm["seconds"] == one / 1.0
+    e = roofline.estimate(text, peak_flops=4.0, hbm_bytes_per_s=1e30, link_bytes_per_s=None, f32_peak_flops=1.0)
+    assert e["f32_flops"] == 2 * one and e["compute_s"] == one / 4.0 + 2 * one / 1.0
+    # without an f32 peak everything runs at the compute dtype's, as before
+    e = roofline.estimate(text, peak_flops=4.0, hbm_bytes_per_s=1e30, link_bytes_per_s=None)
+    assert e["compute_s"] == 3 * one / 4.0
