@@ -96,23 +96,27 @@ def table(target: str, out: Path = OUT) -> str:
 
 def memory_table(before: Path, after: Path, target: str) -> str:
     """Memory per device of each GPT-2 pair: the plans in `before` (written without --mu_dtype) against
-    those in `after` (--mu_dtype float32 and bfloat16), each DiffEqFormer as a ratio to the GPT-2 of its
-    own directory (docs/performance.md)."""
+    those in `after` (--mu_dtype float32 and bfloat16), each DiffEqFormer with its ratio to the GPT-2 of
+    its own folder; a GPT-2 that differs between the two folders shows both (docs/performance.md)."""
     rows = [
-        "| pair | devices | GPT-2, before (GiB) | DiffEqFormer, before (GiB, x GPT-2) | GPT-2, after (GiB) | "
-        "DiffEqFormer, after, f32 moments (GiB, x GPT-2) | DiffEqFormer, after, bf16 moments (GiB, x GPT-2) | "
-        "est. step, after, bf16 (x GPT-2) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| pair | devices | GPT-2 (GiB) | DiffEqFormer, before (GiB, x GPT-2) | after stacking, f32 moments | "
+        "after stacking, bf16 moments | est. step, x GPT-2 (before; after, bf16) |",
+        "|---|---|---|---|---|---|---|",
     ]
 
     def load(path: Path):
         return json.loads(path.read_text()) if path.exists() else None
 
-    def gib(p) -> str:
-        return "-" if p is None else f"{p['memory']['total'] / 2**30:.2f}"
+    def total(p):
+        return p["memory"]["total"]
 
-    def ratio(p, base, key=lambda q: q["memory"]["total"]) -> str:
-        return "-" if p is None or base is None else f"{key(p) / key(base):.2f}"
+    def cell(p, base, key=total, gib=True) -> str:
+        if p is None or base is None:
+            return "-"
+        return f"{key(p) / 2**30:.2f} ({key(p) / key(base):.2f})" if gib else f"{key(p) / key(base):.2f}"
+
+    def step(q):
+        return q["estimate"]["step_s"]
 
     for size in ("small", "medium", "large"):
         ode, gpt2 = PAIRS[size]
@@ -120,11 +124,13 @@ def memory_table(before: Path, after: Path, target: str) -> str:
             old_ode, old_gpt2 = (load(before / f"{stem(n, target, devices)}.json") for n in (ode, gpt2))
             new_gpt2 = load(after / f"{stem(gpt2, target, devices, 'float32')}.json")
             f32, bf16 = (load(after / f"{stem(ode, target, devices, mu)}.json") for mu in ("float32", "bfloat16"))
-            step = ratio(bf16, new_gpt2, lambda q: q["estimate"]["step_s"])
+            base = "-" if new_gpt2 is None else f"{total(new_gpt2) / 2**30:.2f}"
+            if old_gpt2 is not None and (new_gpt2 is None or total(old_gpt2) != total(new_gpt2)):
+                base += f" (before: {total(old_gpt2) / 2**30:.2f})"
+            steps = f"{cell(old_ode, old_gpt2, step, False)}; {cell(bf16, new_gpt2, step, False)}"
             rows.append(
-                f"| {size} | {devices} | {gib(old_gpt2)} | {gib(old_ode)} ({ratio(old_ode, old_gpt2)}) | "
-                f"{gib(new_gpt2)} | {gib(f32)} ({ratio(f32, new_gpt2)}) | {gib(bf16)} ({ratio(bf16, new_gpt2)}) | "
-                f"{step} |"
+                f"| {size} | {devices} | {base} | {cell(old_ode, old_gpt2)} | {cell(f32, new_gpt2)} | "
+                f"{cell(bf16, new_gpt2)} | {steps} |"
             )
     return "\n".join(rows)
 
