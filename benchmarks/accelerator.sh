@@ -147,6 +147,12 @@ if ! wants install; then
         die "$PYTHON cannot import qkvflow's dependencies (${missing:-no output}): name the project's venv, e.g. PYTHON=.venv/bin/python bash benchmarks/accelerator.sh ..."
 fi
 
+# Levanter's fused cross-entropy sweeps 7 Pallas block sizes on a GPU when none is tuned for the shape.
+# On an H200 it refused every one and fell back to its XLA loss (docs/performance.md, "What holds MFU"),
+# after the sweep's compiles: train_lm's first step was still in them after 120 s. Unless set, no sweep on
+# a miss, for both models and Levanter's reference alike; the log says which loss path each one ran.
+export LEVANTER_PALLAS_CE_AUTOTUNE_ON_MISS=${LEVANTER_PALLAS_CE_AUTOTUNE_ON_MISS:-0}
+echo "Levanter's Pallas cross-entropy autotuning on a miss: LEVANTER_PALLAS_CE_AUTOTUNE_ON_MISS=$LEVANTER_PALLAS_CE_AUTOTUNE_ON_MISS"
 OUT=${OUT:-accelerator-results-$(date -u +%Y%m%dT%H%M%SZ)}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)

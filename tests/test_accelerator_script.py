@@ -157,6 +157,8 @@ def test_the_cpu_dry_run_runs_every_step(tmp_path, corpus_root):
     with open(out / "status.tsv") as f:
         status = [row for row in csv.reader(f, delimiter="\t")]
     assert [row[0] for row in status] == ["quickstart", "tests", "speed", "speed", "reference", "summary"], status
+    # Levanter's Pallas cross-entropy sweep is off on a miss for every step, unless the caller set it
+    assert "autotuning on a miss: LEVANTER_PALLAS_CE_AUTOTUNE_ON_MISS=0\n" in proc.stdout
     assert all(row[1] == "0" for row in status), status
 
     metrics = out / "runs" / "accelerator_quickstart" / "metrics.jsonl"
@@ -186,3 +188,10 @@ def test_the_cpu_dry_run_runs_every_step(tmp_path, corpus_root):
     assert "Levanter's own train_lm, GPT-2 small, batch 2" in summary
     assert not (ROOT / "accelerator_quickstart").exists()  # nothing written outside --out
     assert not (out / "corpora").exists()  # the quickstart used --corpora
+
+
+def test_a_callers_pallas_autotune_setting_is_kept(tmp_path):
+    """The script turns Levanter's cross-entropy sweep off only where the caller has not chosen."""
+    proc = script("--cpu-dry-run", "--steps", "summary", "--out", str(tmp_path / "out"),
+                  LEVANTER_PALLAS_CE_AUTOTUNE_ON_MISS="1")  # fmt: skip
+    assert "autotuning on a miss: LEVANTER_PALLAS_CE_AUTOTUNE_ON_MISS=1\n" in proc.stdout, proc.stdout + proc.stderr
