@@ -12,7 +12,7 @@ installed; no GPU needed), once for the DiffEqFormer and once for the Levanter G
 GPT-2 that `qkvflow bench speed` times). It writes DIR/TAG/{ode,gpt2}.hlo.txt (the optimised HLO;
 `analyse` also reads it gzipped, as .hlo.txt.gz) and DIR/TAG/{ode,gpt2}.plan.json, and records
 XLA_FLAGS: set it in the environment to compile with flags. `--loss_block N`: both models' loss at
-vocabulary block N, a what-if (`with_loss_block`).
+vocabulary block N (`loss_vocab_block`; at least the vocabulary: one product).
 
 `analyse` walks each HLO with `qkvflow.plan.roofline.kernels` (loops weighted by trip count, the
 plan's rule; a product of two f32 operands at the f32 peak) and puts every kernel in the first
@@ -58,31 +58,6 @@ MODELS = ("gpt2", "ode")
 CATEGORIES = ("matmul", "attention", "vocabulary", "layout", "elementwise", "optimizer", "hypernetwork", "other")
 
 
-def with_loss_block(block: int) -> None:
-    """What if both models computed the loss with Levanter's `maybe_fused_next_token_loss` at vocabulary
-    block `block` (at least the vocabulary: the whole vocabulary at once, one bf16 product, f32
-    softmax)? The DiffEqFormer takes it as its `cross_entropy_block_size`; Levanter's GPT-2 has no such
-    argument (`compute_next_token_loss`), so for this comparison only its loss is the same call on its
-    `activations` and `get_lm_head()`. Replaces `qkvflow.training.loss.train_loss`, which the plan's step
-    reads when it compiles."""
-    import jax.numpy as jnp
-    from levanter.models.loss import maybe_fused_next_token_loss
-
-    from qkvflow.models.diffeqformer import DiffEqFormerLMHeadModel
-    from qkvflow.training import loss as training_loss
-
-    def gpt2_loss(model, example, *, key=None):
-        if isinstance(model, DiffEqFormerLMHeadModel):
-            return training_loss.lm_loss(model, example, key=key)
-        x = model.activations(example.tokens, example.attn_mask, key=key)
-        return maybe_fused_next_token_loss(
-            model.Pos, model.Embed, model.Vocab, x, model.get_lm_head(), example.tokens,
-            loss_weight=example.loss_weight.astype(jnp.float32), dtype=jnp.float32, block_size=block,
-        )  # fmt: skip
-
-    training_loss.train_loss = lambda config: gpt2_loss
-
-
 def compile_both(out: Path, models=MODELS, loss_block: int | None = None) -> None:
     from qkvflow import cli
     from qkvflow.plan import backend, planner, targets
@@ -90,13 +65,9 @@ def compile_both(out: Path, models=MODELS, loss_block: int | None = None) -> Non
 
     backend.start(1)
     out.mkdir(parents=True, exist_ok=True)
-    if loss_block:
-        with_loss_block(loss_block)
     for name in models:
         config = cli.parse(PlanConfig, ["--config_path", str(CONFIG), *ARGS], "plan")
-        if loss_block and name == "ode":
-            model = dataclasses.replace(config.model, cross_entropy_block_size=loss_block)
-            config = dataclasses.replace(config, model=model)
+        config = dataclasses.replace(config, loss_vocab_block=loss_block)  # both models alike
         if name == "gpt2":
             from qkvflow.bench.speed import baseline_config
 
@@ -122,7 +93,7 @@ def main(argv=None) -> int:
         "--loss_block",
         type=int,
         default=None,
-        help="compile: both models' loss at this vocabulary block (see with_loss_block)",
+        help="compile: both models' loss at this vocabulary block (loss_vocab_block)",
     )
     args = p.parse_args(argv)
     out = Path(args.out_dir)

@@ -68,6 +68,13 @@ def parser(prog="qkvflow bench speed") -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="f32", help="compute dtype (parameters stay f32)")
+    p.add_argument(
+        "--loss_vocab_block",
+        type=int,
+        default=None,
+        help="the cross-entropy's vocabulary block for both models (loss_vocab_block; at least the vocabulary: "
+        "one product; default: each model's own)",
+    )
     p.add_argument("--json_out", default=None)
     p.add_argument("--only", choices=("both", "ode", "baseline"), default="both")
     p.add_argument("--no_peak", action="store_true", help="skip the matmul-peak measurement")
@@ -276,15 +283,15 @@ def bench_optimizer(mu_dtype: str = "auto", **changes):
     return with_hypernetwork_mu_dtype(adam, mu_dtype)
 
 
-def train_step(static, policy, optimizer):
+def train_step(static, policy, optimizer, vocab_block=None):
     """step(params, opt_state, example, key) -> (params, opt_state, loss): loss and gradient in the policy's
     compute dtype, then the optax update, as Levanter's trainer takes a step (`static`: the model's
-    non-array part)."""
+    non-array part; `vocab_block`: the loss's, `loss_vocab_block`)."""
     from qkvflow.training.loss import lm_loss
 
     def loss_fn(params, example, key):
         model = policy.cast_to_compute(eqx.combine(params, static))
-        out = lm_loss(model, example, key=key)
+        out = lm_loss(model, example, key=key, vocab_block=vocab_block)
         loss = out[0] if isinstance(out, tuple) else out
         return loss.scalar() if isinstance(loss, hax.NamedArray) else loss
 
@@ -300,7 +307,7 @@ def train_step(static, policy, optimizer):
 class Step:
     """A compiled training step of `config`, the way Levanter's trainer runs one."""
 
-    def __init__(self, config, Vocab, Batch, dtype: str, *, seed: int = 0):
+    def __init__(self, config, Vocab, Batch, dtype: str, *, seed: int = 0, vocab_block=None):
         from levanter.models.lm_model import LmExample
 
         key_model, key_tokens = jax.random.split(jax.random.PRNGKey(seed))
@@ -317,7 +324,7 @@ class Step:
         self.key = jax.random.PRNGKey(seed + 1) if dial is not None and dial.active else None
 
         start = time.perf_counter()
-        step = train_step(static, policy, optimizer)
+        step = train_step(static, policy, optimizer, vocab_block)
         lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, example, self.key)
         self.compiled = lowered.compile()
         self.compile_s = time.perf_counter() - start
@@ -396,7 +403,7 @@ def build_steps(models: dict, Vocab, batch: int, args) -> dict:
     Batch = hax.Axis("batch", batch)
     steps = {}
     for i, (name, c) in enumerate(models.items()):
-        step = steps[name] = Step(c, Vocab, Batch, args.dtype)
+        step = steps[name] = Step(c, Vocab, Batch, args.dtype, vocab_block=args.loss_vocab_block)
         for _ in range(args.warmup):
             step.run()
         scope = "this model alone" if i == 0 else f"includes the resident state of {', '.join(list(models)[:i])}"
@@ -427,7 +434,9 @@ def run(args, batch=None) -> dict:
     if batch is None:
         batch = parse_batches(defaults["batch"] if args.batch is None else args.batch)[0]
     vocab = defaults["vocab_size"] if args.vocab_size is None else args.vocab_size
-    for name, value in (("vocab_size", vocab), ("repeats", args.repeats), ("max_batch", args.max_batch)):
+    sizes = (("vocab_size", vocab), ("repeats", args.repeats), ("max_batch", args.max_batch))
+    block = 1 if args.loss_vocab_block is None else args.loss_vocab_block
+    for name, value in sizes + (("loss_vocab_block", block),):
         if value < 1:
             raise UserError(f"--{name}={value} is invalid: expected an integer >= 1")
     if args.warmup < 0:
@@ -486,6 +495,7 @@ def run(args, batch=None) -> dict:
             "attention": {"requested": args.attention, "kernel": kernel},
             "repeats": args.repeats,
             "warmup": args.warmup,
+            "loss_vocab_block": args.loss_vocab_block,
         },
         "matmul_peak": peak,
         "nominal_peak": nominal,

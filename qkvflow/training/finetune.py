@@ -178,7 +178,7 @@ def _finetune(config: FinetuneConfig, preemption: faults.Preemption, cleanup: co
     depth = pretrained_depth(pretrained.model)
     what = f"the {depth}-step ODE model as" if is_ode_config(pretrained.model) else f"the {type(base).__name__} of"
     print(f"fine-tuning ({config.finetune}) {what} {config.steps} layers", flush=True)
-    loss_fn = functools.partial(lm_loss, z_loss_weight=config.z_loss_weight)
+    loss_fn = functools.partial(lm_loss, z_loss_weight=config.z_loss_weight, vocab_block=config.loss_vocab_block)
     summary, state = loop.train_run(run, loss_fn, tokenizer, preemption, tokens, inject)
     summary = {
         "method": config.finetune,

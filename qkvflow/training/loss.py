@@ -24,11 +24,13 @@ from qkvflow.models.related.ode_exits import aligned_loss
 from qkvflow.training.dial_loss import dial_flow
 
 
-def lm_loss(model: LmHeadModel, example: LmExample, *, key=None, z_loss_weight: float = 0.0):
+def lm_loss(model: LmHeadModel, example: LmExample, *, key=None, z_loss_weight: float = 0.0, vocab_block=None):
     """Mean next-token cross-entropy over `example.loss_weight` (+ z-loss, + the kinetic penalty).
 
     Levanter computes the loss in the dtype of the weights it is given; an integer weight would give
-    an integer (wrong) loss, so the weight is made float32 here.
+    an integer (wrong) loss, so the weight is made float32 here. `vocab_block` (`loss_vocab_block`) sets
+    the vocabulary block of Levanter's cross-entropy for every model alike; None keeps each model's own
+    (a DiffEqFormer's `cross_entropy_block_size`, Levanter's streaming for the others).
     """
     weight = example.loss_weight
     if weight is not None and not jnp.issubdtype(weight.dtype, jnp.floating):
@@ -54,7 +56,9 @@ def lm_loss(model: LmHeadModel, example: LmExample, *, key=None, z_loss_weight: 
     else:
         if weight is not example.loss_weight:
             example = LmExample(tokens=example.tokens, loss_weight=weight, attn_mask=example.attn_mask)
-        return model.compute_next_token_loss(example, key=key, logsumexp_weight=z_loss_weight)
+        if vocab_block is None:
+            return model.compute_next_token_loss(example, key=key, logsumexp_weight=z_loss_weight)
+        return levanter_loss_in_blocks(model, example, vocab_block, key=key, z_loss_weight=z_loss_weight)
 
     loss = maybe_fused_next_token_loss(
         model.Pos,
@@ -66,16 +70,39 @@ def lm_loss(model: LmHeadModel, example: LmExample, *, key=None, z_loss_weight: 
         loss_weight=weight,
         logsumexp_weight=z_loss_weight,
         dtype=jnp.float32,
-        block_size=getattr(model.config, "cross_entropy_block_size", None),
+        block_size=vocab_block if vocab_block is not None else getattr(model.config, "cross_entropy_block_size", None),
     )
     if added is not None:
         loss = loss + added
     return _with_ode_terms(model, loss, energy, stats, metrics)
 
 
+def levanter_loss_in_blocks(model: LmHeadModel, example: LmExample, block_size: int, *, key=None, z_loss_weight=0.0):
+    """Levanter's `LmHeadModel.compute_next_token_loss(example)` with the cross-entropy's vocabulary block
+    set, which that method does not take: its own body (the activations, then `maybe_fused_next_token_loss`
+    in float32). `tests/test_vocab_block.py` pins it to Levanter's method."""
+    activations = model.activations(example.tokens, example.attn_mask, key=key)
+    aux = 0
+    if isinstance(activations, tuple):
+        activations, aux = activations
+    loss = maybe_fused_next_token_loss(
+        model.Pos,
+        model.Embed,
+        model.Vocab,
+        activations,
+        model.get_lm_head(),
+        example.tokens,
+        loss_weight=example.loss_weight,
+        logsumexp_weight=z_loss_weight,
+        dtype=jnp.float32,
+        block_size=block_size,
+    )
+    return loss + aux
+
+
 def train_loss(config):
-    """The loss `qkvflow train` trains `config` with (its `z_loss_weight` bound)."""
-    return functools.partial(lm_loss, z_loss_weight=config.z_loss_weight)
+    """The loss `qkvflow train` trains `config` with (its `z_loss_weight` and `loss_vocab_block` bound)."""
+    return functools.partial(lm_loss, z_loss_weight=config.z_loss_weight, vocab_block=config.loss_vocab_block)
 
 
 def _with_ode_terms(model, loss, energy, stats, metrics: dict):

@@ -90,6 +90,8 @@ def check_values(config) -> None:
 
         resolve(config.hypernetwork_mu_dtype)
     _positive("trainer.num_train_steps", t.num_train_steps)
+    if getattr(config, "loss_vocab_block", None) is not None:
+        _positive("loss_vocab_block", config.loss_vocab_block)
     if isinstance(t.train_batch_size, int):
         _positive("trainer.train_batch_size", t.train_batch_size)
     _positive("trainer.steps_per_eval", t.steps_per_eval)

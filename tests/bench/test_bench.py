@@ -277,6 +277,7 @@ def test_quality_trains_each_model_a_few_steps(tmp_path):
             "model.seq_len was removed in marin-levanter; use model.max_seq_len",
         ),
         (["bench", "speed", "--config_path", "{tiny}", "--peak-flops", "0"], "--peak-flops=0.0 is invalid"),
+        (["bench", "speed", "--config_path", "{tiny}", "--loss_vocab_block", "0"], "--loss_vocab_block=0 is invalid"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, expected, tmp_path, tiny_config, capsys):
