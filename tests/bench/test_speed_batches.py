@@ -62,7 +62,7 @@ class FakeStep:
     """A device that fits at most 2 sequences: above that the step raises XLA's out-of-memory error (the
     search, not the compile, is under test here; the accelerator script's dry run compiles for real)."""
 
-    def __init__(self, config, Vocab, Batch, dtype):
+    def __init__(self, config, Vocab, Batch, dtype, vocab_block=None):
         if Batch.size > FakeStep.fits:
             raise RuntimeError(f"RESOURCE_EXHAUSTED: Out of memory while trying to allocate (batch {Batch.size})")
         self.times, self.compile_s, self.parameter_count, self.loss = [], 0.5, 10, 1.0
