@@ -129,3 +129,39 @@ def test_bench_speed_times_both_models_with_the_block_it_is_given():
             jaxpr = str(jax.make_jaxpr(functools.partial(step, key=None))(params, opt_state, example))
             loops[block] = jaxpr.count("while[") + jaxpr.count("scan[")
         assert loops[7] > loops[64], (type(model).__name__, loops)
+
+
+def test_a_diffeqformer_with_aligned_exits_takes_the_block_in_every_exit():
+    """`exits: aligned` computes N exit losses of its own (`ode_exits.aligned_loss`): the block reaches each,
+    with the same loss to round-off."""
+    model = tiny_model(tiny_config(exits="aligned"))
+    example = _example(model.config)
+    losses = {block: _scalar(lm_loss(model, example, vocab_block=block)) for block in (None, 7)}
+    assert losses[7] == pytest.approx(losses[None], rel=1e-5)
+    loops = {}
+    for block in (7, 64):
+        jaxpr = str(jax.make_jaxpr(functools.partial(lm_loss, model, vocab_block=block))(example))
+        loops[block] = jaxpr.count("while[") + jaxpr.count("scan[")
+    assert loops[7] > loops[64], loops
+
+
+def test_a_model_with_a_loss_of_its_own_refuses_the_block_in_one_line():
+    """The Depth-Adaptive Transformer overrides `compute_next_token_loss` (its exits' losses): the block
+    would bypass it, so the key is refused before training and by the loss itself."""
+    from qkvflow.models.related.adaptive import AdaptiveGpt2Config
+    from qkvflow.training.config import TrainConfig
+    from qkvflow.training.preflight import check_values
+
+    adaptive = AdaptiveGpt2Config(max_seq_len=12, hidden_dim=32, num_heads=4, num_layers=2)
+    expected = (
+        "loss_vocab_block=64 does not reach AdaptiveLMHeadModel's loss, which is its own "
+        "(compute_next_token_loss); leave loss_vocab_block null for this model"
+    )
+    with pytest.raises(UserError) as error:
+        check_values(dataclasses.replace(TrainConfig(), model=adaptive, loss_vocab_block=64))
+    assert str(error.value) == expected
+    check_values(dataclasses.replace(TrainConfig(), model=adaptive))  # null: its own loss, as before
+    model = adaptive.build(Vocab, key=jrandom.PRNGKey(0))
+    with pytest.raises(UserError) as error:
+        lm_loss(model, _example(adaptive), vocab_block=64)
+    assert str(error.value) == expected

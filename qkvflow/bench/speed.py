@@ -434,9 +434,10 @@ def run(args, batch=None) -> dict:
     if batch is None:
         batch = parse_batches(defaults["batch"] if args.batch is None else args.batch)[0]
     vocab = defaults["vocab_size"] if args.vocab_size is None else args.vocab_size
-    sizes = (("vocab_size", vocab), ("repeats", args.repeats), ("max_batch", args.max_batch))
-    block = 1 if args.loss_vocab_block is None else args.loss_vocab_block
-    for name, value in sizes + (("loss_vocab_block", block),):
+    sizes = [("vocab_size", vocab), ("repeats", args.repeats), ("max_batch", args.max_batch)]
+    if args.loss_vocab_block is not None:
+        sizes.append(("loss_vocab_block", args.loss_vocab_block))
+    for name, value in sizes:
         if value < 1:
             raise UserError(f"--{name}={value} is invalid: expected an integer >= 1")
     if args.warmup < 0:

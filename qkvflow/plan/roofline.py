@@ -6,14 +6,15 @@ Each kernel k (qkvflow.plan.hlo.walk, loops weighted by trip count) takes
 
 with F_k its matmul FLOPs, B_k the bytes it reads and writes in device memory, P the device's dense
 peak for the compute dtype (a product whose operands are both f32 is charged at the f32 peak, TF32 on
-these GPUs, when that one is given: a bf16 step's loss can take f32 products) and W its memory bandwidth (Williams, Waterman & Patterson, "Roofline",
-CACM 2009). F_k: 2 x (result elements) x (contracted size) for each `dot` in the kernel (in a
-fusion, in its fused computation), the same from a cuBLAS GEMM's dimension numbers, and for cuDNN's
-fused attention 4 B H S_q S_kv D forward and 2.5 times that backward (FlashAttention-2's count),
-halved for a causal mask. Everything else (elementwise work, reductions) is counted as bytes only.
-B_k: its operands plus its result, except that an operand a fusion only reads through
-`dynamic-slice` counts as the slices read, and a fusion whose root is a `dynamic-update-slice`
-writes in place: the update's bytes, not the buffer's. Each collective takes its ring traffic over the link:
+these GPUs, when that one is given: a bf16 step's loss can take f32 products) and W its memory
+bandwidth (Williams, Waterman & Patterson, "Roofline", CACM 2009). F_k: 2 x (result elements) x
+(contracted size) for each `dot` in the kernel (in a fusion, in its fused computation), the same
+from a cuBLAS GEMM's dimension numbers, and for cuDNN's fused attention 4 B H S_q S_kv D forward and
+2.5 times that backward (FlashAttention-2's count), halved for a causal mask. Everything else
+(elementwise work, reductions) is counted as bytes only. B_k: its operands plus its result, except
+that an operand a fusion only reads through `dynamic-slice` counts as the slices read, and a fusion
+whose root is a `dynamic-update-slice` writes in place: the update's bytes, not the buffer's. Each
+collective takes its ring traffic over the link:
 
     all-gather, reduce-scatter: (n - 1)/n x bytes / L;  all-reduce: 2 (n - 1)/n x bytes / L
 

@@ -29,7 +29,6 @@ or holding the pretrained checkpoint, its config or this run's checkpoints, is r
 
 import contextlib
 import dataclasses
-import functools
 import json
 import logging
 import math
@@ -60,7 +59,7 @@ from qkvflow.training.finetune_config import (  # the config and its checks; als
     load_pretrained_config,
     pretrained_depth,
 )
-from qkvflow.training.loss import lm_loss
+from qkvflow.training.loss import train_loss
 from qkvflow.training.run_model import add_lora, frozen_base, load_base, lora_modules, merged_model
 from qkvflow.training.tracking import metrics_file
 
@@ -178,7 +177,7 @@ def _finetune(config: FinetuneConfig, preemption: faults.Preemption, cleanup: co
     depth = pretrained_depth(pretrained.model)
     what = f"the {depth}-step ODE model as" if is_ode_config(pretrained.model) else f"the {type(base).__name__} of"
     print(f"fine-tuning ({config.finetune}) {what} {config.steps} layers", flush=True)
-    loss_fn = functools.partial(lm_loss, z_loss_weight=config.z_loss_weight, vocab_block=config.loss_vocab_block)
+    loss_fn = train_loss(config)  # train's loss, with its z-loss and vocabulary block
     summary, state = loop.train_run(run, loss_fn, tokenizer, preemption, tokens, inject)
     summary = {
         "method": config.finetune,

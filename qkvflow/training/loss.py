@@ -18,6 +18,7 @@ from levanter.metrics import Metric, ReductionType
 from levanter.models.lm_model import LmExample, LmHeadModel
 from levanter.models.loss import maybe_fused_next_token_loss
 
+from qkvflow.errors import UserError
 from qkvflow.models.diffeqformer import DiffEqFormerLMHeadModel
 from qkvflow.models.related.node_lm import NodeTransformerLMHeadModel
 from qkvflow.models.related.ode_exits import aligned_loss
@@ -38,7 +39,7 @@ def lm_loss(model: LmHeadModel, example: LmExample, *, key=None, z_loss_weight: 
     metrics = {}
     if isinstance(model, DiffEqFormerLMHeadModel) and model.config.exits == "aligned":
         loss, per_exit, energy, stats = aligned_loss(
-            model, example.tokens, example.attn_mask, weight, z_loss_weight=z_loss_weight
+            model, example.tokens, example.attn_mask, weight, z_loss_weight=z_loss_weight, block_size=vocab_block
         )
         for k, exit_loss in enumerate(per_exit, start=1):
             metrics[f"ode_exit_loss_{k}"] = Metric.from_value(exit_loss, ReductionType.MEAN)
@@ -58,6 +59,7 @@ def lm_loss(model: LmHeadModel, example: LmExample, *, key=None, z_loss_weight: 
             example = LmExample(tokens=example.tokens, loss_weight=weight, attn_mask=example.attn_mask)
         if vocab_block is None:
             return model.compute_next_token_loss(example, key=key, logsumexp_weight=z_loss_weight)
+        check_vocab_block(type(model), vocab_block)
         return levanter_loss_in_blocks(model, example, vocab_block, key=key, z_loss_weight=z_loss_weight)
 
     loss = maybe_fused_next_token_loss(
@@ -75,6 +77,19 @@ def lm_loss(model: LmHeadModel, example: LmExample, *, key=None, z_loss_weight: 
     if added is not None:
         loss = loss + added
     return _with_ode_terms(model, loss, energy, stats, metrics)
+
+
+def check_vocab_block(model_type, vocab_block) -> None:
+    """`loss_vocab_block` reaches the loss of the ODE models (computed in `lm_loss`) and of models whose loss
+    is Levanter's own `compute_next_token_loss`; a model that overrides that method (the related designs'
+    exit and halting losses) is refused in one line rather than trained on a loss it would bypass."""
+    ours = issubclass(model_type, (DiffEqFormerLMHeadModel, NodeTransformerLMHeadModel))
+    if vocab_block is None or ours or model_type.compute_next_token_loss is LmHeadModel.compute_next_token_loss:
+        return
+    raise UserError(
+        f"loss_vocab_block={vocab_block} does not reach {model_type.__name__}'s loss, which is its own "
+        "(compute_next_token_loss); leave loss_vocab_block null for this model"
+    )
 
 
 def levanter_loss_in_blocks(model: LmHeadModel, example: LmExample, block_size: int, *, key=None, z_loss_weight=0.0):

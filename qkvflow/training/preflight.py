@@ -91,7 +91,10 @@ def check_values(config) -> None:
         resolve(config.hypernetwork_mu_dtype)
     _positive("trainer.num_train_steps", t.num_train_steps)
     if getattr(config, "loss_vocab_block", None) is not None:
+        from qkvflow.training.loss import check_vocab_block
+
         _positive("loss_vocab_block", config.loss_vocab_block)
+        check_vocab_block(config.model.model_type, config.loss_vocab_block)
     if isinstance(t.train_batch_size, int):
         _positive("trainer.train_batch_size", t.train_batch_size)
     _positive("trainer.steps_per_eval", t.steps_per_eval)

@@ -70,9 +70,10 @@ def exit_states(model, input_ids: NamedArray, attn_mask=None, *, pos_ids=None):
     return model.flow(input_ids, attn_mask, pos_ids=pos_ids, ts=jnp.asarray(exit_times(model.config.ode)))
 
 
-def aligned_loss(model, tokens: NamedArray, attn_mask, loss_weight, *, z_loss_weight: float = 0.0):
+def aligned_loss(model, tokens: NamedArray, attn_mask, loss_weight, *, z_loss_weight: float = 0.0, block_size=None):
     """(1/N sum_k CE(logits_k), [CE(logits_k) for k = 1..N], energy, stats): each CE is Levanter's fused
-    next-token loss, exactly the t = 1 loss of the plain model applied to x(t_k)."""
+    next-token loss, exactly the t = 1 loss of the plain model applied to x(t_k) (at vocabulary block
+    `block_size`, by default the model's `cross_entropy_block_size`)."""
     xs, energy, stats = exit_states(model, tokens, attn_mask)
     per_exit = []
     for k in range(xs.resolve_axis("exit").size):
@@ -87,7 +88,7 @@ def aligned_loss(model, tokens: NamedArray, attn_mask, loss_weight, *, z_loss_we
                 loss_weight=loss_weight,
                 logsumexp_weight=z_loss_weight,
                 dtype=jnp.float32,
-                block_size=model.config.cross_entropy_block_size,
+                block_size=model.config.cross_entropy_block_size if block_size is None else block_size,
             )
         )
     loss = sum(per_exit) / len(per_exit)
