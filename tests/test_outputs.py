@@ -375,3 +375,13 @@ def test_the_tracked_lists_are_gits():
     everything = run("ls-tree", "--name-only", "HEAD").stdout.split()
     assert sorted(outputs.SHIPPED) == sorted(folders)
     assert sorted(outputs.SHIPPED_FILES) == sorted(set(everything) - set(folders))
+
+
+def test_the_rules_import_without_the_heavy_stack():
+    """The CLI checks outputs before it imports JAX: qkvflow.outputs pulls in none of the heavy libraries."""
+    import sys
+
+    heavy = ("jax", "numpy", "levanter", "transformers", "equinox", "haliax")
+    code = f"import sys, qkvflow.outputs; print([m for m in {heavy!r} if m in sys.modules])"
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert found.strip() == "[]"
