@@ -13,8 +13,20 @@
   any of them, or a folder that holds a path the caller protects (the checkpoint or config being read),
   nor writes inside a folder the caller keeps apart (`outside`: e.g. the run folder of that checkpoint,
   whose step-N folders Levanter owns).
-* `check_file(path, key)` is the same for an output file (e.g. `qkvflow generate --output_jsonl`): a
-  file path, not a folder, not a file the verb reads, outside the caller's folders, and writable.
+* `check_file(path, key, overwrite=...)` is the same for an output file (e.g. `qkvflow generate
+  --output_jsonl`): a file path, not a folder, not a file the verb reads, outside the caller's folders,
+  writable, and not an existing file unless the user passed `--overwrite` (`OVERWRITE_HELP`).
+  `writing_file` writes it: into a temporary file beside it, renamed onto it only when complete, so
+  a failed write leaves the old file as it was and no temporary file behind.
+* `check_outside_repository(path, key)`: no output, file or folder, goes into the repository's tracked
+  folders (`SHIPPED`) or onto its tracked top-level files (`SHIPPED_FILES`) when qkvflow runs from a
+  checkout; both `check_file` and `check_replaceable` apply it. What the repository ships there
+  (benchmarks/results/ included) is copied there by hand.
+
+Every verb that writes a file goes through `check_file` / `writing_file` or writes inside a folder
+that is already its own: an output folder of `replacing`, a run folder (Levanter's), the work folder
+of a `bench compare` study (`qkvflow.bench.study_folder`) or the corpus cache. This module imports the
+standard library and qkvflow.errors only, so that the CLI can check outputs before it imports JAX.
 
 `MARKER` (`qkvflow_output.json`) names the kind of output, the qkvflow version and every file written;
 `transformers` and PEFT ignore it when they load the folder.
@@ -26,12 +38,21 @@ import contextlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 from qkvflow.errors import UserError
 
 MARKER = "qkvflow_output.json"
+OVERWRITE_HELP = "Replace an existing output file or an earlier qkvflow output folder (refused without it)."
+"""The help text of `--overwrite`, the same in every verb that writes files."""
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = (".ci", "benchmarks", "configs", "docs", "launch", "qkvflow", "tests")
+"""The repository's top-level folders that git tracks (tests/test_outputs.py compares with git)."""
+SHIPPED_FILES = (".gitignore", "CHANGELOG.md", "README.md", "mkdocs.yml", "pyproject.toml")
+"""The repository's top-level files that git tracks."""
 Pairs = Iterable[tuple[str, str]]
 """(description, path) pairs: the paths an output must not hold (`protect`) or lie inside (`outside`)."""
 
@@ -65,6 +86,28 @@ def check_writable(path, key: str, *, beside: bool = False) -> None:
 
 def _contains(folder: str, path: str) -> bool:
     return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def check_outside_repository(path, key: str) -> None:
+    """Raise `UserError` in one line when `path` is one of the repository's tracked folders (`SHIPPED`), lies
+    inside one, or is one of its tracked top-level files (`SHIPPED_FILES`). An installed qkvflow (no
+    pyproject.toml beside the package) has no repository to protect."""
+    if path is None or is_remote(path) or not (ROOT / "pyproject.toml").is_file():
+        return
+    real = os.path.realpath(os.path.expanduser(str(path)))
+    for name in SHIPPED:
+        folder = os.path.realpath(ROOT / name)
+        if _contains(folder, real):
+            raise UserError(
+                f"{key}={str(path)!r} is inside the repository's shipped folder {name}/ ({folder}): "
+                "choose a path outside the repository's tracked folders (e.g. under runs/ or /tmp)"
+            )
+    for name in SHIPPED_FILES:
+        if real == os.path.realpath(ROOT / name):
+            raise UserError(
+                f"{key}={str(path)!r} is the repository's tracked file {name}: refusing to overwrite it; "
+                f"choose another {key}"
+            )
 
 
 def _files(folder: str) -> list[str]:
@@ -111,10 +154,12 @@ def check_outside(path, key: str, outside: Pairs = ()) -> None:
             raise UserError(f"{key}={str(path)!r} is inside {what} {str(folder)!r}: choose another {key} outside it")
 
 
-def check_file(path, key: str, *, protect: Pairs = (), outside: Pairs = ()) -> None:
+def check_file(path, key: str, *, overwrite: bool = False, protect: Pairs = (), outside: Pairs = ()) -> None:
     """Raise `UserError` (one line naming `key` and `path`) unless a file can be written at `path`: a local
-    path that is not a folder, not one of the files of `protect` (description, path) that the verb reads,
-    not inside a folder of `outside` (`check_outside`), and whose folder can be written (`check_writable`)."""
+    path that is not a folder or a symbolic link, not one of the files of `protect` (description, path)
+    that the verb reads, not inside a folder of `outside` (`check_outside`) or of the repository
+    (`check_outside_repository`), not an existing file unless `overwrite`, and whose folder can be
+    written (`check_writable`)."""
     shown = f"{key}={str(path)!r}"
     if is_remote(path):
         raise UserError(f"{shown} is a remote URL: expected a local file")
@@ -125,9 +170,56 @@ def check_file(path, key: str, *, protect: Pairs = (), outside: Pairs = ()) -> N
         if _local(keep) == real:
             raise UserError(f"{shown} is {what}: refusing to overwrite it; choose another {key}")
     check_outside(path, key, outside)
+    check_outside_repository(path, key)
+    given = os.path.abspath(os.path.expanduser(str(path)))
+    if os.path.islink(given):
+        raise UserError(f"{shown} is a symbolic link: expected the path of a file to write")
+    if os.path.exists(real) and not overwrite:
+        raise UserError(f"{shown} exists: pass --overwrite to replace it, or choose another {key}")
     if os.path.exists(real) and not os.access(real, os.W_OK):
         raise UserError(f"{shown} cannot be written (the file is read-only): expected a file that qkvflow can write")
     check_writable(path, key, beside=True)
+
+
+def _new_file_mode() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+@contextlib.contextmanager
+def writing_file(path, key: str, *, overwrite: bool = False, protect: Pairs = (), outside: Pairs = ()) -> Iterator[str]:
+    """Yield a temporary path beside `path` (same folder, same extension, so that e.g. matplotlib picks the
+    format) for the caller to write the whole file into; when the block ends without an error, rename it
+    onto `path` (atomic within a folder: a reader sees the old file or the new one, never a part). On an
+    error the temporary file is removed and `path` is left as it was. `check_file` runs before and again
+    just before the rename (a file that appeared meanwhile is refused without `overwrite`)."""
+    protect, outside = list(protect), list(outside)
+    check_file(path, key, overwrite=overwrite, protect=protect, outside=outside)
+    target = os.path.abspath(os.path.expanduser(str(path)))
+    parent, name = os.path.split(target)
+    stem, ext = os.path.splitext(name)
+    os.makedirs(parent, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{stem}.tmp-", suffix=ext, dir=parent)
+    os.close(fd)
+    try:
+        mode = stat.S_IMODE(os.stat(target).st_mode) if os.path.exists(target) else _new_file_mode()
+        os.chmod(tmp, mode)  # mkstemp makes it private; keep the old file's mode, or the umask's
+        yield tmp
+        check_file(path, key, overwrite=overwrite, protect=protect, outside=outside)
+        os.replace(tmp, target)
+    finally:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+
+
+def write_file(path, key: str, data: str | bytes, **rules) -> None:
+    """`data` written to the output file `path` through `writing_file` (`rules`: its keyword arguments)."""
+    with (
+        writing_file(path, key, **rules) as tmp,
+        open(tmp, "wb" if isinstance(data, bytes) else "w", encoding=None if isinstance(data, bytes) else "utf-8") as f,
+    ):
+        f.write(data)
 
 
 def check_replaceable(
@@ -141,6 +233,7 @@ def check_replaceable(
     if is_remote(path):
         raise UserError(f"{shown} is a remote URL: expected a local folder")
     check_outside(path, key, outside)
+    check_outside_repository(path, key)
     given = os.path.abspath(os.path.expanduser(str(path)))
     real = os.path.realpath(given)
     guarded = [("the current folder", os.getcwd()), ("your home folder", os.path.expanduser("~"))]

@@ -1,16 +1,21 @@
-"""qkvflow.outputs: the write probe and the safe replacement of output folders, in-process.
+"""qkvflow.outputs: the write probe, the safe replacement of output folders and files, and the repository's
+tracked folders, in-process.
 
 Every refusal must be one line naming the key and the path, and leave every file where it was.
 """
 
 import json
 import os
+import shutil
+import stat
+import subprocess
 from pathlib import Path
 
 import pytest
 
+from qkvflow import outputs
 from qkvflow.errors import UserError
-from qkvflow.outputs import MARKER, check_file, check_replaceable, check_writable, replacing
+from qkvflow.outputs import MARKER, check_file, check_replaceable, check_writable, replacing, write_file, writing_file
 
 
 def _tree(folder: Path) -> dict:
@@ -256,4 +261,127 @@ def test_an_output_file_must_be_a_writable_file_path(world, tmp_path):
         )
     assert _tree(tmp_path) == before
     check_file(world / "here" / "out.jsonl", "--output_jsonl", protect=protect)
-    check_file(world / "here" / "notes.txt", "--output_jsonl", protect=protect)
+    check_file(world / "here" / "notes.txt", "--output_jsonl", overwrite=True, protect=protect)
+
+
+def test_an_existing_file_is_replaced_only_with_overwrite(world):
+    """Issue 62, item 1: an existing file (the user's notes) is refused in one line that names --overwrite, and
+    the writer never runs; with overwrite the new bytes replace it, keeping its permission bits."""
+    notes = world / "here" / "notes.txt"
+    notes.chmod(0o640)
+    for call in (
+        lambda: check_file(notes, "--output_jsonl"),
+        lambda: write_file(notes, "--output_jsonl", "new\n"),
+    ):
+        _refusal(call, f"--output_jsonl={str(notes)!r} exists: pass --overwrite to replace it")
+    with pytest.raises(UserError), writing_file(notes, "--output_jsonl"):
+        raise AssertionError("the writer must not run")
+    assert notes.read_bytes() == b"mine" and os.listdir(notes.parent) == ["notes.txt"]
+    write_file(notes, "--output_jsonl", "new\n", overwrite=True)
+    assert notes.read_bytes() == b"new\n" and os.listdir(notes.parent) == ["notes.txt"]
+    assert stat.S_IMODE(notes.stat().st_mode) == 0o640
+    fresh = world / "here" / "deeper" / "out.jsonl"  # a new file in a new folder needs no --overwrite
+    write_file(fresh, "--output_jsonl", b"\x00bytes")
+    assert fresh.read_bytes() == b"\x00bytes" and os.listdir(fresh.parent) == ["out.jsonl"]
+
+
+def test_the_new_file_is_renamed_into_place(world):
+    """The old file is never opened for writing: a hard link to it (the same inode) still holds the old
+    bytes after the replacement, which a write in place (open(path, "w")) would have truncated."""
+    notes, link = world / "here" / "notes.txt", world / "link.txt"
+    os.link(notes, link)
+    with writing_file(notes, "--output_jsonl", overwrite=True) as tmp:
+        assert os.path.dirname(tmp) == str(notes.parent) and tmp.endswith(".txt")  # same folder, same format
+        Path(tmp).write_text("new")
+        assert notes.read_text() == "mine"  # not yet: only when the block ends
+    assert notes.read_text() == "new" and link.read_text() == "mine"
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary_file(world, monkeypatch):
+    """A writer that fails midway, and a rename that fails, leave the old file's bytes and nothing else."""
+    notes = world / "here" / "notes.txt"
+    with pytest.raises(RuntimeError, match="disk full"), writing_file(notes, "--output_jsonl", overwrite=True) as tmp:
+        Path(tmp).write_text("half of the ne")
+        raise RuntimeError("disk full")
+    assert notes.read_bytes() == b"mine" and os.listdir(notes.parent) == ["notes.txt"]
+
+    def fails(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(outputs.os, "replace", fails)
+    with pytest.raises(OSError, match="No space left"):
+        write_file(notes, "--output_jsonl", "new", overwrite=True)
+    assert notes.read_bytes() == b"mine" and os.listdir(notes.parent) == ["notes.txt"]
+
+
+def test_a_file_that_appears_during_the_write_is_not_replaced(world):
+    """The rules are checked again before the rename: a file created meanwhile is refused without overwrite."""
+    out = world / "here" / "out.jsonl"
+    with pytest.raises(UserError, match="exists: pass --overwrite"), writing_file(out, "--output_jsonl") as tmp:
+        Path(tmp).write_text("ours")
+        out.write_text("theirs")
+    assert out.read_text() == "theirs" and sorted(os.listdir(out.parent)) == ["notes.txt", "out.jsonl"]
+
+
+def test_a_symbolic_link_is_not_an_output_file(world):
+    link = world / "here" / "link.jsonl"
+    link.symlink_to(world / "configs" / "run.yaml")
+    _refusal(lambda: check_file(link, "--output_jsonl", overwrite=True), "is a symbolic link")
+    assert (world / "configs" / "run.yaml").read_text() == "model: {}\n"
+
+
+@pytest.fixture
+def repo(tmp_path, monkeypatch):
+    """A stand-in checkout (a broken check must not write into the real one) with every shipped folder and file."""
+    root = tmp_path / "repo"
+    for name in outputs.SHIPPED:
+        (root / name).mkdir(parents=True)
+    (root / "benchmarks" / "results").mkdir()
+    (root / "benchmarks" / "results" / "quality.json").write_text("{}")
+    for name in outputs.SHIPPED_FILES:
+        (root / name).write_text(name)
+    monkeypatch.setattr(outputs, "ROOT", root)
+    return root
+
+
+def test_no_output_goes_into_the_repositorys_tracked_folders_or_files(repo, monkeypatch):
+    """Issue 62, items 1 and 5: a file or folder output inside a tracked folder (or that folder itself), or
+    onto a tracked top-level file, is refused in one line, with --overwrite too, and nothing there changes.
+    Relative paths are taken from the current folder; untracked folders of the checkout are fine."""
+    monkeypatch.chdir(repo)
+    before = _tree(repo)
+    for path in ("configs/exp", "configs", "docs/notes.md", "benchmarks/results/quality.json", "qkvflow/x/y"):
+        reason = f"is inside the repository's shipped folder {path.split('/')[0]}/"
+        if path != "configs":  # a folder: check_file says so first
+            _refusal(lambda p=path: check_file(p, "--output", overwrite=True), f"--output={path!r} {reason}")
+        _refusal(lambda p=path: check_replaceable(p, kind="hf_export", key="--output"), reason)
+        with pytest.raises(UserError, match="shipped folder"), replacing(path, kind="hf_export", key="--output"):
+            raise AssertionError("the writer must not run")
+    for name in outputs.SHIPPED_FILES:
+        _refusal(lambda n=name: write_file(n, "--output_jsonl", "x", overwrite=True), f"tracked file {name}")
+    assert _tree(repo) == before and not (repo / "configs" / "exp").exists()
+    write_file("runs/out.jsonl", "--output_jsonl", "x")
+    check_replaceable("exports/exp", kind="hf_export", key="--output")
+    monkeypatch.setattr(outputs, "ROOT", repo / "site-packages")  # an installed qkvflow: no checkout to protect
+    check_file(repo / "docs" / "x.md", "--output")
+
+
+def test_the_tracked_lists_are_gits():
+    """SHIPPED and SHIPPED_FILES are the repository's top level as git tracks it."""
+    if not shutil.which("git") or not (outputs.ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    run = lambda *a: subprocess.run(["git", "-C", str(outputs.ROOT), *a], capture_output=True, text=True, check=True)  # noqa: E731
+    folders = run("ls-tree", "-d", "--name-only", "HEAD").stdout.split()
+    everything = run("ls-tree", "--name-only", "HEAD").stdout.split()
+    assert sorted(outputs.SHIPPED) == sorted(folders)
+    assert sorted(outputs.SHIPPED_FILES) == sorted(set(everything) - set(folders))
+
+
+def test_the_rules_import_without_the_heavy_stack():
+    """The CLI checks outputs before it imports JAX: qkvflow.outputs pulls in none of the heavy libraries."""
+    import sys
+
+    heavy = ("jax", "numpy", "levanter", "transformers", "equinox", "haliax")
+    code = f"import sys, qkvflow.outputs; print([m for m in {heavy!r} if m in sys.modules])"
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert found.strip() == "[]"

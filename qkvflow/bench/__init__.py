@@ -12,4 +12,11 @@
            configs (run_configs), matched baselines (matching), the learning-rate grid's edge (lr_grid),
            the work folder (study_folder), the data halves of a user's corpus (halves), the run pool
            (pool) and the report (compare_report). docs/compare.md is its guide.
+
+Their output files follow qkvflow.outputs (an existing file is replaced only with --overwrite, and none
+is written into the repository's tracked folders); `OUT_DIR` is the default folder of scaling, quality
+and exits.
 """
+
+OUT_DIR = "runs/bench"
+"""Relative to the current folder; the shipped results in benchmarks/results/ are copies made by hand."""

@@ -76,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("study", help="study YAML (e.g. benchmarks/compare/tinyshakespeare.yaml)")
     p.add_argument("--workdir", required=True, help="where runs, checkpoints and partial results live (resumable)")
     p.add_argument("--out_dir", default=None, help="a folder for the report alone (default: WORKDIR/report)")
+    p.add_argument("--overwrite", action="store_true", help=outputs.OVERWRITE_HELP)
     p.add_argument("--name", default=None, help="the report's files NAME.{json,md,png} (default: the study's name)")
     p.add_argument("--iters", type=int, default=None, help="override the study's budget (training steps per run)")
     p.add_argument("--seeds", default=None, help="override the seeds, comma-separated")
@@ -469,9 +470,11 @@ def main(argv: list[str]) -> int:
     study = load_study(args.study, args)
     check_attention(study, args)
     workdir = Path(args.workdir).resolve()
-    report_rules = {"kind": REPORT_KIND, "key": "--out_dir", "protect": [("--workdir", str(workdir))]}
+    report_rules = {
+        "kind": REPORT_KIND, "key": "--out_dir", "overwrite": args.overwrite, "protect": [("--workdir", str(workdir))]
+    }  # fmt: skip
     for key, folder in (("--workdir", workdir), ("--out_dir", args.out_dir)):
-        study_folder.check_outside_repository(folder, key)
+        outputs.check_outside_repository(folder, key)
     if args.out_dir is not None:  # before any work, as every output
         outputs.check_replaceable(args.out_dir, **report_rules)
         check_writable(args.out_dir, "--out_dir", beside=True)

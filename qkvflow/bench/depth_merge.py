@@ -33,7 +33,12 @@ SOLVER_ORDER = ("euler", "midpoint", "ralston", "heun", "rk4", "tsit5", "dopri5"
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qkvflow bench depth", description=__doc__.split("\n\n")[0])
     p.add_argument("reports", nargs="+", help="NAME_depth.json files written by `qkvflow bench compare`")
-    p.add_argument("--out_dir", required=True, help="a folder for the merged report (absent, empty, or an earlier one)")
+    p.add_argument(
+        "--out_dir",
+        required=True,
+        help="a folder for the merged report (absent, empty, or an earlier one with --overwrite)",
+    )
+    p.add_argument("--overwrite", action="store_true", help=outputs.OVERWRITE_HELP)
     p.add_argument("--name", default="depth_all", help="file name of the report (default: depth_all)")
     p.add_argument("--title", default=None, help="the report's title (default: the first report's)")
     p.add_argument("--tolerance", type=float, default=1e-3, help="nats within which a shared model must agree")
@@ -136,7 +141,8 @@ def plot_deltas(result: dict, path) -> None:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    rules = {"kind": KIND, "key": "--out_dir", "protect": [("a report it reads", p) for p in args.reports]}
+    protect = [("a report it reads", p) for p in args.reports]
+    rules = {"kind": KIND, "key": "--out_dir", "overwrite": args.overwrite, "protect": protect}
     outputs.check_replaceable(args.out_dir, **rules)  # before any work, as every output
     outputs.check_writable(args.out_dir, "--out_dir", beside=True)
     result = merge({p: _load(p) for p in args.reports}, args.tolerance, args.title)

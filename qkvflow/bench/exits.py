@@ -25,16 +25,18 @@ from pathlib import Path
 
 import numpy as np
 
+from qkvflow import outputs
+from qkvflow.bench import OUT_DIR
 from qkvflow.errors import UserError
 
-ROOT = Path(__file__).resolve().parents[2]
 TAUS = "0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,0.95,0.99"
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qkvflow bench exits", description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", required=True, help="the `bench compare` work folder (runs kept: --keep_checkpoints)")
-    p.add_argument("--out_dir", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--out_dir", default=OUT_DIR, help=f"folder of the output files (default {OUT_DIR})")
+    p.add_argument("--overwrite", action="store_true", help=outputs.OVERWRITE_HELP)
     p.add_argument("--name", default="exits")
     p.add_argument("--taus", default=TAUS, help="confidence thresholds, comma-separated")
     p.add_argument("--tolerance", type=float, default=0.01, help="relative selection-loss slack of the chosen tau")
@@ -275,6 +277,9 @@ def main(argv: list[str]) -> int:
     if not all(0 < t < 1 for t in taus):
         raise UserError(f"--taus {args.taus!r} is invalid: expected comma-separated numbers in (0, 1)")
     workdir = Path(args.workdir).resolve()
+    files = {ext: Path(args.out_dir) / f"{args.name}.{ext}" for ext in ("json", "md", "png")}
+    for path in files.values():
+        outputs.check_file(path, "--out_dir", overwrite=args.overwrite)
     runs = _runs(workdir)
     start = time.perf_counter()
     data = {split: _batches(runs[0]["config_path"], split) for split in ("selection", "test")}
@@ -287,12 +292,11 @@ def main(argv: list[str]) -> int:
         results.append(r)
     result = report(results, args.tolerance, args.flops_vocab)
     result["wall_s"] = round(time.perf_counter() - start, 1)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
     table = markdown(result)
-    (out / f"{args.name}.md").write_text(table)
-    plot(result, out / f"{args.name}.png")
+    outputs.write_file(files["json"], "--out_dir", json.dumps(result, indent=1) + "\n", overwrite=args.overwrite)
+    outputs.write_file(files["md"], "--out_dir", table, overwrite=args.overwrite)
+    with outputs.writing_file(files["png"], "--out_dir", overwrite=args.overwrite) as tmp:
+        plot(result, tmp)
     print(table)
-    print(f"wrote {out / args.name}.{{md,json,png}}")
+    print(f"wrote {Path(args.out_dir) / args.name}.{{md,json,png}}")
     return 0

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from qkvflow import outputs
+from qkvflow.bench import OUT_DIR
 from qkvflow.errors import UserError
 from qkvflow.outputs import check_writable
 from qkvflow.training.tracking import metrics_file, read_metrics
@@ -46,7 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--configs_dir", default=str(ROOT / "benchmarks" / "configs"))
     p.add_argument("--corpus_root", default=str(ROOT / "cache" / "corpora"))
     p.add_argument("--max_eval_batches", type=int, default=None, help="evaluate on a slice (default: all)")
-    p.add_argument("--out_dir", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--out_dir", default=OUT_DIR, help=f"folder of the output files (default {OUT_DIR})")
+    p.add_argument("--overwrite", action="store_true", help=outputs.OVERWRITE_HELP)
     p.add_argument("--name", default="quality", help="output files OUT_DIR/NAME.json and NAME.md")
     p.add_argument("--workdir", default=None, help="where runs write (default: a fresh temporary folder)")
     p.add_argument("--timeout", type=float, default=7200.0, help="seconds per model")
@@ -212,12 +215,15 @@ def main(argv: list[str]) -> int:
             f"--models={args.models!r} is invalid: expected a comma-separated subset of {','.join(MODELS + EXTRA_MODELS)}"
         )
     learning_rates = _learning_rates(args.learning_rates)
+    files = {ext: Path(args.out_dir) / f"{args.name}.{ext}" for ext in ("json", "md")}
+    for path in files.values():  # before any work
+        outputs.check_file(path, "--out_dir", overwrite=args.overwrite)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="qkvflow-quality-"))
     for name in names:  # before any training: no run may find (and later remove) an existing checkpoint
         for lr in learning_rates or [None]:
             check_fresh(workdir, _run_id(name, lr))
+    outputs.check_outside_repository(workdir, "--workdir")
     check_writable(str(workdir), "--workdir")
-    check_writable(args.out_dir, "--out_dir")
     workdir.mkdir(parents=True, exist_ok=True)
     result = {
         "iters": args.iters,
@@ -233,11 +239,9 @@ def main(argv: list[str]) -> int:
             result["models"][name] = train_one(name, args, workdir)
         else:
             result["models"][name] = train_grid(name, args, workdir, learning_rates)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
     table = markdown(result)
-    (out / f"{args.name}.md").write_text(table)
+    outputs.write_file(files["json"], "--out_dir", json.dumps(result, indent=2) + "\n", overwrite=args.overwrite)
+    outputs.write_file(files["md"], "--out_dir", table, overwrite=args.overwrite)
     print(json.dumps(result))
     print(table)
     return 0

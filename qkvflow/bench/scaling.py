@@ -24,6 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from qkvflow import outputs
+from qkvflow.bench import OUT_DIR
 from qkvflow.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,7 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--dtype", default="f32")
-    p.add_argument("--out_dir", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--out_dir", default=OUT_DIR, help=f"folder of the output files (default {OUT_DIR})")
+    p.add_argument("--overwrite", action="store_true", help=outputs.OVERWRITE_HELP)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per point")
     p.add_argument("--no_plot", action="store_true")
     return p
@@ -169,20 +172,22 @@ def main(argv: list[str]) -> int:
         if bad or not variants:
             raise UserError(f"--variants={args.variants!r} is invalid: expected a subset of {','.join(VARIANTS)}")
     out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     csv_path, png_path = out_dir / f"scaling_{args.what}.csv", out_dir / f"scaling_{args.what}.png"
+    for path in [csv_path] + ([] if args.no_plot else [png_path]):  # before any point
+        outputs.check_file(path, "--out_dir", overwrite=args.overwrite)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="qkvflow-scaling-") as tmp, open(csv_path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
+    with tempfile.TemporaryDirectory(prefix="qkvflow-scaling-") as tmp:
         for variant in variants:
             for value in values:
                 row = {"what": args.what, **point(args, knob, value, variant, Path(tmp))}
                 rows.append(row)
-                writer.writerow(row)
-                f.flush()
-                print(json.dumps(row), flush=True)
+                print(json.dumps(row), flush=True)  # each row as it is measured; the CSV holds them all
+    with outputs.writing_file(csv_path, "--out_dir", overwrite=args.overwrite) as tmp, open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
     if not args.no_plot:
-        plot(rows, args.what, knob, png_path)
+        with outputs.writing_file(png_path, "--out_dir", overwrite=args.overwrite) as tmp:
+            plot(rows, args.what, knob, tmp)
     print(f"wrote {csv_path}" + ("" if args.no_plot else f" and {png_path}"))
     return 0

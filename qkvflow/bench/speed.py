@@ -37,6 +37,7 @@ import jmp
 import numpy as np
 import yaml
 
+from qkvflow import outputs
 from qkvflow.bench.memory import device_peak_bytes, process_peak, xla_memory
 from qkvflow.bench.peak import matmul_peak
 from qkvflow.errors import UserError
@@ -75,7 +76,8 @@ def parser(prog="qkvflow bench speed") -> argparse.ArgumentParser:
         help="the cross-entropy's vocabulary block for both models (loss_vocab_block; at least the vocabulary: "
         "one product; default: each model's own)",
     )
-    p.add_argument("--json_out", default=None)
+    p.add_argument("--json_out", default=None, help="also write the result to this JSON file (qkvflow.outputs)")
+    p.add_argument("--overwrite", action="store_true", help=outputs.OVERWRITE_HELP)
     p.add_argument("--only", choices=("both", "ode", "baseline"), default="both")
     p.add_argument("--no_peak", action="store_true", help="skip the matmul-peak measurement")
     p.add_argument(
@@ -520,12 +522,13 @@ def run(args, batch=None) -> dict:
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     batches = parse_batches(args.batch) if args.batch is not None else [None]
+    if args.json_out:
+        outputs.check_file(args.json_out, "--json_out", overwrite=args.overwrite)  # before any work
     runs = [run(args, batch) for batch in batches]
     result = runs[0] if len(runs) == 1 else {"runs": runs}
     text = json.dumps(result)
     if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
+        outputs.write_file(args.json_out, "--json_out", json.dumps(result, indent=2) + "\n", overwrite=args.overwrite)
     print(text)
     for r in runs:
         for name in ("ode", "baseline"):

@@ -7,9 +7,8 @@ run there yet (no config, result or checkpoint of `<model>-lr<rate>-s<seed>`) ma
 and its record is updated. Anything else is refused in one line that says how to start over. A folder
 without `study.json` must be empty or absent.
 
-`check_outside_repository` refuses an output folder inside the repository's shipped folders (the
-folders git tracks, `SHIPPED`): a report written under `benchmarks/results/` would mix with the
-results the repository ships.
+Outputs stay out of the repository's tracked folders (`qkvflow.outputs.check_outside_repository`):
+a report written under `benchmarks/results/` would mix with the results the repository ships.
 """
 
 import json
@@ -19,24 +18,6 @@ from pathlib import Path
 
 from qkvflow.errors import UserError
 from qkvflow.outputs import check_writable
-
-ROOT = Path(__file__).resolve().parents[2]
-SHIPPED = (".ci", "benchmarks", "configs", "docs", "launch", "qkvflow", "tests")
-"""The repository's top-level folders that git tracks (tests/bench/test_compare.py compares with git)."""
-
-
-def check_outside_repository(path, key: str) -> None:
-    """UserError in one line when `path` is one of the repository's shipped folders or inside one."""
-    if path is None or "://" in str(path) or not (ROOT / "pyproject.toml").is_file():
-        return  # an installed qkvflow has no repository folders to protect
-    real = os.path.realpath(os.path.expanduser(str(path)))
-    for name in SHIPPED:
-        folder = os.path.realpath(ROOT / name)
-        if real == folder or real.startswith(folder + os.sep):
-            raise UserError(
-                f"{key}={str(path)!r} is inside the repository's shipped folder {name}/ ({folder}): "
-                "choose a folder outside the repository's tracked folders (e.g. work/ or /tmp)"
-            )
 
 
 def has_runs(workdir: Path, model: str) -> bool:

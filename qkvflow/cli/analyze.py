@@ -2,14 +2,14 @@
 
     qkvflow analyze spectra  --config_path CFG --checkpoint DIR [--num_times 64 | --at_solver_times] [--output DIR]
     qkvflow analyze lyapunov --config_path CFG --checkpoint DIR --text "..." [--steps N] [--output DIR]
-    qkvflow analyze clusters [--seed 0] [--output DIR]
+    qkvflow analyze clusters [--seed 0] [--output DIR]                            (each: [--overwrite])
 
 Further `--dotted.key value` arguments override the config as in `qkvflow train` (for example
 `--corpus.root`). Each analysis writes PNG figures (and for lyapunov an HTML page) under --output
 and prints a JSON summary with the numbers and the paths written. --output follows the rules of
 every other verb's output folder (qkvflow.outputs): it is written whole and swapped in at the end,
-and only an absent or empty folder or an earlier output of the same analysis is replaced. Bad input
-raises UserError, which the CLI prints as one line.
+and only an absent or empty folder or (with --overwrite) an earlier output of the same analysis is
+replaced. Bad input raises UserError, which the CLI prints as one line.
 """
 
 import argparse
@@ -35,6 +35,7 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--config_path", required=True, help="the run's training config (YAML)")
             p.add_argument("--checkpoint", required=True, help="checkpoints/<run_id> or one of its step-N folders")
         p.add_argument("--output", default=None, help=f"folder for figures and JSON (default {DEFAULT_OUTPUT})")
+        p.add_argument("--overwrite", action="store_true", help=outputs.OVERWRITE_HELP)
         return p
 
     spectra = add("spectra", "eigenvalues of the QK and OV circuits along depth (Fig. 2a-b)", model=True)
@@ -103,10 +104,10 @@ ANALYSES = {"spectra": spectra, "lyapunov": lyapunov, "clusters": clusters}
 
 
 def _output_rules(args) -> dict:
-    """How --output may be replaced: by an earlier output of the same analysis only, never the
-    checkpoint or config being read."""
+    """How --output may be replaced: by an earlier output of the same analysis only, with --overwrite, never
+    the checkpoint or config being read."""
     protect = [(f"--{k}", getattr(args, k, None)) for k in ("checkpoint", "config_path")]
-    return {"kind": f"{args.analysis} analysis", "key": "--output", "protect": protect}
+    return {"kind": f"{args.analysis} analysis", "key": "--output", "overwrite": args.overwrite, "protect": protect}
 
 
 def _moved(value, folder: str, output: str):

@@ -70,7 +70,7 @@ class EvalOptions:
     output: Optional[str] = None
     """Folder for depth.md, depth.json and depth.png (absent, empty, or an earlier `qkvflow eval` output with --overwrite)."""
     overwrite: bool = False
-    """Replace an earlier `qkvflow eval` output in --output."""
+    """Replace an existing output file or an earlier qkvflow output folder (refused without it)."""
     tasks: Optional[str] = None
     """lm-evaluation-harness tasks, comma-separated (e.g. arc_easy,piqa), or paths of task YAML files."""
     max_examples: Optional[int] = None

@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
         "generate take it (2N, N/2; default: N)",
     )
     parser.add_argument("--solver", default="euler", help="discretisation: euler (the only one that maps to blocks)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an earlier `qkvflow export` in --output")
+    parser.add_argument("--overwrite", action="store_true", help=outputs.OVERWRITE_HELP)
     parser.add_argument("--ode", action="store_true", help="also write the full ODE model to OUTPUT/ode")
     return parser
 

@@ -1,7 +1,7 @@
 """`qkvflow generate`: text from a checkpoint of `qkvflow train` or `qkvflow finetune`, with KV caches.
 
     qkvflow generate --config_path CFG --checkpoint CKPT --prompt TEXT [--max_new_tokens K] [--temperature T]
-                     [--prompts_file F] [--output_jsonl F] [--steps N' | auto] [--top_p P] [--top_k K] [--stop S]
+                     [--prompts_file F] [--output_jsonl F [--overwrite]] [--steps N' | auto] [--top_p P] [--top_k K] [--stop S]
                      [--stop_token_ids '[ID, ...]'] [--seed S] [--stream true] [--dotted.key value ...]
 
 CFG is the config the checkpoint was trained with: a training config (as `qkvflow export` reads it)
@@ -16,7 +16,9 @@ choice is printed on stderr. Temperature 0 (the default) is greedy.
 
 Prints each completion (the generated text without the prompt) on stdout, one per prompt in order;
 `--output_jsonl F` also writes one JSON object per prompt: prompt, completion, finish_reason, tokens
-(F is checked before any work: a file, not a folder, outside the checkpoint's run folder).
+(F is checked before any work, as every output file (qkvflow.outputs): not a folder, outside the
+checkpoint's run folder and the repository's tracked folders, an existing file only with --overwrite;
+it is written whole into a temporary file beside F and renamed onto it).
 `--stop S` ends a completion at the first S (excluded; `\\n` and `\\t` stand for newline and tab).
 This module parses and dispatches; the work is qkvflow.inference.completions.
 """
@@ -42,7 +44,9 @@ class GenerateOptions:
     """A text file with one prompt per line (blank lines skipped), decoded in batches."""
     output_jsonl: Optional[str] = None
     """Also write one JSON object per prompt: prompt, completion, finish_reason, tokens (a file path, checked
-    before any work; not inside the checkpoint's run folder)."""
+    before any work; not inside the checkpoint's run folder or the repository's tracked folders)."""
+    overwrite: bool = False
+    """Replace an existing output file or an earlier qkvflow output folder (refused without it)."""
     max_new_tokens: int = 32
     temperature: float = 0.0
     """0: greedy (argmax); > 0: sample softmax(logits / temperature)."""

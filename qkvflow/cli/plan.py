@@ -5,6 +5,7 @@ and say what each device needs (qkvflow.plan; docs/plan.md)."""
 import argparse
 import json
 
+from qkvflow import outputs
 from qkvflow.plan import targets
 
 USAGE = "qkvflow plan --config_path CFG --target NAME [--devices N] [--max_batch] [--json] [--dotted.key value ...]"
@@ -22,6 +23,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.add_argument("--device_memory", type=int, default=None, help="bytes of memory per device (default: the target's)")
     p.add_argument("--save_hlo", default=None, help="also write the compiled step's optimised HLO text to this file")
+    p.add_argument("--overwrite", action="store_true", help=outputs.OVERWRITE_HELP)
     return p
 
 
@@ -40,6 +42,8 @@ def main(argv: list[str]) -> int:
     devices = args.devices or n or 1
     if devices < 1:
         raise UserError(f"--devices {devices} is invalid: expected an integer >= 1")
+    if args.save_hlo:
+        outputs.check_file(args.save_hlo, "--save_hlo", overwrite=args.overwrite)  # before compiling
 
     from qkvflow.plan import backend, planner, report
     from qkvflow.plan.config import PlanConfig, vocabulary
@@ -47,7 +51,13 @@ def main(argv: list[str]) -> int:
     backend.start(devices)  # before anything runs on a backend
     config = cli.parse(PlanConfig, rest, "plan", required="a training config")
     out = planner.plan(
-        config, target, devices, vocabulary(config), search_max_batch=args.max_batch, hlo_file=args.save_hlo
+        config,
+        target,
+        devices,
+        vocabulary(config),
+        search_max_batch=args.max_batch,
+        hlo_file=args.save_hlo,
+        overwrite=args.overwrite,
     )
     print(json.dumps(out) if args.json else report.text(out))
     return 0

@@ -40,7 +40,7 @@ class TokenizerConfig:
     write_data: bool = True
     """Write train.jsonl and validation.jsonl (false: the tokenizer only, trained on all the text)."""
     overwrite: bool = False
-    """Replace an earlier output of `qkvflow tokenizer` in --output."""
+    """Replace an existing output file or an earlier qkvflow output folder (refused without it)."""
 
 
 def draccus_args(argv: list[str]) -> list[str]:

@@ -14,6 +14,7 @@ import json
 import os
 import sys
 
+from qkvflow import outputs
 from qkvflow.errors import UserError
 from qkvflow.evaluation import auto_steps
 from qkvflow.training.finetune_config import FinetuneConfig
@@ -120,17 +121,19 @@ def tokenizer_of(config):
     return tokenizer.as_hf_tokenizer() if hasattr(tokenizer, "as_hf_tokenizer") else tokenizer
 
 
-def check_output(config, config_path=None) -> None:
-    """--output_jsonl: a file that can be written, not a file generate reads, not inside the checkpoint's
-    run folder (`qkvflow.outputs.check_file`); checked before any work, as `qkvflow export` checks --output."""
-    from qkvflow import outputs
+def check_output(config, config_path=None) -> dict:
+    """--output_jsonl: a file that can be written, not a file generate reads, not inside the checkpoint's run
+    folder, an existing file only with --overwrite (`qkvflow.outputs.check_file`); checked before any work,
+    as `qkvflow export` checks --output. Returns the rules for `qkvflow.outputs.writing_file`."""
     from qkvflow.training.run_model import run_folder
 
     if config.output_jsonl is None:
-        return
+        return {}
     protect = [("--prompts_file", config.prompts_file), ("--config_path", config_path)]
     outside = [("the run folder of --checkpoint", run_folder(config.checkpoint))]
-    outputs.check_file(config.output_jsonl, "--output_jsonl", protect=protect, outside=outside)
+    rules = {"overwrite": config.overwrite, "protect": protect, "outside": outside}
+    outputs.check_file(config.output_jsonl, "--output_jsonl", **rules)
+    return rules
 
 
 def run(config, config_path=None) -> list:
@@ -147,7 +150,7 @@ def run(config, config_path=None) -> list:
     steps = decoding_steps(config)
     if config.checkpoint is None:
         raise UserError("--checkpoint is missing: expected checkpoints/<run_id> or one of its step-N folders")
-    check_output(config, config_path)
+    rules = check_output(config, config_path)
     context = config.model.max_seq_len if config.model is not None else None
     if context is not None:
         encode_prompts(tokenizer_of(config), prompts, context, options.max_new_tokens)
@@ -161,12 +164,8 @@ def run(config, config_path=None) -> list:
         model, tokenizer, prompts, options, steps=steps, sizes=EngineSizes(max_seqs=config.max_seqs), stream=stream
     )
     if config.output_jsonl:
-        with open(config.output_jsonl, "w", encoding="utf-8") as f:
-            for c in completions:
-                f.write(
-                    json.dumps(
-                        {"prompt": c.prompt, "completion": c.text, "finish_reason": c.finish_reason, "tokens": c.tokens}
-                    )
-                    + "\n"
-                )
+        rows = [{"prompt": c.prompt, "completion": c.text, "finish_reason": c.finish_reason, "tokens": c.tokens}
+                for c in completions]  # fmt: skip
+        text = "".join(json.dumps(row) + "\n" for row in rows)
+        outputs.write_file(config.output_jsonl, "--output_jsonl", text, **rules)  # whole, then renamed into place
     return completions

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
+from qkvflow import outputs
 from qkvflow.errors import UserError
 from qkvflow.plan import backend, hlo, roofline, step
 from qkvflow.plan.targets import Target
@@ -129,9 +129,11 @@ def attention_kernels(module) -> list[str]:
     return sorted(found)
 
 
-def plan(config, target: Target, devices: int, vocab: int, *, search_max_batch: bool = False, hlo_file=None) -> dict:
+def plan(
+    config, target: Target, devices: int, vocab: int, *, search_max_batch: bool = False, hlo_file=None, overwrite=False
+) -> dict:
     """Compile `config`'s training step for `devices` of `target`; the plan as one JSON-able dict
-    (and the optimised HLO text in `hlo_file`, if given)."""
+    (and the optimised HLO text in `hlo_file`, if given, as every output file: `qkvflow.outputs`)."""
     if devices < 1:
         raise UserError(f"--devices {devices} is invalid: expected an integer >= 1")
     found = backend.devices_for(target, devices)
@@ -140,8 +142,7 @@ def plan(config, target: Target, devices: int, vocab: int, *, search_max_batch: 
     compiled = step.compile_step(config, target, found, vocab)
     text = compiled.executable.as_text()
     if hlo_file:
-        Path(hlo_file).parent.mkdir(parents=True, exist_ok=True)
-        Path(hlo_file).write_text(text)
+        outputs.write_file(hlo_file, "--save_hlo", text, overwrite=overwrite)
     module = hlo.parse(text)
     mem = memory(compiled)
     limit, why = usable_memory(target)

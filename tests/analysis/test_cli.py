@@ -121,14 +121,20 @@ def test_an_unwritable_output_is_refused_before_the_analysis(tmp_path, capsys, m
 
 
 def test_output_follows_the_output_folder_rules(tmp_path, capsys, monkeypatch):
-    """--output is replaced only when it is absent, empty or an earlier output of the same analysis
-    (qkvflow.outputs); a user's folder, the current folder and another analysis's output are refused
+    """--output is replaced only when it is absent, empty or (with --overwrite) an earlier output of the same
+    analysis (qkvflow.outputs); a user's folder, the current folder and another analysis's output are refused
     before the analysis runs, and every file in them survives."""
     out = tmp_path / "out"
     first = _run(capsys, "clusters", "--output", out)
     assert sorted(p.name for p in out.iterdir()) == ["clusters.json", "clusters.png", "qkvflow_output.json"]
     assert first["json"] == str(out / "clusters.json") and json.loads(Path(first["json"]).read_text())["seed"] == 0
-    assert _run(capsys, "clusters", "--seed", 1, "--output", out)["seed"] == 1  # its own earlier output: replaced
+    assert (
+        cli.main(["analyze", "clusters", "--seed", "1", "--output", str(out)]) == 2
+    )  # issue 62: only with --overwrite
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds an earlier qkvflow clusters analysis: pass --overwrite to replace it" in err
+    assert json.loads((out / "clusters.json").read_text())["seed"] == 0
+    assert _run(capsys, "clusters", "--seed", 1, "--output", out, "--overwrite")["seed"] == 1  # its own: replaced
     assert json.loads((out / "clusters.json").read_text())["seed"] == 1
 
     import qkvflow.analysis.clusters

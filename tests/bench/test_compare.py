@@ -14,6 +14,7 @@ import yaml
 from qkvflow.bench import compare, stats
 from qkvflow.data.corpora import default_shared_dir
 from qkvflow.errors import UserError
+from qkvflow.outputs import MARKER
 from qkvflow.training.tracking import metrics_file
 from tests import warm
 
@@ -134,6 +135,7 @@ def _main(study_dir, monkeypatch, fake, *extra):
         str(study_dir / "work"),
         "--out_dir",
         str(study_dir / "out"),
+        "--overwrite",  # the tests run a study again into the same folder (its refusal: the test below)
         *extra,
     ]
     return compare.main(argv)
@@ -375,6 +377,18 @@ def test_the_report_goes_to_the_work_folder_and_an_out_dir_is_checked_like_every
         _main(study, monkeypatch, fake, "--out_dir", str(theirs), "--workdir", str(study / "fresh"))
     assert "\n" not in str(e.value) and fake.calls == [] and not (study / "fresh").exists()
     assert (theirs / "compare_x.md").read_text() == "shipped"
+
+    out = study / "out"  # an earlier report of qkvflow's: replaced only with --overwrite (issue 62)
+    argv = [str(study / "study.yaml"), "--workdir", str(work), "--models", "gpt2", "--out_dir", str(out)]
+    assert compare.main(argv) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    fake = FakeRuns()
+    monkeypatch.setattr(compare, "_subprocess", fake)
+    with pytest.raises(UserError, match=f"--out_dir={str(out)!r} holds an earlier qkvflow bench compare report: pass "):
+        compare.main([*argv, "--name", "again"])
+    assert fake.calls == [] and {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert compare.main([*argv, "--name", "again", "--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [f"again.{e}" for e in ("json", "md", "png")] + [MARKER]
 
 
 # --- a study on the user's own corpus -----------------------------------------------------------------

@@ -10,7 +10,8 @@ import subprocess
 import pytest
 import yaml
 
-from qkvflow.bench import compare, study_folder
+from qkvflow import outputs
+from qkvflow.bench import compare
 from qkvflow.errors import UserError
 from tests.bench.test_compare import FakeRuns, _main
 
@@ -154,7 +155,7 @@ def test_an_out_dir_or_workdir_inside_the_repositorys_shipped_folders_is_refused
     for name in ("benchmarks/results", "docs", "qkvflow"):
         (repo / name).mkdir(parents=True)
     (repo / "pyproject.toml").write_text("")
-    monkeypatch.setattr(study_folder, "ROOT", repo)
+    monkeypatch.setattr(outputs, "ROOT", repo)
     for key, folder in (
         ("--out_dir", "benchmarks/results/mine"),
         ("--workdir", "docs/study"),
@@ -168,7 +169,7 @@ def test_an_out_dir_or_workdir_inside_the_repositorys_shipped_folders_is_refused
     if shutil.which("git") and (compare.ROOT / ".git").exists():  # the list is git's
         tracked = subprocess.run(["git", "-C", str(compare.ROOT), "ls-tree", "-d", "--name-only", "HEAD"],
                                  capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
-        assert sorted(study_folder.SHIPPED) == sorted(tracked)
+        assert sorted(outputs.SHIPPED) == sorted(tracked)
 
 
 def test_a_typo_in_a_models_config_leaves_the_work_folder_unclaimed(study, monkeypatch):

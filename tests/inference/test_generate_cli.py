@@ -1,6 +1,7 @@
 """`qkvflow generate` on the command line: bad input as one line, and greedy text from a real checkpoint."""
 
 import json
+import os
 
 import equinox as eqx
 import pytest
@@ -98,6 +99,23 @@ def test_greedy_cli_equals_uncached_argmax(capsys, trained, tmp_path):
     assert record["tokens"] == expected
     assert printed == tokenizer.decode(expected) + "\n"
     assert record["prompt"] == prompt and record["finish_reason"] == "length"
+
+
+def test_output_jsonl_replaces_an_existing_file_only_with_overwrite_and_whole(capsys, trained, tmp_path):
+    """Issue 62, item 1: onto an existing file generate exits 2 before decoding and the bytes stay; with
+    --overwrite the file holds the new records, renamed into place (a hard link to the old file keeps the old
+    bytes, which an in-place write would have truncated), and no temporary file is left beside it."""
+    corpus_root, checkpoint = trained
+    out, link = tmp_path / "notes.txt", tmp_path / "link.txt"
+    out.write_text("the user's notes\n")
+    os.link(out, link)
+    argv = [*args(corpus_root, checkpoint, "--prompt", "The function", "--max_new_tokens", "4"), "--output_jsonl"]
+    one_error_line(capsys, [*argv, str(out)], f"--output_jsonl={str(out)!r} exists: pass --overwrite to replace it")
+    assert out.read_text() == "the user's notes\n"
+    assert cli.main([*argv, str(out), "--overwrite"]) == 0
+    record = json.loads(out.read_text())
+    assert capsys.readouterr().out == record["completion"] + "\n" and len(record["tokens"]) == 4
+    assert link.read_text() == "the user's notes\n" and sorted(os.listdir(tmp_path)) == ["link.txt", "notes.txt"]
 
 
 def test_steps_auto_decodes_on_the_grid_the_rule_chooses(capfd, trained, tmp_path, monkeypatch):
