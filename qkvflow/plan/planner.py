@@ -84,7 +84,7 @@ def unknown_trips(model_config) -> int:
 def tpu_slices(config) -> int:
     """The TPU slices a plan compiles for: the product of `trainer.mesh.dcn_axes`' sizes (the axes
     Levanter lays across slices; its default, replica_dcn -1, takes however many there are: 1 here)."""
-    dcn = getattr(getattr(config.trainer, "mesh", None), "dcn_axes", None) or {}
+    dcn = getattr(getattr(getattr(config, "trainer", None), "mesh", None), "dcn_axes", None) or {}
     return math.prod(int(v) for v in dcn.values() if int(v) > 0)
 
 
