@@ -24,7 +24,8 @@ def text(p: dict) -> str:
     b = p["batch"]
     mfu = "n/a" if e["mfu"] is None else f"{e['mfu']:.0%}"
     mesh = " x ".join(f"{name} {size}" for name, size in p["mesh"].items() if size > 1) or "1 device"
-    nodes = f" in {p['nodes']} nodes" if p.get("nodes", 1) > 1 else ""
+    gpu = p["platform"] == "gpu"
+    nodes = f" in {p['nodes']} {'slices' if p['platform'] == 'tpu' else 'nodes'}" if p.get("nodes", 1) > 1 else ""
     lines = [
         f"{p['model_type']} on {p['devices']} x {p['target']}{nodes} (mesh: {mesh}), "
         f"batch {b['global']} x {b['seq_len']} tokens ({b['per_device']} per device), compute {p['compute_dtype']}",
@@ -48,9 +49,9 @@ def text(p: dict) -> str:
         "",
         f"attention kernel: {', '.join(p['attention']['kernels'])} (attn_backend {p['attention']['config']})",
         f"kernel launches per step: {k['launches']:,} ({k['static']:,} in the program, {k['fusions']:,} fusions; "
-        f"{k['once_per_step']:,} outside loops), as XLA's GPU runtime issues them",
+        f"{k['once_per_step']:,} outside loops)" + (", as XLA's GPU runtime issues them" if gpu else ""),
     ]
-    if p["platform"] == "gpu":  # a TPU runs its loops and branches on the chip
+    if gpu:  # a TPU runs its loops and branches on the chip
         lines.append(
             f"host synchronisations per step: {k['host_syncs']:,} ({k['host_syncs_by']['while']:,} in loops without "
             f"a known trip count, {k['host_syncs_by']['conditional']:,} at conditionals)"

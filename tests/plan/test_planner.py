@@ -230,6 +230,7 @@ def test_the_plan_reports_its_compile_time(monkeypatch):
     assert "host synchronisations per step: 2 (2 in loops without a known trip count, 0 at conditionals)" in text
     tpu = fake_plan(monkeypatch, targets.get("v5p"))
     assert "host synchronisations" not in report.text(tpu)  # a TPU runs its loops on the chip
+    assert "GPU runtime" in text and "GPU runtime" not in report.text(tpu)
 
 
 def test_the_batch_splits_over_replica_dcn_too(monkeypatch):
