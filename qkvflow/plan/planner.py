@@ -16,6 +16,7 @@ compiling it, with bisection as the fallback; at most `MAX_COMPILES` compiles.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -25,13 +26,24 @@ from qkvflow.plan import backend, hlo, roofline, step
 from qkvflow.plan.targets import Target
 
 MEM_FRACTION_DEFAULT = 0.75
-"""JAX's default XLA_PYTHON_CLIENT_MEM_FRACTION on a GPU."""
+"""JAX's default XLA_PYTHON_CLIENT_MEM_FRACTION on a GPU (JAX's "GPU memory allocation" page,
+https://docs.jax.dev/en/latest/gpu_memory_allocation.html)."""
+
+TPU_MEM_FRACTION = 1.0
+"""The part of a TPU's HBM the plan counts as usable: all of it. JAX's preallocation and its
+XLA_PYTHON_CLIENT_MEM_FRACTION belong to the GPU allocator (the page above) and do not apply; XLA:TPU
+checks a program against the chip's HBM itself (a compile past it fails with "Ran out of memory in
+memory space hbm", the check MaxText's train_compile.py relies on). A plan that needs the whole HBM
+is therefore at the edge: the runtime keeps a little for itself."""
 
 MAX_COMPILES = 8
 
 
 def usable_memory(target: Target) -> tuple[int, str]:
-    """(bytes the program may use on one device, why)."""
+    """(bytes the program may use on one device, why): a GPU's memory times XLA_PYTHON_CLIENT_MEM_FRACTION
+    (JAX's default 0.75), a TPU's times TPU_MEM_FRACTION, a CPU device's nominal memory."""
+    if target.platform == "tpu":
+        return int(TPU_MEM_FRACTION * target.memory_bytes), f"{TPU_MEM_FRACTION:g} of the chip's HBM (XLA:TPU's limit)"
     if target.platform != "gpu":
         return target.memory_bytes, "the device's memory"
     raw = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
@@ -67,6 +79,13 @@ def unknown_trips(model_config) -> int:
     if ode is not None and not ode.is_adaptive:
         return int(ode.num_steps)
     return 1
+
+
+def tpu_slices(config) -> int:
+    """The TPU slices a plan compiles for: the product of `trainer.mesh.dcn_axes`' sizes (the axes
+    Levanter lays across slices; its default, replica_dcn -1, takes however many there are: 1 here)."""
+    dcn = getattr(getattr(getattr(config, "trainer", None), "mesh", None), "dcn_axes", None) or {}
+    return math.prod(int(v) for v in dcn.values() if int(v) > 0)
 
 
 def model_flops_per_device(config, vocab: int, batch: int, devices: int) -> float:
@@ -136,7 +155,8 @@ def plan(
     (and the optimised HLO text in `hlo_file`, if given, as every output file: `qkvflow.outputs`)."""
     if devices < 1:
         raise UserError(f"--devices {devices} is invalid: expected an integer >= 1")
-    found = backend.devices_for(target, devices)
+    slices = tpu_slices(config) if target.platform == "tpu" else 1
+    found = backend.devices_for(target, devices, slices)
     if len(found) != devices:
         raise UserError(f"--target {target.name} gave {len(found)} devices, not --devices {devices}")
     compiled = step.compile_step(config, target, found, vocab)
@@ -149,6 +169,8 @@ def plan(
     trips = unknown_trips(config.model)
     dp = step.data_parallel(compiled.mesh_shape)
     kernels = hlo.count_kernels(module, unknown_trip_count=trips)
+    # a TPU multi-slice program is one slice's: its partitions never leave the slice (hlo.MEGASCALE)
+    nodes = (list(compiled.partition_nodes) or None) if slices == 1 else None
     attention = attention_kernels(module)
     # XLA:TPU writes matrix products as convolutions (batched ones with windows), which the roofline
     # does not count: no time estimate there rather than one without most of its FLOPs
@@ -157,6 +179,7 @@ def plan(
         "target": target.name,
         "platform": target.platform,
         "devices": devices,
+        "nodes": len(set(compiled.partition_nodes or [0])),
         "mesh": compiled.mesh_shape,
         "model_type": type(config.model).__name__,
         "vocab_size": compiled.vocab_size,
@@ -169,7 +192,7 @@ def plan(
         "memory": {**mem, "usable": limit, "usable_is": why, "device": target.memory_bytes},
         "fits": mem["total"] <= limit,
         "kernels": kernels,
-        "collectives": hlo.collectives(module, unknown_trip_count=trips),
+        "collectives": hlo.collectives(module, unknown_trip_count=trips, nodes=nodes, slices=slices),
         "estimate": roofline.estimate(
             module,
             peak_flops=peak,
@@ -180,6 +203,7 @@ def plan(
             devices_per_node=target.devices_per_node,
             model_flops=model_flops_per_device(config, vocab, compiled.batch, devices),
             unknown_trip_count=trips,
+            nodes=nodes,
         ),  # fmt: skip
         "compile_s": round(compiled.compile_s, 1),
     }

@@ -24,8 +24,10 @@ def text(p: dict) -> str:
     b = p["batch"]
     mfu = "n/a" if e["mfu"] is None else f"{e['mfu']:.0%}"
     mesh = " x ".join(f"{name} {size}" for name, size in p["mesh"].items() if size > 1) or "1 device"
+    gpu = p["platform"] == "gpu"
+    nodes = f" in {p['nodes']} {'slices' if p['platform'] == 'tpu' else 'nodes'}" if p.get("nodes", 1) > 1 else ""
     lines = [
-        f"{p['model_type']} on {p['devices']} x {p['target']} (mesh: {mesh}), "
+        f"{p['model_type']} on {p['devices']} x {p['target']}{nodes} (mesh: {mesh}), "
         f"batch {b['global']} x {b['seq_len']} tokens ({b['per_device']} per device), compute {p['compute_dtype']}",
         "",
         "memory per device (XLA's accounting of the compiled step):",
@@ -47,8 +49,13 @@ def text(p: dict) -> str:
         "",
         f"attention kernel: {', '.join(p['attention']['kernels'])} (attn_backend {p['attention']['config']})",
         f"kernel launches per step: {k['launches']:,} ({k['static']:,} in the program, {k['fusions']:,} fusions; "
-        f"{k['once_per_step']:,} outside loops)",
+        f"{k['once_per_step']:,} outside loops)" + (", as XLA's GPU runtime issues them" if gpu else ""),
     ]
+    if gpu:  # a TPU runs its loops and branches on the chip
+        lines.append(
+            f"host synchronisations per step: {k['host_syncs']:,} ({k['host_syncs_by']['while']:,} in loops without "
+            f"a known trip count, {k['host_syncs_by']['conditional']:,} at conditionals)"
+        )
     if k["unknown_trip_counts"]:
         lines.append(
             f"  {k['unknown_trip_counts']} loops without a known trip count taken to run "
@@ -57,7 +64,9 @@ def text(p: dict) -> str:
     if p["collectives"]:
         lines.append("collectives per step:")
         for kind, c in sorted(p["collectives"].items()):
-            lines.append(f"  {kind:<18} {c['count']:>6,} x, {gib(c['bytes'])} in all, groups of {c['group_size']}")
+            sizes = ", ".join(str(n) for n in c["group_sizes"])
+            across = f"; {gib(c['network_bytes'])} across nodes" if c["network_bytes"] else ""
+            lines.append(f"  {kind:<18} {c['count']:>6,} x, {gib(c['bytes'])} in all, groups of {sizes}{across}")
     else:
         lines.append("collectives per step: none")
     lines += [
@@ -67,6 +76,6 @@ def text(p: dict) -> str:
         f"  step time {_seconds(e['step_s'])} = kernels {_seconds(e['kernels_s'])} "
         f"(compute {_seconds(e['compute_s'])}, memory {_seconds(e['memory_s'])}) + collectives {_seconds(e['collectives_s'])}",
         f"  MFU {mfu}  (model FLOPs {e['model_flops']:.3g} per device; {e['hlo_flops']:.3g} counted in the program)",
-        f"compiled in {p['compile_s']} s",
+        f"compiled in {p['compile_s']} s (the step's XLA compile, on this machine)",
     ]
     return "\n".join(lines)
