@@ -99,17 +99,19 @@ def test_parse_finds_the_entry_and_every_computation():
     assert module.operand_types(dot) == ["bf16[4,32]{1,0}", "bf16[32,64]{1,0}"]
 
 
-def test_kernels_are_counted_with_loops_weighted_by_their_trip_counts():
+def test_kernels_are_counted_as_the_gpu_runtime_runs_them():
     k = count_kernels(HLO)
     # entry: e1, e2, cp, all-gather-start, reduce-scatter (inside async) = 5
-    # while w1 (5 trips): body 3 kernels x 5 + condition 1 x 6 = 21
+    # while w1 (5 trips, known): body 3 kernels x 5 = 15, its condition never runs
     # while w2 (unknown, taken as 1): inner all-reduce x 1 + condition 1 x 2 = 3
     # conditional: the costlier branch, 3 kernels
-    assert k["launches"] == 5 + 21 + 3 + 3
-    assert k["static"] == 5 + 4 + 2 + 3
-    assert k["fusions"] == 2 + 3 + 1 + 2  # entry, w1 (body 2 + cond 1), w2's cond, branch_big's 2
+    assert k["launches"] == 5 + 15 + 3 + 3
+    assert k["static"] == 5 + 3 + 2 + 3
+    assert k["fusions"] == 2 + 2 + 1 + 2  # entry, w1's body, w2's condition, branch_big's 2
     assert k["custom_calls"] == {"__cublas$lt$matmul": 5}
     assert k["unknown_trip_counts"] == 1
+    # w2's condition twice (the predicate copied to the host each time), the conditional's index once
+    assert k["host_syncs"] == 2 + 1
     assert k["once_per_step"] == 5 + 3
     loops = sorted((loop["trip_count"], loop["known"], loop["launches_per_iteration"]) for loop in k["loops"])
     assert loops == [(1, False, 1), (5, True, 3)]  # w2's body: the all-reduce; w1's: 3 kernels
@@ -117,16 +119,18 @@ def test_kernels_are_counted_with_loops_weighted_by_their_trip_counts():
 
 def test_a_loop_without_a_trip_count_takes_the_one_given():
     k = count_kernels(HLO, unknown_trip_count=4)
-    assert k["launches"] == 5 + 21 + (4 + 5) + 3  # w2: all-reduce x 4, condition x 5
+    assert k["launches"] == 5 + 15 + (4 + 5) + 3  # w2: all-reduce x 4, condition x 5
     assert k["by_opcode"]["all-reduce"] == 4
+    assert k["host_syncs"] == 5 + 1
 
 
 def test_collectives_count_their_arrays_and_groups():
     c = collectives(HLO, unknown_trip_count=3)
     ag = 8 * 16 * 4 * 8  # the gathered array: the operand x 8 devices
-    assert c["all-gather"] == {"count": 1, "bytes": ag, "group_size": 8}
-    assert c["reduce-scatter"] == {"count": 1, "bytes": 64 * 16 * 4, "group_size": 8}
-    assert c["all-reduce"] == {"count": 3, "bytes": 3 * 8 * 16 * 4, "group_size": 4}
+    one_node = {"network_count": 0, "network_bytes": 0}
+    assert c["all-gather"] == {"count": 1, "bytes": ag, "group_size": 8, "group_sizes": [8], **one_node}
+    assert c["reduce-scatter"] == {"count": 1, "bytes": 64 * 16 * 4, "group_size": 8, "group_sizes": [8], **one_node}
+    assert c["all-reduce"] == {"count": 3, "bytes": 3 * 8 * 16 * 4, "group_size": 4, "group_sizes": [4], **one_node}
 
 
 def test_the_gpu_start_and_done_pairs_are_one_collective_each():
@@ -140,7 +144,8 @@ ENTRY %main (g: bf16[64,32], h: bf16[8]) -> bf16[8,32] {
   ROOT %r = bf16[8,32]{1,0} get-tuple-element(%rd), index=0
 }
 """
-    assert collectives(text) == {"reduce-scatter": {"count": 1, "bytes": (64 * 32 + 8) * 2, "group_size": 8}}
+    (rs,) = collectives(text).values()
+    assert (rs["count"], rs["bytes"], rs["group_size"]) == (1, (64 * 32 + 8) * 2, 8)
     assert count_kernels(text)["launches"] == 1
 
 
