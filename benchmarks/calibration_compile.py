@@ -120,7 +120,9 @@ def main(argv=None) -> int:
         "alias_bytes": m.alias_size_in_bytes,
         "temp_bytes": m.temp_size_in_bytes,
     }
-    memory["total_bytes"] = memory["argument_bytes"] + memory["output_bytes"] - memory["alias_bytes"] + memory["temp_bytes"]
+    memory["total_bytes"] = (
+        memory["argument_bytes"] + memory["output_bytes"] - memory["alias_bytes"] + memory["temp_bytes"]
+    )
     tag = f"{Path(args.config_path).stem}_b{args.batch}_{args.model}"
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -143,7 +145,9 @@ def main(argv=None) -> int:
     if args.measured_json:
         record["measured_xla_memory"] = measured_memory(args.measured_json, args.batch, args.model)
     (out / f"{tag}.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
-    print(tag, "compiled in", round(seconds, 1), "s; XLA total", memory["total_bytes"], record.get("measured_xla_memory"))
+    print(
+        tag, "compiled in", round(seconds, 1), "s; XLA total", memory["total_bytes"], record.get("measured_xla_memory")
+    )
     return 0
 
 

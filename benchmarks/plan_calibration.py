@@ -1,7 +1,7 @@
 """Refit `qkvflow plan`'s step-time calibration from measured device rows and their compiled steps.
 
-    python benchmarks/plan_calibration.py features --rows benchmarks/results/2026-11-29_plan_calibration/rows.json \
-        --hlo_dir DIR     # the gpu extra is not needed; reads DIR/<commit>/<tag>.hlo.txt
+    python benchmarks/plan_calibration.py features --rows benchmarks/results/2026-11-29_plan_calibration/rows.json
+                      # the gpu extra is not needed; reads hlo/<commit>/<tag>.hlo.txt.gz beside rows.json
     python benchmarks/plan_calibration.py fit --rows benchmarks/results/2026-11-29_plan_calibration/rows.json \
         [--write]         # prints the leave-one-out table; --write updates qkvflow/plan/calibrations/<target>.json
 
@@ -17,6 +17,7 @@ the fit before the new rows predicts them, which is how well the old calibration
 """
 
 import argparse
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -54,8 +55,14 @@ def cmd_features(args) -> int:
     out = []
     for row in spec["rows"]:
         tag = f"{Path(row['config']).stem}_b{row['batch']}_{row['model']}"
-        text = (Path(args.hlo_dir) / row["commit"] / f"{tag}.hlo.txt").read_text()
-        compiled = json.loads((Path(args.hlo_dir) / row["commit"] / f"{tag}.json").read_text())
+        folder = Path(args.hlo_dir or Path(args.rows).parent / "hlo") / row["commit"]
+        plain = folder / f"{tag}.hlo.txt"
+        text = (
+            plain.read_text()
+            if plain.is_file()
+            else gzip.decompress((folder / f"{tag}.hlo.txt.gz").read_bytes()).decode()
+        )
+        compiled = json.loads((folder / f"{tag}.json").read_text())
         trips = int(row.get("ode_num_steps") or 1)
         feats = calibration.features(hlo.parse(text), target, unknown_trip_count=trips)
         out.append({**row, **measured(row), "features": feats, "compiled": {
@@ -64,7 +71,7 @@ def cmd_features(args) -> int:
             "compile_s": compiled["compile_s"]}})  # fmt: skip
         print(row["name"], json.dumps(feats), file=sys.stderr)
     path = Path(args.rows).with_name("features.json")
-    path.write_text(json.dumps({"target": spec["target"], "rows": out}, indent=1) + "\n")
+    path.write_text(json.dumps({"target": spec["target"], "scope": spec["scope"], "rows": out}, indent=1) + "\n")
     print(f"wrote {path}")
     return 0
 
@@ -110,7 +117,9 @@ def cmd_fit(args) -> int:
     print("|---|---|---|---|---|")
     roof = calibration.pair_ratios(rows, [r["features"]["roofline_s"] for r in rows])
     for q, r0 in zip(ratios, roof):
-        print(f"| {q['pair']} | {q['measured']:.3f} | {r0['predicted']:.3f} | {q['predicted']:.3f} | {q['error']:+.3f} |")
+        print(
+            f"| {q['pair']} | {q['measured']:.3f} | {r0['predicted']:.3f} | {q['predicted']:.3f} | {q['error']:+.3f} |"
+        )
     for r in held:
         p = calibration.predict(coef, r["features"])
         print(f"held out: {r['name']} ({r['commit']}): measured {r['measured_s'] * 1e3:.1f} ms "
@@ -119,7 +128,9 @@ def cmd_fit(args) -> int:
     if held:
         hr = calibration.pair_ratios(held, [calibration.predict(coef, r["features"]) for r in held])
         for q in hr:
-            print(f"held out pair {q['pair']}: measured {q['measured']:.3f}, predicted {q['predicted']:.3f} ({q['error']:+.3f})")
+            print(
+                f"held out pair {q['pair']}: measured {q['measured']:.3f}, predicted {q['predicted']:.3f} ({q['error']:+.3f})"
+            )
     print(f"\ncoefficients: {coef}\nworst leave-one-out: step {worst['step']:.1%}, ratio {worst['ratio']:.3f}")
     if args.write:
         record = {
@@ -128,7 +139,8 @@ def cmd_fit(args) -> int:
             "coefficients": coef,
             "band": round(worst["step"], 4),
             "ratio_error": round(worst["ratio"], 4),
-            "source": str(Path(args.rows).parent.relative_to(ROOT)) if Path(args.rows).is_absolute() else str(Path(args.rows).parent),
+            "source": Path(args.rows).resolve().parent.relative_to(ROOT).as_posix(),
+            "scope": data["scope"],
             "rows": [{"name": r["name"], "commit": r["commit"], "config": r["config"], "model": r["model"],
                       "batch": r["batch"], "measured_s": r["measured_s"],
                       "features": {n: r["features"][n] for n in names},
@@ -148,7 +160,7 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     f = sub.add_parser("features")
     f.add_argument("--rows", required=True)
-    f.add_argument("--hlo_dir", required=True)
+    f.add_argument("--hlo_dir", default=None, help="<commit>/<tag>.hlo.txt[.gz] and .json; default: hlo/ beside --rows")
     g = sub.add_parser("fit")
     g.add_argument("--rows", required=True)
     g.add_argument("--write", action="store_true")

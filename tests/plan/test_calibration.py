@@ -25,7 +25,11 @@ def test_the_fit_recovers_the_coefficients_the_rows_were_made_with():
     rng = np.random.default_rng(0)
     rows = []
     for i in range(6):
-        f = {"roofline_s": rng.uniform(0.01, 0.1), "launches": rng.integers(1000, 3000), "host_syncs": rng.integers(0, 60)}
+        f = {
+            "roofline_s": rng.uniform(0.01, 0.1),
+            "launches": rng.integers(1000, 3000),
+            "host_syncs": rng.integers(0, 60),
+        }
         rows.append(row(f"r{i}", a * f["roofline_s"] + c * f["launches"] + s * f["host_syncs"], **f))
     coef = calibration.fit(rows)
     assert list(coef) == ["roofline_s", "launches", "host_syncs"]
@@ -162,7 +166,9 @@ def test_the_h200_plan_prints_the_calibrated_time_its_band_and_its_rows():
     k = SHIPPED["coefficients"]
     step = k["roofline_s"] * 0.02 + k["launches"] * 1500 + k["host_syncs"] * 27
     assert c["calibrated"] and c["step_s"] == pytest.approx(step, rel=1e-12)
-    assert c["low_s"] == pytest.approx(step / (1 + SHIPPED["band"])) and c["high_s"] == pytest.approx(step / (1 - SHIPPED["band"]))
+    assert c["low_s"] == pytest.approx(step / (1 + SHIPPED["band"])) and c["high_s"] == pytest.approx(
+        step / (1 - SHIPPED["band"])
+    )
     assert c["mfu"] == pytest.approx(7.0e12 / (step * 989.4e12), rel=1e-12)
     out = report.text(p)
     assert f"CALIBRATED on {len(SHIPPED['rows'])} measured H200 steps" in out
@@ -179,3 +185,19 @@ def test_a_target_without_measured_steps_says_it_is_not_calibrated(target):
     out = report.text(p)
     assert f"NOT CALIBRATED for {target}" in out and "CALIBRATED on" not in out
     assert json.loads(json.dumps(p))["estimate"]["calibrated"]["why"].startswith("no measured step on a")
+
+
+def test_the_planner_calibrates_its_own_roofline_launches_and_syncs():
+    from qkvflow.plan import planner
+
+    p = plan_dict("H200")
+    p["estimate"]["step_s"], p["kernels"]["launches"], p["kernels"]["host_syncs"] = 0.05, 2000, 51
+    k = SHIPPED["coefficients"]
+    c = planner.calibrated_estimate(p, targets.get("H200"))
+    assert c["step_s"] == pytest.approx(k["roofline_s"] * 0.05 + k["launches"] * 2000 + k["host_syncs"] * 51, rel=1e-12)
+    assert planner.calibrated_estimate(p, targets.get("H100-80GB"))["calibrated"] is False
+    p["estimate"]["step_s"] = None  # a TPU plan has no roofline time: nothing to calibrate
+    assert planner.calibrated_estimate(p, targets.get("H200")) == {
+        "calibrated": False,
+        "why": "the roofline has no time for this step",
+    }

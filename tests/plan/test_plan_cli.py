@@ -75,6 +75,7 @@ def test_the_plan_describes_the_step(plan):
     k = plan["kernels"]
     assert k["launches"] == sum(k["by_opcode"].values()) >= k["static"] > 0
     assert plan["estimate"]["step_s"] is None  # no peak for a CPU
+    assert plan["estimate"]["calibrated"]["calibrated"] is False  # and no measured step to calibrate against
     # the model FLOPs: Levanter's 3 x forward of a GPT-2 (its own flops_per_token) x the tokens
     from levanter.models.gpt2 import Gpt2Config
 
@@ -90,6 +91,7 @@ def test_the_verb_prints_the_plan_as_text_or_json(capsys, monkeypatch, plan):
     assert rc == 0 and json.loads(out) == plan
     rc, out, err = cli(capsys, "--config_path", TINY, "--target", "cpu:1")
     assert rc == 0 and "=> fits" in out and "ESTIMATE" in out and "kernel launches per step" in out
+    assert "NOT CALIBRATED for cpu:1" in out
 
 
 def test_fsdp_over_two_devices_halves_the_state_and_gathers_it():
