@@ -84,13 +84,35 @@ HLO = """HloModule m
   ROOT %m = f32[1024,1024]{1,0} multiply(%x, %x)
 }
 
-ENTRY %main (a: bf16[4096,4096], b: bf16[4096,4096], x: f32[1024,1024], q: bf16[2,128,4,64], k: bf16[2,256,4,64], v: bf16[2,256,4,64]) -> f32[1024,1024] {
+%ew1 (z: f32[256]) -> f32[256] {
+  %z = f32[256]{0} parameter(0)
+  ROOT %z2 = f32[256]{0} multiply(%z, %z)
+}
+
+%lbody (s: (s32[], f32[256])) -> (s32[], f32[256]) {
+  %s = (s32[], f32[256]{0}) parameter(0)
+  %c = s32[] get-tuple-element(%s), index=0
+  %y = f32[256]{0} get-tuple-element(%s), index=1
+  %y2 = f32[256]{0} fusion(%y), kind=kLoop, calls=%ew1
+  ROOT %r = (s32[], f32[256]{0}) tuple(%c, %y2)
+}
+
+%lcond (s.1: (s32[], f32[256])) -> pred[] {
+  %s.1 = (s32[], f32[256]{0}) parameter(0)
+  %c.1 = s32[] get-tuple-element(%s.1), index=0
+  %lim = s32[] constant(5)
+  ROOT %lt = pred[] compare(%c.1, %lim), direction=LT
+}
+
+ENTRY %main (a: bf16[4096,4096], b: bf16[4096,4096], x: f32[1024,1024], q: bf16[2,128,4,64], k: bf16[2,256,4,64], v: bf16[2,256,4,64], st: (s32[], f32[256])) -> f32[1024,1024] {
   %a = bf16[4096,4096]{1,0} parameter(0)
   %b = bf16[4096,4096]{1,0} parameter(1)
   %x.0 = f32[1024,1024]{1,0} parameter(2)
   %q = bf16[2,128,4,64]{3,2,1,0} parameter(3)
   %k = bf16[2,256,4,64]{3,2,1,0} parameter(4)
   %v = bf16[2,256,4,64]{3,2,1,0} parameter(5)
+  %st = (s32[], f32[256]{0}) parameter(6)
+  %w = (s32[], f32[256]{0}) while(%st), condition=%lcond, body=%lbody
   %g = (bf16[4096,4096]{1,0}, s8[4]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
   %o = (bf16[2,128,4,64]{3,2,1,0}, u8[0]{0}) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config":{"mask_type":"NO_MASK"}}
   ROOT %e = f32[1024,1024]{1,0} fusion(%x.0), kind=kLoop, calls=%ew
@@ -105,14 +127,16 @@ def test_features_split_the_roofline_by_kernel_kind():
     attention_flops = 2 * (2 * 2 * 4 * 128 * 256 * 64)  # QK^T and PV, no mask
     attention_bytes = (2 * 128 * 4 * 64 + 2 * 2 * 256 * 4 * 64) * 2 + 2 * 128 * 4 * 64 * 2
     attention = max(attention_flops / P, attention_bytes / W)
-    other = 2 * 1024 * 1024 * 4 / W
-    f = calibration.features(HLO, t)
+    # the loop XLA has no trip count for, taken to run 4 times: its body's fusion 4 times, its condition
+    # (a compare of two s32 scalars into a pred) 5 times, each followed by a host synchronisation
+    other = (2 * 1024 * 1024 * 4 + 4 * 2 * 256 * 4 + 5 * (4 + 4 + 1)) / W
+    f = calibration.features(HLO, t, unknown_trip_count=4)
     k = f["roofline_by_kind_s"]
     assert k["gemm"] == pytest.approx(gemm, rel=1e-12)
     assert k["attention"] == pytest.approx(attention, rel=1e-12)
     assert k["other"] == pytest.approx(other, rel=1e-12) and k["collectives"] == 0
     assert f["roofline_s"] == pytest.approx(gemm + attention + other, rel=1e-12)
-    assert f["launches"] == 3
+    assert f["launches"] == 3 + 4 + 5 and f["host_syncs"] == 5
 
 
 SHIPPED = calibration.for_target("H200")
