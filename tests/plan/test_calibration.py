@@ -165,6 +165,22 @@ def test_the_shipped_rows_are_the_measured_device_runs():
         assert r["measured_s"] == run[r["model"]]["step_time_s"]["median"]
 
 
+def test_the_shipped_features_are_what_the_counters_read_from_the_shipped_hlo():
+    """A change to the HLO counters or the roofline changes the features: refit then (the README's commands)."""
+    import gzip
+
+    from qkvflow.plan import hlo
+
+    stored = {(r["name"], r["commit"]): r for r in json.loads((RESULTS / "features.json").read_text())["rows"]}
+    for r in SHIPPED["rows"]:
+        tag = f"{Path(r['config']).stem}_b{r['batch']}_{r['model']}"
+        text = gzip.decompress((RESULTS / "hlo" / r["commit"] / f"{tag}.hlo.txt.gz").read_bytes()).decode()
+        trips = stored[(r["name"], r["commit"])]["ode_num_steps"] or 1
+        f = calibration.features(hlo.parse(text), targets.get("H200"), unknown_trip_count=trips)
+        assert f["launches"] == r["features"]["launches"] and f["host_syncs"] == r["features"]["host_syncs"]
+        assert f["roofline_s"] == pytest.approx(r["features"]["roofline_s"], rel=1e-9)
+
+
 def plan_dict(target: str) -> dict:
     """A plan as `planner.plan` returns it, written out by hand (nothing compiled)."""
     feats = {"roofline_s": 0.02, "launches": 1500, "host_syncs": 27}
