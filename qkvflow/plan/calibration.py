@@ -126,7 +126,7 @@ def calibrated(estimate_feats: dict, target_name: str, model_flops=None, peak_fl
     they did), MFU on it, and the rows behind it; or `{"calibrated": False, "why": ...}`."""
     c = for_target(target_name)
     if c is None:
-        return {"calibrated": False, "why": f"no measured step on a {target_name} to calibrate against"}
+        return {"calibrated": False, "why": f"no measured {target_name} step to calibrate against"}
     if estimate_feats.get("roofline_s") is None:
         return {"calibrated": False, "why": "the roofline has no time for this step"}
     step_s = predict(c["coefficients"], estimate_feats)

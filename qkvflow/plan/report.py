@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 
 def gib(n) -> str:
     """Bytes in GiB, or in MiB / KiB when under one of the larger unit."""
@@ -77,15 +79,16 @@ def calibrated(c: dict | None, target: str) -> list[str]:
     """The calibrated estimate's lines (qkvflow.plan.calibration), or the one line saying there is none."""
     if not c or not c["calibrated"]:
         why = c["why"] if c else "no calibration"
-        return [f"NOT CALIBRATED for {target}: {why}; the roofline above is not a prediction of step time"]
+        return [f"NOT CALIBRATED for {target}: {why} (the roofline above is not a prediction)"]
     k = c["coefficients"]
     mfu = "n/a" if c["mfu"] is None else f"{c['mfu']:.0%}"
     return [
         f"CALIBRATED on {len(c['rows'])} measured {target} steps ({c['source']}):",
         f"  step time {_seconds(c['step_s'])} ({_seconds(c['low_s'])} to {_seconds(c['high_s'])}: the rows' worst "
-        f"leave-one-out error, {c['band']:.0%}), MFU {mfu}",
+        f"leave-one-out error, {c['band']:.1%}), MFU {mfu}",
         f"  = {k['roofline_s']:.3g} x roofline + {k['launches'] * 1e6:.3g} us x launches "
         f"+ {k['host_syncs'] * 1e6:.3g} us x host synchronisations",
-        f"  rows: {'; '.join(c['rows'])}",
-        f"  scope: {c['scope']}",
+        "  rows (commit, measured step):",
+        *(f"    {r}" for r in c["rows"]),
+        *textwrap.wrap(f"scope: {c['scope']}", 104, initial_indent="  ", subsequent_indent="    "),
     ]
