@@ -4,6 +4,7 @@
                       # the gpu extra is not needed; reads hlo/<commit>/<tag>.hlo.txt.gz beside rows.json
     python benchmarks/plan_calibration.py fit --rows benchmarks/results/2026-11-29_plan_calibration/rows.json \
         [--write]         # prints the leave-one-out table; --write updates qkvflow/plan/calibrations/<target>.json
+    python benchmarks/plan_calibration.py apply --plan DIR/ode.plan.json ...   # plans made before the calibration
 
 `rows.json` lists the device rows: for each, the commit that ran it, the config, batch and model (`ode` or
 `baseline`), the device's speed JSON (the measured median step time is read from it, never typed), and
@@ -155,6 +156,27 @@ def cmd_fit(args) -> int:
     return 0
 
 
+def cmd_apply(args) -> int:
+    """The calibrated estimate of plans already made: each `--plan` JSON (`qkvflow plan --json`) with
+    the HLO saved beside it (`--save_hlo`), `<name>.plan.json` and `<name>.hlo.txt[.gz]`."""
+    for path in args.plan:
+        p = json.loads(Path(path).read_text())
+        base = Path(path).with_name(Path(path).name.replace(".plan.json", ".hlo.txt"))
+        text = base.read_text() if base.is_file() else gzip.decompress(Path(f"{base}.gz").read_bytes()).decode()
+        target = targets.get(p["target"])
+        trips = p["estimate"].get("unknown_trip_counts_taken_as", 1)
+        feats = calibration.features(hlo.parse(text), target, unknown_trip_count=trips)
+        peak = target.peak_flops.get(p["compute_dtype"])
+        c = calibration.calibrated(feats, target.name, p["estimate"]["model_flops"], peak)
+        if not c["calibrated"]:
+            print(f"{path}: {c['why']}")
+            continue
+        print(f"{path}: roofline {feats['roofline_s'] * 1e3:.1f} ms, calibrated {c['step_s'] * 1e3:.1f} ms "
+              f"[{c['low_s'] * 1e3:.1f}-{c['high_s'] * 1e3:.1f}], MFU {c['mfu']:.1%} "
+              f"(launches {feats['launches']}, host syncs {feats['host_syncs']})")  # fmt: skip
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -164,9 +186,11 @@ def main(argv=None) -> int:
     g = sub.add_parser("fit")
     g.add_argument("--rows", required=True)
     g.add_argument("--write", action="store_true")
+    a = sub.add_parser("apply")
+    a.add_argument("--plan", nargs="+", required=True)
     args = p.parse_args(argv)
     np.set_printoptions(precision=4)
-    return cmd_features(args) if args.cmd == "features" else cmd_fit(args)
+    return {"features": cmd_features, "fit": cmd_fit, "apply": cmd_apply}[args.cmd](args)
 
 
 if __name__ == "__main__":
