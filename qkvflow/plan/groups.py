@@ -5,10 +5,11 @@ XLA prints a collective's groups in one of three forms (xla/hlo/ir/replica_group
     {{0,1},{2,3}}                  explicit lists; `{}` or none: one group of every device
     [G,S]<=[d0,d1,...]T(p0,...)    iota: arange(d0 x d1 ...) reshaped to (d0, d1, ...), transposed by
                                    p (no T: not transposed), read as G groups of S
-    mesh['a'=4,'b'=2] {'a'}        mesh axes: devices laid out on the mesh (row-major, or in the order
-                                   `, device_ids=(...)` gives), one group per position on the other
-                                   axes; a sub-axis 'a':(k)m is the factor of size m of axis a that
-                                   follows its first (major) factor of size k
+    mesh['a'=4,'b'=2] {'a'}        mesh axes: the devices laid out on the mesh (row-major, or in the
+                                   order `, device_ids=([4,2]T(1,0))` gives: an iota as above, or a
+                                   list), one group per position on the other axes; a sub-axis
+                                   'a':(k)m is the factor of size m of axis a after its first
+                                   (major) factor of size k
 
 A `collective-permute` has no groups but pairs (`source_target_pairs={{0,1},{1,2}}`): each pair is a
 group of 2. The ids are the program's partitions (logical devices, `use_global_device_ids`).
@@ -75,6 +76,22 @@ def _iota(text: str) -> np.ndarray:
     return ids.reshape(shape)
 
 
+def _device_order(text: str, n: int) -> np.ndarray:
+    """A mesh's device order: an iota `[r0,r1,...]T(p...)` (arange reshaped to r, transposed by p,
+    flattened; `[dims]<=` before it is the shape, already given by the mesh) or a list of ids."""
+    text = re.sub(r"^\[[\d,]+\]<=", "", text.strip())
+    m = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+    if m:
+        dims = [int(x) for x in m.group(1).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        order = ids.transpose([int(x) for x in m.group(2).split(",")]) if m.group(2) else ids
+    else:
+        order = np.array([int(x) for x in text.split(",")])
+    if order.size != n:
+        raise ValueError(f"replica_groups: device_ids=({text}) does not hold the mesh's {n} devices")
+    return order.reshape(-1)
+
+
 def _explicit(text: str) -> list[list[int]]:
     return [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([\d,\s]*)\}", text[1:-1])]
 
@@ -86,12 +103,7 @@ def _mesh(text: str) -> list[list[int]]:
     names = [a for a, _ in axes]
     n = math.prod(s for _, s in axes)
     ids = re.search(r"device_ids=\((.*)\)\s*\{", text)
-    if ids and "<=" in ids.group(1):
-        order = _iota(ids.group(1)).reshape(-1)
-    elif ids:
-        order = np.array([int(x) for x in ids.group(1).split(",")])
-    else:
-        order = np.arange(n)
+    order = _device_order(ids.group(1), n) if ids else np.arange(n)
     refs = []  # (axis index, pre, size): pre None for a whole axis
     for ref in re.findall(r"[^,\s{}]+", text[text.rindex("{") :]):
         m = re.fullmatch(r"'?([^':]+)'?(?::\((\d+)\)(\d+))?", ref)

@@ -271,7 +271,7 @@ def walk(
             )
             if known is None:
                 stats["unknown_trip_counts"] = stats.get("unknown_trip_counts", 0) + 1
-                stats["host_syncs"] = stats.get("host_syncs", 0) + weight * (n + 1)
+                _sync(stats, "while", weight * (n + 1))
                 yield from walk(module, instr.called("condition")[0], weight * (n + 1), stats, unknown)
             yield from walk(module, body, weight * n, stats, unknown)
         elif op in ("call", "async-start"):
@@ -281,12 +281,17 @@ def walk(
             branches = instr.called("branch_computations") or (
                 instr.called("true_computation") + instr.called("false_computation")
             )
-            stats["host_syncs"] = stats.get("host_syncs", 0) + weight
+            _sync(stats, "conditional", weight)
             best = max(branches, key=lambda b: sum(w for _, w in walk(module, b, 1, {}, unknown)), default=None)
             if best is not None:
                 yield from walk(module, best, weight, stats, unknown, loops)
         elif op not in FREE and not op.endswith("-done"):
             yield instr, weight
+
+
+def _sync(stats: dict, where: str, times: int) -> None:
+    stats["host_syncs"] = stats.get("host_syncs", 0) + times
+    stats.setdefault("host_syncs_by", {"while": 0, "conditional": 0})[where] += times
 
 
 def _module(hlo) -> Module:
@@ -296,7 +301,7 @@ def _module(hlo) -> Module:
 def count_kernels(hlo, unknown_trip_count: int = 1) -> dict:
     """Kernel launches per step of an optimised HLO module (text or `parse`d), by the rule of the module
     docstring (`unknown_trip_count` for a loop XLA has none for): `launches` in all, `host_syncs` (the
-    host synchronisations its loops and conditionals force), `once_per_step` (outside loops),
+    host synchronisations its loops and conditionals force; `host_syncs_by` them), `once_per_step` (outside loops),
     `static` (each instruction once), `fusions` (static), `custom_calls` (launches per target),
     `by_opcode` (launches), `loops` (trip count, whether XLA knows it, launches per iteration of the
     body) and `unknown_trip_counts`."""
@@ -314,6 +319,7 @@ def count_kernels(hlo, unknown_trip_count: int = 1) -> dict:
     return {
         "launches": launches,
         "host_syncs": stats.get("host_syncs", 0),
+        "host_syncs_by": stats.get("host_syncs_by", {"while": 0, "conditional": 0}),
         "once_per_step": sum(w for _, w in walk(module, unknown=unknown_trip_count, loops=False)),
         "static": static,
         "fusions": fusions,

@@ -25,13 +25,24 @@ from qkvflow.plan import backend, calibration, hlo, roofline, step
 from qkvflow.plan.targets import Target
 
 MEM_FRACTION_DEFAULT = 0.75
-"""JAX's default XLA_PYTHON_CLIENT_MEM_FRACTION on a GPU."""
+"""JAX's default XLA_PYTHON_CLIENT_MEM_FRACTION on a GPU (JAX's "GPU memory allocation" page,
+https://docs.jax.dev/en/latest/gpu_memory_allocation.html)."""
+
+TPU_MEM_FRACTION = 1.0
+"""The part of a TPU's HBM the plan counts as usable: all of it. JAX's preallocation and its
+XLA_PYTHON_CLIENT_MEM_FRACTION belong to the GPU allocator (the page above) and do not apply; XLA:TPU
+checks a program against the chip's HBM itself (a compile past it fails with "Ran out of memory in
+memory space hbm", the check MaxText's train_compile.py relies on). A plan that needs the whole HBM
+is therefore at the edge: the runtime keeps a little for itself."""
 
 MAX_COMPILES = 8
 
 
 def usable_memory(target: Target) -> tuple[int, str]:
-    """(bytes the program may use on one device, why)."""
+    """(bytes the program may use on one device, why): a GPU's memory times XLA_PYTHON_CLIENT_MEM_FRACTION
+    (JAX's default 0.75), a TPU's times TPU_MEM_FRACTION, a CPU device's nominal memory."""
+    if target.platform == "tpu":
+        return int(TPU_MEM_FRACTION * target.memory_bytes), f"{TPU_MEM_FRACTION:g} of the chip's HBM (XLA:TPU's limit)"
     if target.platform != "gpu":
         return target.memory_bytes, "the device's memory"
     raw = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
@@ -156,6 +167,7 @@ def plan(config, target: Target, devices: int, vocab: int, *, search_max_batch: 
     trips = unknown_trips(config.model)
     dp = step.data_parallel(compiled.mesh_shape)
     kernels = hlo.count_kernels(module, unknown_trip_count=trips)
+    nodes = list(compiled.partition_nodes) or None
     attention = attention_kernels(module)
     # XLA:TPU writes matrix products as convolutions (batched ones with windows), which the roofline
     # does not count: no time estimate there rather than one without most of its FLOPs
@@ -164,6 +176,7 @@ def plan(config, target: Target, devices: int, vocab: int, *, search_max_batch: 
         "target": target.name,
         "platform": target.platform,
         "devices": devices,
+        "nodes": len(set(nodes or [0])),
         "mesh": compiled.mesh_shape,
         "model_type": type(config.model).__name__,
         "vocab_size": compiled.vocab_size,
@@ -176,7 +189,7 @@ def plan(config, target: Target, devices: int, vocab: int, *, search_max_batch: 
         "memory": {**mem, "usable": limit, "usable_is": why, "device": target.memory_bytes},
         "fits": mem["total"] <= limit,
         "kernels": kernels,
-        "collectives": hlo.collectives(module, unknown_trip_count=trips),
+        "collectives": hlo.collectives(module, unknown_trip_count=trips, nodes=nodes),
         "estimate": roofline.estimate(
             module,
             peak_flops=peak,
@@ -187,6 +200,7 @@ def plan(config, target: Target, devices: int, vocab: int, *, search_max_batch: 
             devices_per_node=target.devices_per_node,
             model_flops=model_flops_per_device(config, vocab, compiled.batch, devices),
             unknown_trip_count=trips,
+            nodes=nodes,
         ),  # fmt: skip
         "compile_s": round(compiled.compile_s, 1),
     }
