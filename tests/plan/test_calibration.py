@@ -195,7 +195,8 @@ def plan_dict(target: str) -> dict:
                    "total": 5, "usable": 10, "usable_is": "all"},
         "fits": True, "attention": {"config": "cudnn", "kernels": ["__cudnn$fmhaSoftmax"]},
         "kernels": {"launches": 1500, "static": 900, "fusions": 400, "once_per_step": 200,
-                    "unknown_trip_counts": 2, "host_syncs": 27},
+                    "unknown_trip_counts": 2, "host_syncs": 27,
+                    "host_syncs_by": {"while": 26, "conditional": 1}},
         "collectives": {}, "estimate": e, "compile_s": 1.0,
     }  # fmt: skip
 
