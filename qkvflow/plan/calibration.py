@@ -7,12 +7,13 @@ between kernels. A step on a real GPU is slower by three things the HLO can coun
 
 - `a` >= 1 in practice: kernels run below their roofline (cuBLAS and cuDNN reach a fraction of the
   nominal peak; on the H200 a plain 8192^3 bf16 product reached 54-69% of it), one factor for all
-  kernels because six rows cannot tell per-kind factors apart (docs/plan.md, "Calibration");
+  kernels because six rows cannot tell per-kind factors apart (docs/plan.md, "The estimate, calibrated
+  on measured steps");
 - `c_launch`: the gap a kernel launch adds on the GPU's stream (the launches `hlo.count_kernels`
   counts as the GPU runs them);
 - `c_sync`: each iteration of a loop without a known trip count copies its predicate to the host and
   waits for it (XLA's while thunk), so the GPU idles while the host decides and launches the next
-  iteration.
+  iteration; a conditional does the same once.
 
 The coefficients are non-negative least squares (scipy.optimize.nnls, Lawson & Hanson) on the squared
 *relative* error, each row divided by its measured time, so that a 30 ms row weighs as much as a 100 ms
