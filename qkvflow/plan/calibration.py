@@ -17,8 +17,9 @@ between kernels. A step on a real GPU is slower by three things the HLO can coun
 
 The coefficients are non-negative least squares (scipy.optimize.nnls, Lawson & Hanson) on the squared
 *relative* error, each row divided by its measured time, so that a 30 ms row weighs as much as a 100 ms
-one. The error stated with an estimate is the leave-one-out error: each row predicted by the fit on
-the others. A calibration belongs to one target (its kernels, its launch latency); the others are
+one. The error stated with an estimate is the worst of two: leave-one-out (each row predicted by the
+fit on the others) and leave-pair-out (each row predicted by the fit on the other shapes, its own
+shape's two models left out, which is what planning a new shape asks of the fit). A calibration belongs to one target (its kernels, its launch latency); the others are
 uncalibrated and say so. The data (rows, features, coefficients, errors) are in `calibrations/*.json`,
 written by `benchmarks/plan_calibration.py` from the features stored in benchmarks/results/.
 """
@@ -90,9 +91,20 @@ def predict(coefficients: dict, feats: dict) -> float:
 
 def leave_one_out(rows: list[dict], names=FEATURES) -> list[dict]:
     """Each row predicted by the fit on all the others: `predicted_s` and `error` (relative)."""
+    return leave_out(rows, names, group=lambda i, row: i)
+
+
+def leave_pair_out(rows: list[dict], names=FEATURES) -> list[dict]:
+    """Each row predicted by the fit on the rows of the other pairs (a shape and batch left out with
+    both its models: what a plan of a new shape is), as `leave_one_out`."""
+    return leave_out(rows, names, group=lambda i, row: row["pair"])
+
+
+def leave_out(rows: list[dict], names, group) -> list[dict]:
     out = []
     for i, row in enumerate(rows):
-        coefficients = fit(rows[:i] + rows[i + 1 :], names)
+        left = group(i, row)
+        coefficients = fit([r for j, r in enumerate(rows) if group(j, r) != left], names)
         predicted = predict(coefficients, row["features"])
         out.append({"name": row["name"], "predicted_s": predicted, "error": predicted / row["measured_s"] - 1})
     return out
@@ -122,9 +134,10 @@ def for_target(name: str) -> dict | None:
 
 
 def calibrated(estimate_feats: dict, target_name: str, model_flops=None, peak_flops=None) -> dict:
-    """The plan's `calibrated` entry: the calibrated step time, its band (the worst leave-one-out error
-    of the rows: the truth lies in [step / (1 + band), step / (1 - band)] if this step errs no more than
-    they did), MFU on it, and the rows behind it; or `{"calibrated": False, "why": ...}`."""
+    """The plan's `calibrated` entry: the calibrated step time, its band (the rows' worst error when left
+    out of the fit, alone or with their pair: the truth lies in [step / (1 + band), step / (1 - band)]
+    if this step errs no more than they did), MFU on it, and the rows behind it; or
+    `{"calibrated": False, "why": ...}`."""
     c = for_target(target_name)
     if c is None:
         return {"calibrated": False, "why": f"no measured {target_name} step to calibrate against"}

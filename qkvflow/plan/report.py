@@ -90,7 +90,7 @@ def calibrated(c: dict | None, target: str) -> list[str]:
     return [
         f"CALIBRATED on {len(c['rows'])} measured {target} steps ({c['source']}):",
         f"  step time {_seconds(c['step_s'])} ({_seconds(c['low_s'])} to {_seconds(c['high_s'])}: the rows' worst "
-        f"leave-one-out error, {c['band']:.1%}), MFU {mfu}",
+        f"error left out of the fit, {c['band']:.1%}), MFU {mfu}",
         f"  = {k['roofline_s']:.3g} x roofline + {k['launches'] * 1e6:.3g} us x launches "
         f"+ {k['host_syncs'] * 1e6:.3g} us x host synchronisations",
         "  rows (commit, measured step):",

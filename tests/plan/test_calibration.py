@@ -66,6 +66,20 @@ def test_leave_one_out_predicts_each_row_from_the_others_fit():
     assert loo[2]["error"] == pytest.approx(42 / 25 * 4.0 / 10.0 - 1, rel=1e-12)
 
 
+def test_leave_pair_out_predicts_both_rows_of_a_pair_from_the_other_pairs_fit():
+    # one feature, q = x / t: pair p (q = 1/2, 1/4) and pair s (q = 2/3, 1/3). Left out p, the fit on s is
+    # c = (2/3 + 1/3) / (4/9 + 1/9) = 9/5; left out s, the fit on p is c = (3/4) / (1/4 + 1/16) = 12/5
+    rows = [
+        {**row("p1", 2.0, x=1.0), "pair": "p"},
+        {**row("s1", 3.0, x=2.0), "pair": "s"},
+        {**row("p2", 4.0, x=1.0), "pair": "p"},
+        {**row("s2", 3.0, x=1.0), "pair": "s"},
+    ]
+    lpo = calibration.leave_pair_out(rows, ("x",))
+    assert [r["predicted_s"] for r in lpo] == pytest.approx([9 / 5, 12 / 5 * 2.0, 9 / 5, 12 / 5], rel=1e-12)
+    assert lpo[1]["error"] == pytest.approx(12 / 5 * 2.0 / 3.0 - 1, rel=1e-12)
+
+
 def test_pair_ratios_divide_the_ode_row_by_its_baseline():
     rows = [
         {"pair": "p", "model": "ode", "measured_s": 3.0},
@@ -148,10 +162,11 @@ def test_the_shipped_h200_calibration_is_the_fit_of_its_own_rows():
     coef = calibration.fit(rows)
     for name in calibration.FEATURES:
         assert coef[name] == pytest.approx(SHIPPED["coefficients"][name], rel=1e-9, abs=1e-15)
-    loo = calibration.leave_one_out(rows)
-    for r, o in zip(rows, loo):
+    loo, lpo = calibration.leave_one_out(rows), calibration.leave_pair_out(rows)
+    for r, o, q in zip(rows, loo, lpo):
         assert r["loo_error"] == pytest.approx(o["error"], rel=1e-9, abs=1e-12)
-    assert SHIPPED["band"] == pytest.approx(max(abs(o["error"]) for o in loo), abs=1e-4)
+        assert r["lpo_error"] == pytest.approx(q["error"], rel=1e-9, abs=1e-12)
+    assert SHIPPED["band"] == pytest.approx(max(abs(o["error"]) for o in loo + lpo), abs=1e-4)
 
 
 def test_the_shipped_rows_are_the_measured_device_runs():
