@@ -3,7 +3,7 @@
     python benchmarks/plan_calibration.py features --rows benchmarks/results/2026-11-29_plan_calibration/rows.json
                       # the gpu extra is not needed; reads hlo/<commit>/<tag>.hlo.txt.gz beside rows.json
     python benchmarks/plan_calibration.py fit --rows benchmarks/results/2026-11-29_plan_calibration/rows.json \
-        [--write]         # prints the leave-one-out table; --write updates qkvflow/plan/calibrations/<target>.json
+        [--write]         # prints the leave-out tables; --write updates qkvflow/plan/calibrations/<target>.json
     python benchmarks/plan_calibration.py apply --plan DIR/ode.plan.json ...   # plans made before the calibration
 
 `rows.json` lists the device rows: for each, the commit that ran it, the config, batch and model (`ode` or
