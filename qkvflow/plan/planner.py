@@ -16,6 +16,7 @@ compiling it, with bisection as the fallback; at most `MAX_COMPILES` compiles.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -78,6 +79,13 @@ def unknown_trips(model_config) -> int:
     if ode is not None and not ode.is_adaptive:
         return int(ode.num_steps)
     return 1
+
+
+def tpu_slices(config) -> int:
+    """The TPU slices a plan compiles for: the product of `trainer.mesh.dcn_axes`' sizes (the axes
+    Levanter lays across slices; its default, replica_dcn -1, takes however many there are: 1 here)."""
+    dcn = getattr(getattr(getattr(config, "trainer", None), "mesh", None), "dcn_axes", None) or {}
+    return math.prod(int(v) for v in dcn.values() if int(v) > 0)
 
 
 def model_flops_per_device(config, vocab: int, batch: int, devices: int) -> float:
@@ -153,7 +161,7 @@ def plan(config, target: Target, devices: int, vocab: int, *, search_max_batch: 
     (and the optimised HLO text in `hlo_file`, if given)."""
     if devices < 1:
         raise UserError(f"--devices {devices} is invalid: expected an integer >= 1")
-    found = backend.devices_for(target, devices)
+    found = backend.devices_for(target, devices, tpu_slices(config) if target.platform == "tpu" else 1)
     if len(found) != devices:
         raise UserError(f"--target {target.name} gave {len(found)} devices, not --devices {devices}")
     compiled = step.compile_step(config, target, found, vocab)

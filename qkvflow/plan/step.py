@@ -94,7 +94,7 @@ def mesh_for(trainer_config, devices: list):
         ici, dcn = trainer_config.mesh.axis_shapes(len(devices), nodes)
     except ValueError as e:
         raise UserError(f"trainer.mesh does not fit {len(devices)} devices: {e}") from None
-    if nodes == 1:
+    if nodes == 1 or devices[0].platform == "tpu":  # TPU chips carry their slice_index: Levanter's own layout
         return create_mesh_from_axis_specs(ici_axes=ici, dcn_axes=dcn, devices=devices)
     grid = device_grid(ici, dcn, devices)
     return jax.sharding.Mesh(grid, tuple(list(ici) + [k for k in dcn if k not in ici]))

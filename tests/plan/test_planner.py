@@ -122,7 +122,7 @@ def test_the_plan_searches_per_device_batches_and_compiles_global_ones(monkeypat
         return step_module.Compiled(executable, 0.0, {"data": 4, "model": 1}, 64, batch, "xla", "float32", 1, 2, 3, 1)
 
     monkeypatch.setattr(step_module, "compile_step", fake_compile)
-    monkeypatch.setattr(backend, "devices_for", lambda target, n: list(range(n)))
+    monkeypatch.setattr(backend, "devices_for", lambda target, n, slices=1: list(range(n)))
     config = types.SimpleNamespace(model=types.SimpleNamespace(max_seq_len=32, ode=None))
     monkeypatch.setattr(planner, "model_flops_per_device", lambda *a: 1.0)
     target = targets.get("cpu:4", device_memory=2000)
@@ -178,7 +178,7 @@ def fake_plan(monkeypatch, target, *, mesh=None, total=1000, model=None, batch=8
         return step_module.Compiled(executable, 12.5, mesh, 64, batch or 8, "xla", "bfloat16", 1, 2, 3, 1, nodes)
 
     monkeypatch.setattr(step_module, "compile_step", fake_compile)
-    monkeypatch.setattr(backend, "devices_for", lambda target, n: list(range(n)))
+    monkeypatch.setattr(backend, "devices_for", lambda target, n, slices=1: list(range(n)))
     monkeypatch.setattr(planner, "model_flops_per_device", lambda *a: 1.0)
     for key, value in (env or {}).items():
         monkeypatch.setenv(key, value)
@@ -262,3 +262,19 @@ def test_the_devices_of_two_nodes_are_laid_out_as_levanters_multi_slice_mesh():
     assert ids == [[[[0, 4], [1, 5]], [[2, 6], [3, 7]]]]
     with pytest.raises(UserError, match="DCN axes"):
         step.device_grid({"data": 4, "replica": 1, "model": 1}, {"replica_dcn": 2}, devices[:6], lambda d: d.id // 4)
+
+
+def test_tpu_slices_come_from_the_meshs_dcn_axes():
+    import types
+
+    def config(dcn):
+        return types.SimpleNamespace(trainer=types.SimpleNamespace(mesh=types.SimpleNamespace(dcn_axes=dcn)))
+
+    assert planner.tpu_slices(config({"replica_dcn": -1})) == 1  # Levanter's default: as many as there are
+    assert planner.tpu_slices(config({"replica_dcn": 2})) == 2
+    assert planner.tpu_slices(config({"replica_dcn": 2, "data": 3})) == 6
+    # 16 v5p chips in 2 slices: two v5p:2x2x2 slices (libtpu's num_slices)
+    assert backend.tpu_topology("v5p", 16, 2) == "v5p:2x2x2"
+    assert backend.tpu_topology("v5e", 8, 1) == "v5e:2x4"
+    with pytest.raises(UserError, match="--devices 12 does not split into 8 TPU slices"):
+        backend.tpu_topology("v5p", 12, 8)
