@@ -22,7 +22,7 @@ import re
 
 from qkvflow import outputs
 from qkvflow.errors import UserError
-from qkvflow.plan import backend, hlo, roofline, step
+from qkvflow.plan import backend, calibration, hlo, roofline, step
 from qkvflow.plan.targets import Target
 
 MEM_FRACTION_DEFAULT = 0.75
@@ -131,6 +131,14 @@ def largest_fitting(total, start: int, limit: int, max_compiles: int = MAX_COMPI
     return {"per_device": fit, "compiles": len(known), "exact": True}
 
 
+def calibrated_estimate(p: dict, target: Target) -> dict:
+    """The roofline corrected by `target`'s calibration (qkvflow.plan.calibration), from the plan's own
+    roofline time, launches and host synchronisations."""
+    e, k = p["estimate"], p["kernels"]
+    feats = {"roofline_s": e["step_s"], "launches": k["launches"], "host_syncs": k.get("host_syncs", 0)}
+    return calibration.calibrated(feats, target.name, e["model_flops"], target.peak_flops.get(p["compute_dtype"]))
+
+
 ATTENTION = re.compile(r"fmha|attention|splash|flash|mha", re.IGNORECASE)
 
 
@@ -208,6 +216,7 @@ def plan(
         "compile_s": round(compiled.compile_s, 1),
     }
     out["estimate"]["unknown_trip_counts_taken_as"] = trips
+    out["estimate"]["calibrated"] = calibrated_estimate(out, target)
     if search_max_batch:
 
         def total(per_device: int) -> int:

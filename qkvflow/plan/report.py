@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 
 def gib(n) -> str:
     """Bytes in GiB, or in MiB / KiB when under one of the larger unit."""
@@ -76,6 +78,26 @@ def text(p: dict) -> str:
         f"  step time {_seconds(e['step_s'])} = kernels {_seconds(e['kernels_s'])} "
         f"(compute {_seconds(e['compute_s'])}, memory {_seconds(e['memory_s'])}) + collectives {_seconds(e['collectives_s'])}",
         f"  MFU {mfu}  (model FLOPs {e['model_flops']:.3g} per device; {e['hlo_flops']:.3g} counted in the program)",
-        f"compiled in {p['compile_s']} s (the step's XLA compile, on this machine)",
     ]
+    lines += calibrated(e.get("calibrated"), p["target"])
+    lines.append(f"compiled in {p['compile_s']} s (the step's XLA compile, on this machine)")
     return "\n".join(lines)
+
+
+def calibrated(c: dict | None, target: str) -> list[str]:
+    """The calibrated estimate's lines (qkvflow.plan.calibration), or the one line saying there is none."""
+    if not c or not c["calibrated"]:
+        why = c["why"] if c else "no calibration"
+        return [f"NOT CALIBRATED for {target}: {why} (the roofline above is not a prediction)"]
+    k = c["coefficients"]
+    mfu = "n/a" if c["mfu"] is None else f"{c['mfu']:.0%}"
+    return [
+        f"CALIBRATED on {len(c['rows'])} measured {target} steps ({c['source']}):",
+        f"  step time {_seconds(c['step_s'])} ({_seconds(c['low_s'])} to {_seconds(c['high_s'])}: the rows' worst "
+        f"error left out of the fit, {c['band']:.1%}), MFU {mfu}",
+        f"  = {k['roofline_s']:.3g} x roofline + {k['launches'] * 1e6:.3g} us x launches "
+        f"+ {k['host_syncs'] * 1e6:.3g} us x host synchronisations",
+        "  rows (commit, measured step):",
+        *(f"    {r}" for r in c["rows"]),
+        *textwrap.wrap(f"scope: {c['scope']}", 104, initial_indent="  ", subsequent_indent="    "),
+    ]

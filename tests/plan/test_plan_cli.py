@@ -86,6 +86,7 @@ def test_the_plan_describes_the_step(plan):
     )
     assert k["host_syncs"] == k["host_syncs_by"]["conditional"]  # no loop without a trip count
     assert plan["estimate"]["step_s"] is None  # no peak for a CPU
+    assert plan["estimate"]["calibrated"]["calibrated"] is False  # and no measured step to calibrate against
     # the model FLOPs: Levanter's 3 x forward of a GPT-2 (its own flops_per_token) x the tokens
     from levanter.models.gpt2 import Gpt2Config
 
@@ -101,6 +102,7 @@ def test_the_verb_prints_the_plan_as_text_or_json(capsys, monkeypatch, plan):
     assert rc == 0 and json.loads(out) == plan
     rc, out, err = cli(capsys, "--config_path", TINY, "--target", "cpu:1")
     assert rc == 0 and "=> fits" in out and "ESTIMATE" in out and "kernel launches per step" in out
+    assert "NOT CALIBRATED for cpu:1" in out
 
 
 def test_fsdp_over_two_devices_halves_the_state_and_gathers_it():
