@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import shlex
+import sys
 
 from qkvflow.errors import UserError
 from qkvflow.plan import planner
@@ -206,9 +207,11 @@ def search(
     fsdp=(True, False),
     remats=None,
     plan_fn=planner.plan,
+    progress=lambda n, cap, row: None,
 ) -> dict:
     """Compile `config`'s layouts on `devices` of `target` (at most `max_compiles` compiles, through
-    `plan_fn`, `planner.plan`'s signature); the fitting ones ranked by `estimate`, best first."""
+    `plan_fn`, `planner.plan`'s signature); the fitting ones ranked by `estimate`, best first.
+    `progress(n, max_compiles, row)` is called after the n-th compile."""
     if max_compiles < 1:
         raise UserError(f"--search_max_compiles {max_compiles} is invalid: expected an integer >= 1")
     g = config.trainer.train_batch_size
@@ -242,6 +245,7 @@ def search(
             known[b] = (m["total"], m["arguments"] - m["batch"])
             rows.append(row(layout, b, g, key, plan))
             compiled.append(rows[-1])
+            progress(len(compiled), max_compiles, rows[-1])
         if rows is None:
             continue
         if not known:
@@ -333,6 +337,17 @@ def text(out: dict, config_path: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def report_progress(n: int, cap: int, r: dict) -> None:
+    """One line on stderr per compile: a search takes minutes per compile on a GPU target."""
+    fits = "fits" if r["fits"] else "does not fit"
+    print(
+        f"search: compile {n}/{cap}: {r['overrides']}: {gib(r['memory'])}, {fits}, est. "
+        f"{milliseconds(r['step_s'])} (compiled in {r['compile_s']} s)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def options(args, config) -> dict:
     """`search`'s keyword arguments from `qkvflow plan`'s --search_* flags."""
     models = None
@@ -347,4 +362,10 @@ def options(args, config) -> dict:
     fsdp = tuple(dict.fromkeys(w == "on" for w in words))
     key, _ = remat_key(config.model)
     remats = None if args.search_remat is None else parse_remat(args.search_remat, key)
-    return {"max_compiles": args.search_max_compiles, "models": models, "fsdp": fsdp, "remats": remats}
+    return {
+        "max_compiles": args.search_max_compiles,
+        "models": models,
+        "fsdp": fsdp,
+        "remats": remats,
+        "progress": report_progress,
+    }
