@@ -145,8 +145,9 @@ def estimate(plan: dict) -> dict:
 
 
 def predicted_largest(known: dict, limit: int) -> float:
-    """The largest batch a line through the compiles nearest the limit predicts to fit; `known`:
-    batch -> (bytes, the bytes that do not grow with the batch)."""
+    """The largest batch a line through the compiles nearest the limit predicts to fit; with one, its
+    bytes beyond the arguments (which do not change with b) scaled in proportion to b. `known`:
+    batch -> (bytes, argument bytes)."""
     points = sorted(known.items(), key=lambda p: abs(p[1][0] - limit))[:2]
     if len(points) == 2:
         (b1, (m1, _)), (b2, (m2, _)) = points
@@ -158,16 +159,23 @@ def predicted_largest(known: dict, limit: int) -> float:
 
 def next_batch(values: list[int], known: dict, limit: int) -> int | None:
     """The next per-device batch of `values` (ascending) to compile, or None once the largest that fits
-    is known: the largest first, then the largest valid one predicted to fit between the largest seen
-    to fit and the smallest seen not to (the smallest of them if none is predicted to)."""
-    fit = max((b for b, (m, _) in known.items() if m <= limit), default=0)
-    over = min((b for b, (m, _) in known.items() if m > limit), default=math.inf)
-    inside = [b for b in values if fit < b < over]
+    is known. The largest first: the whole batch at once, no accumulation. If that does not fit, the
+    accumulating ones (every smaller b), whose memory grows with b: the largest valid one predicted to
+    fit between the largest seen to fit and the smallest seen not to (the smallest of them if none is
+    predicted to). No batch fits once the arguments alone (state and batch, the same at every b: a lower
+    bound of the total) exceed the limit. `known`: batch -> (bytes, argument bytes)."""
+    top = values[-1]
+    if top not in known:
+        return top
+    if known[top][0] <= limit or known[top][1] > limit:
+        return None
+    accumulating = {b: known[b] for b in values[:-1] if b in known}
+    fit = max((b for b, (m, _) in accumulating.items() if m <= limit), default=0)
+    over = min((b for b, (m, _) in accumulating.items() if m > limit), default=math.inf)
+    inside = [b for b in values[:-1] if fit < b < over]
     if not inside:
         return None
-    if not known:
-        return inside[-1]
-    below = [b for b in inside if b <= predicted_largest(known, limit)]
+    below = [b for b in inside if b <= predicted_largest(accumulating or known, limit)]
     return below[-1] if below else inside[0]
 
 
@@ -184,6 +192,7 @@ def row(layout: Layout, per_device: int, global_batch: int, key: str | None, pla
         "memory": plan["memory"]["total"],
         "fits": plan["fits"],
         "step_s": e["step_s"],
+        "mfu": plan["estimate"].get("mfu"),
         "error": e["error"],
         "estimate_is": e["is"],
         "compile_s": plan["compile_s"],
@@ -242,16 +251,19 @@ def search(
                 rows = None
                 break
             m = plan["memory"]
-            known[b] = (m["total"], m["arguments"] - m["batch"])
+            known[b] = (m["total"], m["arguments"])
             rows.append(row(layout, b, g, key, plan))
             compiled.append(rows[-1])
             progress(len(compiled), max_compiles, rows[-1])
         if rows is None:
             continue
-        if not known:
-            unreached.append(layout)
-            continue
         fitting = [r for r in rows if r["fits"]]
+        if not fitting and next_batch(values, known, limit) is not None:
+            unreached.append((layout, len(known)))  # the cap came first
+            continue
+        if not fitting and known[values[-1]][1] > limit:
+            why = f"no per-device batch fits: the arguments alone (state and batch) take {gib(known[values[-1]][1])}"
+            skipped.append((layout, f"{why} of {gib(limit)} usable"))
         if fitting:
             best = min(fitting, key=rank_key)
             best["largest_fitting_known"] = next_batch(values, known, limit) is None
@@ -259,11 +271,11 @@ def search(
             best = None
         for r in rows:
             r["best_of_layout"] = r is best
-    ranked = sorted((r for r in compiled if r and r["best_of_layout"]), key=rank_key)
+    ranked = sorted((r for r in compiled if r and r.get("best_of_layout")), key=rank_key)
     out["ranked"] = ranked
     out["not_fitting"] = [r for r in compiled if r and not r["fits"]]
     out["skipped"] = [{**described(lay, key), "why": why} for lay, why in skipped]
-    out["not_compiled"] = [described(lay, key) for lay in unreached]
+    out["not_compiled"] = [{**described(lay, key), "compiles": n} for lay, n in unreached]
     out["compiles"] = len(compiled)
     out["max_compiles"] = max_compiles
     return out
@@ -329,7 +341,9 @@ def text(out: dict, config_path: str | None = None) -> str:
     for s in out["skipped"]:
         lines.append(f"skipped: {', '.join(_layout_words(s, key))}: {s['why']}")
     for s in out["not_compiled"]:
-        lines.append(f"not compiled (the compile cap was reached): {', '.join(_layout_words(s, key))}")
+        n = s["compiles"]
+        done = f" after {n} compile{'s' if n > 1 else ''} with no batch that fits" if n else ""
+        lines.append(f"not searched (the compile cap was reached{done}): {', '.join(_layout_words(s, key))}")
     if rows:
         best = out["ranked"][0]["overrides"]
         config = f"--config_path {shlex.quote(config_path)} " if config_path else ""

@@ -79,8 +79,9 @@ def test_the_per_device_batches_are_those_that_split_the_global_batch_into_whole
     assert search.batches(6, 4) == []
 
 
-def fake_plan(memory, step_s, calls):
-    """A stand-in for planner.plan: memory(axes, fsdp, b, remat) bytes and step_s(...) seconds."""
+def fake_plan(memory, step_s, calls, arguments=lambda *key: 1000):
+    """A stand-in for planner.plan: memory(data, replica, model, b, remat) bytes in all, arguments(...) of
+    them the step's arguments, and step_s(...) seconds."""
 
     def plan(config, target, devices, vocab):
         t = config.trainer
@@ -97,7 +98,7 @@ def fake_plan(memory, step_s, calls):
             raise UserError("the training step does not compile for cpu:8: IndivisibleError: heads over 8")
         total = memory(*key)
         return {
-            "memory": {"total": total, "arguments": 1000, "batch": 0},
+            "memory": {"total": total, "arguments": arguments(*key)},
             "fits": total <= target.memory_bytes,
             "estimate": {"step_s": step_s(*key)},
             "compile_s": 1.0,
@@ -153,6 +154,46 @@ def test_the_batch_search_on_a_line_takes_the_compiles_counted_by_hand(tiny):
     assert [c[3] for c in calls] == [32, 8, 16]
     assert out["ranked"][0]["per_device"] == 8 and out["ranked"][0]["microbatches"] == 4
     assert [r["per_device"] for r in out["not_fitting"]] == [32, 16]
+    # stopped by the cap after 32 and 8: 8 fits, 16 is not known not to
+    calls.clear()
+    out = search.search(
+        tiny, targets.get("cpu:1", device_memory=2000), 1, 64, max_compiles=2, models=[1], fsdp=(True,),
+        remats=[True], plan_fn=plan,
+    )  # fmt: skip
+    assert [c[3] for c in calls] == [32, 8] and not out["ranked"][0]["largest_fitting_known"]
+    assert "8 (at least)" in search.text(out)
+    # at 1050 nothing fits: 32, then 1 (1100), and the search of the layout is over
+    calls.clear()
+    limit = targets.get("cpu:1", device_memory=1050)
+    out = search.search(tiny, limit, 1, 64, max_compiles=2, models=[1], fsdp=(True,), remats=[True], plan_fn=plan)
+    assert [c[3] for c in calls] == [32, 1] and out["ranked"] == [] and out["not_compiled"] == []
+    assert [r["per_device"] for r in out["not_fitting"]] == [32, 1]
+    out = search.search(tiny, limit, 1, 64, max_compiles=1, models=[1], fsdp=(True,), remats=[True], plan_fn=plan)
+    assert out["not_compiled"][0]["compiles"] == 1
+    assert "not searched (the compile cap was reached after 1 compile with no batch that fits)" in search.text(out)
+
+
+def test_a_layout_whose_arguments_alone_exceed_the_memory_stops_after_one_compile(tiny):
+    # FSDP off holds the whole state: 4000 bytes of arguments (a lower bound of the total at every batch)
+    calls = []
+
+    def off(d, r, m, b, remat):
+        return r > 1
+
+    plan = fake_plan(
+        lambda *k: (5000 if off(*k) else 1000) + 100 * k[3], lambda *_: 1.0, calls,
+        arguments=lambda *k: 4000 if off(*k) else 1000,
+    )  # fmt: skip
+    out = search.search(tiny, targets.get("cpu:8", device_memory=3000), 8, 64, models=[1], remats=[True], plan_fn=plan)
+    assert calls == [(8, 1, 1, 4, True), (1, 8, 1, 4, True)]
+    assert out["skipped"] == [
+        {
+            "mesh": {"data": 1, "replica": 8, "model": 1},
+            "fsdp": False,
+            "remat": {"model.gradient_checkpointing": True},
+            "why": "no per-device batch fits: the arguments alone (state and batch) take 3.91 KiB of 2.93 KiB usable",
+        }
+    ]
 
 
 def test_the_compile_cap_is_honoured_and_reported(tiny):
@@ -166,10 +207,11 @@ def test_the_compile_cap_is_honoured_and_reported(tiny):
         "mesh": {"data": 1, "replica": 8, "model": 1},
         "fsdp": False,
         "remat": {"model.gradient_checkpointing": False},
+        "compiles": 0,
     }
     text = search.text(out, TINY)
     assert "3 compiles of at most 3 (--search_max_compiles)" in text
-    assert text.count("not compiled (the compile cap was reached)") == 11
+    assert text.count("not searched (the compile cap was reached): ") == 11
     with pytest.raises(UserError, match="--search_max_compiles 0 is invalid"):
         search.search(tiny, target, 8, 64, max_compiles=0, plan_fn=plan)
 
@@ -262,7 +304,12 @@ def test_the_verb_searches_on_two_cpu_devices_with_real_compiles():
         True,
     )
     assert out["not_compiled"] == [
-        {"mesh": {"data": 1, "replica": 2, "model": 1}, "fsdp": False, "remat": {"model.gradient_checkpointing": True}}
+        {
+            "mesh": {"data": 1, "replica": 2, "model": 1},
+            "fsdp": False,
+            "remat": {"model.gradient_checkpointing": True},
+            "compiles": 0,
+        }
     ]
     config = configfile.parse(PlanConfig, ["--config_path", TINY, *shlex.split(best["overrides"])], "plan")
     assert mesh_shape(config.trainer.mesh, 2) == {"data": 2, "replica": 1, "model": 1, "replica_dcn": 1}
