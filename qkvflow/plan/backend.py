@@ -47,13 +47,13 @@ def topology_string(devices: int, per_node: int) -> str:
     return f"1x{devices // per_node}x{per_node}"
 
 
-def devices_for(target: Target, devices: int) -> list:
-    """The `devices` devices to compile for: compile-only devices of the target's topology, or the
-    host's own for a `cpu:N` target."""
+def devices_for(target: Target, devices: int, slices: int = 1) -> list:
+    """The `devices` devices to compile for: compile-only devices of the target's topology (a TPU's in
+    `slices` slices), or the host's own for a `cpu:N` target."""
     if target.platform == "cpu":
         return list(jax.devices("cpu"))[:devices]
     if target.platform == "tpu":
-        return tpu_devices(target, devices)
+        return tpu_devices(target, devices, slices)
     try:
         import jax_plugins.xla_cuda12  # noqa: F401
     except ImportError:
@@ -69,22 +69,32 @@ def devices_for(target: Target, devices: int) -> list:
     return list(topology.devices)
 
 
-def tpu_devices(target: Target, devices: int) -> list:
-    """Compile-only chips of a TPU slice (libtpu's deviceless topology, `<generation>:<chip grid>`,
-    e.g. v5p:2x2x2 for 8 chips), the way MaxText's and AXLearn's ahead-of-time compiles name them."""
+def tpu_devices(target: Target, devices: int, slices: int = 1) -> list:
+    """Compile-only chips of `slices` TPU slices of devices / slices chips each (libtpu's deviceless
+    topology, `<generation>:<chip grid>`, e.g. v5p:2x2x2 for 8 chips, with `num_slices` for several),
+    the way MaxText's and AXLearn's ahead-of-time compiles name them."""
     import importlib.util
 
     if importlib.util.find_spec("libtpu") is None:
         raise UserError(f"--target {target.name} needs libtpu: {TPU_EXTRA}")
     from jax.experimental import topologies
 
-    name = f"{target.spec}:{tpu_grid(devices, target.spec)}"
+    name = tpu_topology(target.spec, devices, slices)
     try:
-        found = list(topologies.get_topology_desc(name, "tpu").devices)
+        found = list(
+            topologies.get_topology_desc(name, "tpu", **({"num_slices": slices} if slices > 1 else {})).devices
+        )
     except Exception as e:  # noqa: BLE001 (libtpu raises its runtime's errors)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise UserError(f"--target {target.name}: libtpu refused the topology {name}: {first}") from None
+        raise UserError(f"--target {target.name}: libtpu refused the topology {name} x {slices}: {first}") from None
     return found
+
+
+def tpu_topology(generation: str, devices: int, slices: int) -> str:
+    """libtpu's name for one of `slices` slices that hold `devices` chips together."""
+    if slices < 1 or devices % slices:
+        raise UserError(f"--devices {devices} does not split into {slices} TPU slices (trainer.mesh.dcn_axes)")
+    return f"{generation}:{tpu_grid(devices // slices, generation)}"
 
 
 def tpu_grid(chips: int, generation: str) -> str:

@@ -1,23 +1,37 @@
 """Reading an optimised XLA HLO module (`compiled.as_text()`): what runs, how often, and what it moves.
 
-The counting rule (the one `qkvflow plan` and `benchmarks/kernel_count.py` report). After XLA's
-passes, each instruction of the entry computation is one kernel launch (a `fusion`, a `custom-call`
-such as a cuBLAS GEMM or cuDNN's fused attention, a collective, a copy, ...), except the ones that
-launch nothing (`FREE`: parameters, tuples, bitcasts, control flow, the `-done` halves of async
-pairs). Control flow runs other computations: a `while` runs its body n times and its condition
-n + 1 times, a `call` and an `async-start` run theirs once, a `conditional` one branch (the costliest
-is counted). n is XLA's `known_trip_count`; a loop XLA has none for (a diffrax solve's `while`) runs
-`unknown_trip_count` times (1 unless given; the callers pass a fixed-step ODE's `num_steps`,
-`qkvflow.plan.planner.unknown_trips`) and is counted in `unknown_trip_counts`. A fused computation is
-part of its fusion's single kernel and is not walked. `once_per_step` is every launch outside loops,
-inside called computations and branches too. XLA may still merge launches at run time (CUDA graphs,
-command buffers): these are the kernels the program asks for, not a measured count.
+The counting rule (the one `qkvflow plan` and `benchmarks/kernel_count.py` report): launches as XLA's
+GPU runtime issues them. After XLA's passes, each instruction of the entry computation is one kernel
+launch (a `fusion`, a `custom-call` such as a cuBLAS GEMM or cuDNN's fused attention, a collective, a
+copy, ...), except the ones that launch nothing (`FREE`: parameters, tuples, bitcasts, control flow,
+the `-done` halves of async pairs). Control flow runs other computations, each launch weighted by
+the runs of every computation around it (a loop in a loop: both trip counts):
 
-    count_kernels(text)  -> kernel launches per step, fusions, custom calls by target, loops
-    collectives(text)    -> per kind (all-gather, reduce-scatter, all-reduce, ...): count, bytes, group size
+- a `while` with a known trip count n (`backend_config={"known_trip_count":{"n":...}}`) runs its
+  body n times and never its condition (xla/backends/gpu/runtime/while_thunk.cc, `WhileThunk::
+  ExecuteOnStream`: the `trip_count_` branch runs only `body_executor_`);
+- a `while` without one runs its condition before every iteration and once more to stop (n + 1
+  times) and its body n times; after each condition the runtime copies the predicate to the host
+  and blocks until the stream is done (`stream.Memcpy`, `BlockHostUntilDone` in the same function):
+  n + 1 host synchronisations. n is `unknown_trip_count` (1 unless given; the callers pass a
+  fixed-step ODE's `num_steps`, `qkvflow.plan.planner.unknown_trips`: diffrax's loops are of this
+  kind); these loops are counted in `unknown_trip_counts`;
+- a `conditional` copies its branch index to the host and blocks (conditional_thunk.cc): one host
+  synchronisation, then one branch (the costliest is counted);
+- a `call` and an `async-start` run their computation once, at the weight of the instruction.
 
-Collective bytes are the full array the collective produces or reduces: an all-gather's result
-(operand x group size), a reduce-scatter's or all-reduce's operand.
+A fused computation is part of its fusion's single kernel and is not walked. `once_per_step` is every
+launch outside loops, inside called computations and branches too. XLA may still merge launches at
+run time (CUDA graphs, command buffers): these are the kernels the program asks for, not a measured
+count, and `host_syncs` the synchronisations its control flow forces (the end of the step is not one).
+
+    count_kernels(text)  -> kernel launches and host synchronisations per step, fusions, custom calls, loops
+    collectives(text)    -> per kind (all-gather, reduce-scatter, all-reduce, all-to-all,
+                            collective-permute): count, bytes, group sizes, bytes that cross nodes
+
+Collective bytes are the full array the collective produces or reduces, every operand of a combined
+(tuple) collective included: an all-gather's result (operands x group size), the operands of the
+others. Groups are read from every form XLA prints (qkvflow.plan.groups).
 """
 
 from __future__ import annotations
@@ -26,7 +40,9 @@ import dataclasses
 import json
 import math
 import re
-from collections import Counter, defaultdict
+from collections import Counter
+
+from qkvflow.plan import groups
 
 DTYPE_BYTES = {
     "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e5m2fnuz": 1,
@@ -100,12 +116,27 @@ class Instr:
 
     def operand_names(self) -> list[str]:
         """The operands' names (with or without XLA's `%`; inline types dropped)."""
-        names = []
-        for part in re.split(r",\s*(?![^{}\[\]()]*[}\])])", self.operands):
-            part = part.strip()
-            if part:
-                names.append(part.split()[-1].lstrip("%"))
-        return names
+        return [part.split()[-1].lstrip("%") for part in split_top(self.operands)]
+
+
+COMMENT = re.compile(r"/\*.*?\*/")
+"""XLA's comments in an operand list: `/*index=5*/` before every fifth operand."""
+
+
+def split_top(text: str) -> list[str]:
+    """`text` split at its top-level commas (none inside brackets), comments dropped, parts stripped."""
+    parts, depth, start = [], 0, 0
+    text = COMMENT.sub("", text)
+    for i, c in enumerate(text):
+        if c in "({[":
+            depth += 1
+        elif c in ")}]":
+            depth -= 1
+        elif c == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p.strip() for p in parts if p.strip()]
 
 
 def _balanced(text: str, start: int) -> str:
@@ -178,9 +209,9 @@ class Module:
 
     def operand_types(self, instr: Instr) -> list[str]:
         """The types of `instr`'s operands (printed inline by some XLA versions, looked up otherwise)."""
-        inline = [t for t in re.split(r",\s*(?![^{}\[\]()]*[}\])])", instr.operands) if SHAPE.search(t)]
-        if inline:
-            return inline
+        parts = split_top(instr.operands)
+        if any(" " in p and SHAPE.search(p) for p in parts):  # "bf16[8]{0} %a": the type before the name
+            return [p.rsplit(" ", 1)[0] for p in parts]
         table = self.types.get(instr.comp, {})
         return [table[n] for n in instr.operand_names() if n in table]
 
@@ -222,23 +253,26 @@ def trip_count(instr: Instr) -> int | None:
 def walk(
     module: Module, name: str | None = None, weight: int = 1, stats: dict | None = None, unknown: int = 1, loops=True
 ):
-    """(instruction, times it runs per step) for every instruction that launches a kernel; a loop whose
-    trip count XLA does not know is taken to run `unknown` times; `loops=False` leaves loops out."""
+    """(instruction, times it runs per step) for every instruction that launches a kernel, by the rule of
+    the module docstring; a loop without a known trip count is taken to run `unknown` times. `stats`
+    collects `loops`, `unknown_trip_counts` and `host_syncs`; `loops=False` leaves loops out."""
     stats = stats if stats is not None else {}
     for instr in module.computations[name or module.entry]:
         op = instr.opcode
         if op == "while" and not loops:
             continue
         if op == "while":
-            n = trip_count(instr)
-            if n is None:
-                stats["unknown_trip_counts"] = stats.get("unknown_trip_counts", 0) + 1
-                n = unknown
+            known = trip_count(instr)
+            n = unknown if known is None else known
             body = instr.called("body")[0]
             per_iteration = sum(w for _, w in walk(module, body, 1, {}, unknown))
-            loop = {"trip_count": n, "known": trip_count(instr) is not None, "launches_per_iteration": per_iteration}
-            stats.setdefault("loops", []).append(loop)
-            yield from walk(module, instr.called("condition")[0], weight * (n + 1), stats, unknown)
+            stats.setdefault("loops", []).append(
+                {"trip_count": n, "known": known is not None, "launches_per_iteration": per_iteration}
+            )
+            if known is None:
+                stats["unknown_trip_counts"] = stats.get("unknown_trip_counts", 0) + 1
+                _sync(stats, "while", weight * (n + 1))
+                yield from walk(module, instr.called("condition")[0], weight * (n + 1), stats, unknown)
             yield from walk(module, body, weight * n, stats, unknown)
         elif op in ("call", "async-start"):
             for c in instr.called("to_apply") + instr.called("calls"):
@@ -247,6 +281,7 @@ def walk(
             branches = instr.called("branch_computations") or (
                 instr.called("true_computation") + instr.called("false_computation")
             )
+            _sync(stats, "conditional", weight)
             best = max(branches, key=lambda b: sum(w for _, w in walk(module, b, 1, {}, unknown)), default=None)
             if best is not None:
                 yield from walk(module, best, weight, stats, unknown, loops)
@@ -254,13 +289,19 @@ def walk(
             yield instr, weight
 
 
+def _sync(stats: dict, where: str, times: int) -> None:
+    stats["host_syncs"] = stats.get("host_syncs", 0) + times
+    stats.setdefault("host_syncs_by", {"while": 0, "conditional": 0})[where] += times
+
+
 def _module(hlo) -> Module:
     return hlo if isinstance(hlo, Module) else parse(hlo)
 
 
 def count_kernels(hlo, unknown_trip_count: int = 1) -> dict:
-    """Kernel launches per step of an optimised HLO module (text or `parse`d), loops weighted by trip
-    count (`unknown_trip_count` for a loop XLA has none for): `launches` in all, `once_per_step` (outside loops),
+    """Kernel launches per step of an optimised HLO module (text or `parse`d), by the rule of the module
+    docstring (`unknown_trip_count` for a loop XLA has none for): `launches` in all, `host_syncs` (the
+    host synchronisations its loops and conditionals force; `host_syncs_by` them), `once_per_step` (outside loops),
     `static` (each instruction once), `fusions` (static), `custom_calls` (launches per target),
     `by_opcode` (launches), `loops` (trip count, whether XLA knows it, launches per iteration of the
     body) and `unknown_trip_counts`."""
@@ -277,6 +318,8 @@ def count_kernels(hlo, unknown_trip_count: int = 1) -> dict:
             custom[(instr.attr("custom_call_target") or "?").strip('"')] += weight
     return {
         "launches": launches,
+        "host_syncs": stats.get("host_syncs", 0),
+        "host_syncs_by": stats.get("host_syncs_by", {"while": 0, "conditional": 0}),
         "once_per_step": sum(w for _, w in walk(module, unknown=unknown_trip_count, loops=False)),
         "static": static,
         "fusions": fusions,
@@ -288,34 +331,32 @@ def count_kernels(hlo, unknown_trip_count: int = 1) -> dict:
 
 
 def group_size(instr: Instr, num_partitions: int) -> int:
-    """Devices in each of the collective's groups: `replica_groups={{0,1},{2,3}}`, the iota form
-    `[groups,size]<=[n]`, or all of the module's partitions when none are listed."""
-    groups = instr.attr("replica_groups")
-    if groups:
-        iota = re.match(r"\[(\d+),(\d+)\]", groups)
-        if iota:
-            return int(iota.group(2))
-        first = re.match(r"\{\{([\d,\s]*)\}", groups)
-        if first:
-            return len([x for x in first.group(1).split(",") if x.strip()])
-    if instr.opcode.startswith("collective-permute"):
-        return 2
-    return num_partitions
+    """Devices in each of the collective's groups (the largest, should they differ)."""
+    return max(len(g) for g in groups.device_groups(instr.opcode, instr.attrs, num_partitions))
 
 
-def collectives(hlo, unknown_trip_count: int = 1) -> dict:
+def collectives(hlo, unknown_trip_count: int = 1, nodes=None) -> dict:
     """Per collective kind: `count` (per step, loops weighted), `bytes` (per step: the arrays gathered
-    or reduced, see the module docstring) and `group_size` (the largest group seen)."""
+    or reduced, see the module docstring), `group_size` (the largest group seen), `group_sizes` (every
+    size seen) and `network_bytes`, `network_count` (the part whose groups span two nodes; `nodes[d]`
+    is partition d's node, None: one node)."""
     module = _module(hlo)
-    out: dict = defaultdict(lambda: {"count": 0, "bytes": 0, "group_size": 0})
+    out: dict = {}
     for instr, weight in walk(module, unknown=unknown_trip_count):
         kind = COLLECTIVES.get(instr.opcode)
         if kind is None:
             continue
-        n = group_size(instr, module.num_partitions)
+        found = groups.device_groups(instr.opcode, instr.attrs, module.num_partitions)
+        n = max(len(g) for g in found)
         size = module.operand_bytes(instr) * (n if kind == "all-gather" else 1)
-        entry = out[kind]
+        entry = out.setdefault(
+            kind, {"count": 0, "bytes": 0, "group_size": 0, "group_sizes": [], "network_count": 0, "network_bytes": 0}
+        )
         entry["count"] += weight
         entry["bytes"] += weight * size
         entry["group_size"] = max(entry["group_size"], n)
-    return dict(out)
+        entry["group_sizes"] = sorted(set(entry["group_sizes"]) | {n})
+        if groups.crosses_nodes(found, nodes):
+            entry["network_count"] += weight
+            entry["network_bytes"] += weight * size
+    return out

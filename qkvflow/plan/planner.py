@@ -16,22 +16,34 @@ compiling it, with bisection as the fallback; at most `MAX_COMPILES` compiles.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
 
 from qkvflow.errors import UserError
-from qkvflow.plan import backend, hlo, roofline, step
+from qkvflow.plan import backend, calibration, hlo, roofline, step
 from qkvflow.plan.targets import Target
 
 MEM_FRACTION_DEFAULT = 0.75
-"""JAX's default XLA_PYTHON_CLIENT_MEM_FRACTION on a GPU."""
+"""JAX's default XLA_PYTHON_CLIENT_MEM_FRACTION on a GPU (JAX's "GPU memory allocation" page,
+https://docs.jax.dev/en/latest/gpu_memory_allocation.html)."""
+
+TPU_MEM_FRACTION = 1.0
+"""The part of a TPU's HBM the plan counts as usable: all of it. JAX's preallocation and its
+XLA_PYTHON_CLIENT_MEM_FRACTION belong to the GPU allocator (the page above) and do not apply; XLA:TPU
+checks a program against the chip's HBM itself (a compile past it fails with "Ran out of memory in
+memory space hbm", the check MaxText's train_compile.py relies on). A plan that needs the whole HBM
+is therefore at the edge: the runtime keeps a little for itself."""
 
 MAX_COMPILES = 8
 
 
 def usable_memory(target: Target) -> tuple[int, str]:
-    """(bytes the program may use on one device, why)."""
+    """(bytes the program may use on one device, why): a GPU's memory times XLA_PYTHON_CLIENT_MEM_FRACTION
+    (JAX's default 0.75), a TPU's times TPU_MEM_FRACTION, a CPU device's nominal memory."""
+    if target.platform == "tpu":
+        return int(TPU_MEM_FRACTION * target.memory_bytes), f"{TPU_MEM_FRACTION:g} of the chip's HBM (XLA:TPU's limit)"
     if target.platform != "gpu":
         return target.memory_bytes, "the device's memory"
     raw = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
@@ -67,6 +79,13 @@ def unknown_trips(model_config) -> int:
     if ode is not None and not ode.is_adaptive:
         return int(ode.num_steps)
     return 1
+
+
+def tpu_slices(config) -> int:
+    """The TPU slices a plan compiles for: the product of `trainer.mesh.dcn_axes`' sizes (the axes
+    Levanter lays across slices; its default, replica_dcn -1, takes however many there are: 1 here)."""
+    dcn = getattr(getattr(getattr(config, "trainer", None), "mesh", None), "dcn_axes", None) or {}
+    return math.prod(int(v) for v in dcn.values() if int(v) > 0)
 
 
 def model_flops_per_device(config, vocab: int, batch: int, devices: int) -> float:
@@ -112,6 +131,14 @@ def largest_fitting(total, start: int, limit: int, max_compiles: int = MAX_COMPI
     return {"per_device": fit, "compiles": len(known), "exact": True}
 
 
+def calibrated_estimate(p: dict, target: Target) -> dict:
+    """The roofline corrected by `target`'s calibration (qkvflow.plan.calibration), from the plan's own
+    roofline time, launches and host synchronisations."""
+    e, k = p["estimate"], p["kernels"]
+    feats = {"roofline_s": e["step_s"], "launches": k["launches"], "host_syncs": k.get("host_syncs", 0)}
+    return calibration.calibrated(feats, target.name, e["model_flops"], target.peak_flops.get(p["compute_dtype"]))
+
+
 ATTENTION = re.compile(r"fmha|attention|splash|flash|mha", re.IGNORECASE)
 
 
@@ -134,7 +161,7 @@ def plan(config, target: Target, devices: int, vocab: int, *, search_max_batch: 
     (and the optimised HLO text in `hlo_file`, if given)."""
     if devices < 1:
         raise UserError(f"--devices {devices} is invalid: expected an integer >= 1")
-    found = backend.devices_for(target, devices)
+    found = backend.devices_for(target, devices, tpu_slices(config) if target.platform == "tpu" else 1)
     if len(found) != devices:
         raise UserError(f"--target {target.name} gave {len(found)} devices, not --devices {devices}")
     compiled = step.compile_step(config, target, found, vocab)
@@ -148,6 +175,7 @@ def plan(config, target: Target, devices: int, vocab: int, *, search_max_batch: 
     trips = unknown_trips(config.model)
     dp = step.data_parallel(compiled.mesh_shape)
     kernels = hlo.count_kernels(module, unknown_trip_count=trips)
+    nodes = list(compiled.partition_nodes) or None
     attention = attention_kernels(module)
     # XLA:TPU writes matrix products as convolutions (batched ones with windows), which the roofline
     # does not count: no time estimate there rather than one without most of its FLOPs
@@ -156,6 +184,7 @@ def plan(config, target: Target, devices: int, vocab: int, *, search_max_batch: 
         "target": target.name,
         "platform": target.platform,
         "devices": devices,
+        "nodes": len(set(nodes or [0])),
         "mesh": compiled.mesh_shape,
         "model_type": type(config.model).__name__,
         "vocab_size": compiled.vocab_size,
@@ -168,7 +197,7 @@ def plan(config, target: Target, devices: int, vocab: int, *, search_max_batch: 
         "memory": {**mem, "usable": limit, "usable_is": why, "device": target.memory_bytes},
         "fits": mem["total"] <= limit,
         "kernels": kernels,
-        "collectives": hlo.collectives(module, unknown_trip_count=trips),
+        "collectives": hlo.collectives(module, unknown_trip_count=trips, nodes=nodes),
         "estimate": roofline.estimate(
             module,
             peak_flops=peak,
@@ -179,10 +208,12 @@ def plan(config, target: Target, devices: int, vocab: int, *, search_max_batch: 
             devices_per_node=target.devices_per_node,
             model_flops=model_flops_per_device(config, vocab, compiled.batch, devices),
             unknown_trip_count=trips,
+            nodes=nodes,
         ),  # fmt: skip
         "compile_s": round(compiled.compile_s, 1),
     }
     out["estimate"]["unknown_trip_counts_taken_as"] = trips
+    out["estimate"]["calibrated"] = calibrated_estimate(out, target)
     if search_max_batch:
 
         def total(per_device: int) -> int:

@@ -18,10 +18,12 @@ collective takes its ring traffic over the link:
 
     all-gather, reduce-scatter: (n - 1)/n x bytes / L;  all-reduce: 2 (n - 1)/n x bytes / L
 
-with n the group size and L the one-direction bandwidth to another device (NVLink within a node, the
-network once a group spans nodes). The step is the kernels' sum plus the collectives' sum: no
-overlap of communication with compute, no launch overhead, every kernel at peak or at full
-bandwidth, so the truth can be slower (a kernel below its roofline) or faster (overlap).
+with n the group size and L the one-direction bandwidth to another device: NVLink (or ICI) when
+every group stays inside a node, the network (InfiniBand, DCN) when a group spans two nodes
+(`collective_bytes_sent`, of which `network_bytes_sent` over the network). The step is the
+kernels' sum plus the collectives' sum: no overlap of communication with compute, no launch
+overhead, every kernel at peak or at full bandwidth, so the truth can be slower (a kernel below its
+roofline) or faster (overlap).
 MFU = model FLOPs per step / (step time x P), the model FLOPs being Levanter's 3 x forward.
 """
 
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import math
 
-from qkvflow.plan import hlo
+from qkvflow.plan import groups, hlo
 
 
 def _dot_flops(module: hlo.Module, instr: hlo.Instr) -> float:
@@ -163,11 +165,15 @@ def kernels(text_or_module, *, peak_flops=None, hbm_bytes_per_s=None, unknown_tr
 
 def estimate(text_or_module, *, peak_flops, hbm_bytes_per_s, link_bytes_per_s, network_bytes_per_s=None,
              devices_per_node: int = 8, model_flops: float | None = None, unknown_trip_count: int = 1,
-             f32_peak_flops=None) -> dict:  # fmt: skip
+             f32_peak_flops=None, nodes=None) -> dict:  # fmt: skip
     """The roofline of one step (see the module docstring); None for the terms whose rate is unknown.
-    `f32_flops` is the part of `hlo_flops` in products of two f32 operands."""
+    `f32_flops` is the part of `hlo_flops` in products of two f32 operands. `nodes[d]` is the node of
+    the program's partition d (default: d // devices_per_node); a collective whose groups all stay in
+    one node runs at `link_bytes_per_s`, one with a group across nodes at `network_bytes_per_s`."""
     module = hlo._module(text_or_module)
-    flops = f32_flops = hbm = compute_s = memory_s = kernel_s = comm_bytes = comm_s = 0.0
+    if nodes is None:
+        nodes = [d // devices_per_node for d in range(module.num_partitions)]
+    flops = f32_flops = hbm = compute_s = memory_s = kernel_s = comm_bytes = comm_s = network_bytes = 0.0
     rates = {"peak_flops": peak_flops, "hbm_bytes_per_s": hbm_bytes_per_s, "f32_peak_flops": f32_peak_flops}
     for k in kernels(module, unknown_trip_count=unknown_trip_count, **rates):
         instr, weight, kind = k["instr"], k["launches"], k["collective"]
@@ -175,10 +181,13 @@ def estimate(text_or_module, *, peak_flops, hbm_bytes_per_s, link_bytes_per_s, n
         f32_flops += weight * k["f32_flops"]
         hbm += weight * k["bytes"]
         if kind is not None:
-            n = hlo.group_size(instr, module.num_partitions)
+            found = groups.device_groups(instr.opcode, instr.attrs, module.num_partitions)
+            n = max(len(g) for g in found)
             size = module.operand_bytes(instr) * (n if kind == "all-gather" else 1)
             sent = ring_bytes(kind, size, n)
-            rate = network_bytes_per_s if n > devices_per_node and network_bytes_per_s else link_bytes_per_s
+            across = groups.crosses_nodes(found, nodes)
+            rate = network_bytes_per_s if across and network_bytes_per_s else link_bytes_per_s
+            network_bytes += weight * sent if across else 0.0
             comm_bytes += weight * sent
             comm_s += weight * sent / rate if rate else 0.0
             continue
@@ -193,6 +202,7 @@ def estimate(text_or_module, *, peak_flops, hbm_bytes_per_s, link_bytes_per_s, n
         "f32_flops": f32_flops,
         "hbm_bytes": hbm,
         "collective_bytes_sent": comm_bytes,
+        "network_bytes_sent": network_bytes,
         "compute_s": compute_s if known else None,
         "memory_s": memory_s if known else None,
         "kernels_s": kernel_s if known else None,

@@ -53,17 +53,51 @@ def with_attention(model_config, platform: str, compute_dtype):
     return dataclasses.replace(model_config, attn_backend=attention.config_value(kernel))
 
 
+def node_of(device) -> int:
+    """The node (TPU: slice) a device belongs to: a compile-only GPU topology's host (`process_index`,
+    one per node of `backend.topology_string`), a TPU's `slice_index`; 0 for the host's own devices."""
+    if device.platform == "tpu":
+        return int(getattr(device, "slice_index", 0) or 0)
+    return int(device.process_index)
+
+
+def device_grid(ici: dict, dcn: dict, devices: list, node=node_of) -> np.ndarray:
+    """The devices laid out as Levanter lays out a multi-slice mesh (`create_hybrid_device_mesh`): axes
+    `ici` then the DCN-only ones, each node's devices a block of shape `ici` (in their order), the
+    blocks tiled along the DCN axes. One node per slice: what Levanter's `TrainerConfig.num_slices`
+    counts ("number of nodes"), read here from `node` because compile-only GPU devices carry no
+    `slice_index`."""
+    names = list(ici) + [k for k in dcn if k not in ici]
+    ici_shape = [ici.get(n, 1) for n in names]
+    dcn_shape = [dcn.get(n, 1) for n in names]
+    by_node: dict = {}
+    for d in devices:
+        by_node.setdefault(node(d), []).append(d)
+    if len(by_node) != math.prod(dcn_shape) or any(len(v) != math.prod(ici_shape) for v in by_node.values()):
+        raise UserError(f"trainer.mesh: DCN axes {dcn} over {len(by_node)} nodes, ICI axes {ici} within each")
+    blocks = np.empty(dcn_shape, dtype=object)
+    for index, members in zip(np.ndindex(*dcn_shape), by_node.values()):
+        grid = np.empty(len(members), dtype=object)
+        grid[:] = members
+        blocks[index] = grid.reshape(ici_shape)
+    return np.block(blocks.tolist())
+
+
 def mesh_for(trainer_config, devices: list):
-    """The mesh Levanter builds from `trainer.mesh` for len(devices) devices, on `devices`."""
+    """The mesh Levanter builds from `trainer.mesh` for len(devices) devices on as many slices as the
+    devices have nodes (`replica_dcn`, Levanter's data-parallel axis across slices, absorbs them
+    unless `trainer.mesh.dcn_axes` says otherwise); one node: `create_mesh_from_axis_specs` itself."""
     from levanter.utils.mesh import create_mesh_from_axis_specs
 
+    nodes = len({node_of(d) for d in devices})
     try:
-        ici, dcn = trainer_config.mesh.axis_shapes(len(devices), 1)
+        ici, dcn = trainer_config.mesh.axis_shapes(len(devices), nodes)
     except ValueError as e:
         raise UserError(f"trainer.mesh does not fit {len(devices)} devices: {e}") from None
-    ici = {**ici, **{k: v for k, v in dcn.items() if v != 1 and k not in ici}}
-    dcn = {k: 1 for k in dcn if k not in ici}
-    return create_mesh_from_axis_specs(ici_axes=ici, dcn_axes=dcn, devices=devices)
+    if nodes == 1 or devices[0].platform == "tpu":  # TPU chips carry their slice_index: Levanter's own layout
+        return create_mesh_from_axis_specs(ici_axes=ici, dcn_axes=dcn, devices=devices)
+    grid = device_grid(ici, dcn, devices)
+    return jax.sharding.Mesh(grid, tuple(list(ici) + [k for k in dcn if k not in ici]))
 
 
 def data_parallel(mesh_shape: dict) -> int:
@@ -137,6 +171,7 @@ class Compiled:
     optimizer_bytes: int
     batch_bytes: int
     trainable_params_bytes: int  # what the gradients take, in the parameter dtype
+    partition_nodes: tuple = ()  # the node of each of the program's partitions (the mesh's devices in order)
 
 
 def compile_step(config, target: Target, devices: list, vocab_size: int, batch: int | None = None) -> Compiled:
@@ -204,4 +239,5 @@ def compile_step(config, target: Target, devices: list, vocab_size: int, batch: 
         shard_bytes(state.opt_state),
         shard_bytes(example),
         shard_bytes(state.trainable_model, floating=True),
+        tuple(node_of(d) for d in mesh.devices.flat),
     )

@@ -2,12 +2,20 @@
 
 A GPU target is an XLA `GpuTargetConfigProto` text (`specs/*.txtpb`, each naming its source in its
 first lines) plus the datasheet numbers XLA does not hold: dense peak FLOP/s per compute dtype, and
-the bandwidth one device has to the others, in one direction, within a node (NVLink) and across
-nodes (one 400 Gb/s NDR InfiniBand port per H100/H200, one 200 Gb/s HDR port per A100, as in
-NVIDIA's DGX H100 and DGX A100). f32 matmuls run at JAX's default precision, TF32 on these GPUs, so
-the f32 peak is the TF32 one. Sources: NVIDIA H100 and H200 product briefs (SXM: 989.4 TFLOP/s
-BF16 dense, 494.7 TF32 dense, NVLink 900 GB/s both ways), NVIDIA A100 datasheet (SXM4 80GB: 312
-BF16, 156 TF32, NVLink 600 GB/s both ways).
+the bandwidth one device has to the others, in one direction. A node is 8 GPUs (`devices_per_node`).
+Within it, NVLink: NVLink 4 on the H100/H200 SXM, 900 GB/s both ways per GPU (450 one way); NVLink 3
+on the A100 SXM4, 600 GB/s (300). Across nodes, the network: one NIC per GPU as in NVIDIA's DGX H100
+and DGX A100 (8 x 400 Gb/s NDR InfiniBand ConnectX-7 per 8-GPU H100/H200 node, 50 GB/s per GPU; 8 x
+200 Gb/s HDR ConnectX-6 per A100 node, 25 GB/s). f32 matmuls run at JAX's default precision, TF32
+on these GPUs, so the f32 peak is the TF32 one. Sources: NVIDIA H100 and H200 product briefs (SXM:
+989.4 TFLOP/s BF16 dense, 494.7 TF32 dense, NVLink 900 GB/s), NVIDIA A100 datasheet (SXM4 80GB: 312
+BF16, 156 TF32, NVLink 600 GB/s), the NVIDIA DGX H100 and DGX A100 user guides (their NICs).
+
+A TPU target is a slice of chips on ICI; a multi-slice program crosses slices over the data-centre
+network (DCN). Google Cloud's TPU pages: v5e 197 TFLOP/s bf16, 16 GB HBM at 819 GB/s, ICI 400 GB/s
+per chip both ways (one of its 4 links, one way: 50 GB/s), DCN 6.4 Tb/s per 256-chip pod (25 Gb/s,
+3.125 GB/s per chip); v5p 459 TFLOP/s, 95 GiB at 2,765 GB/s, ICI 1,200 GB/s per chip both ways (one
+of 6 links, one way: 100 GB/s), DCN 50 Gb/s (6.25 GB/s) per chip.
 
 `cpu:N` is N host devices, the deviceless stand-in the default test suite compiles for: no peak and
 no bandwidths (the roofline says n/a), and a nominal memory (`--device_memory` sets it).
@@ -66,18 +74,19 @@ TARGETS = {
 """Name -> GPU target. The memory is the spec's `device_memory_size`."""
 
 
-def _tpu(name, generation, memory, bf16, hbm, ici, source):
-    return Target(name, "tpu", memory, {"bfloat16": bf16, "float32": bf16}, hbm, ici, None, 1 << 30, generation, source)
+def _tpu(name, generation, memory, bf16, hbm, ici, dcn, source):
+    return Target(name, "tpu", memory, {"bfloat16": bf16, "float32": bf16}, hbm, ici, dcn, 1 << 30, generation, source)
 
 
 TPUS = {
-    "v5e": _tpu("v5e", "v5e", 16 * 2**30, 197e12, 819e9, 50 * GB, "Google Cloud TPU v5e documentation"),
-    "v5p": _tpu("v5p", "v5p", 95 * 2**30, 459e12, 2.765e12, 100 * GB, "Google Cloud TPU v5p documentation"),
+    "v5e": _tpu("v5e", "v5e", 16 * 2**30, 197e12, 819e9, 50 * GB, 3.125 * GB, "Google Cloud TPU v5e documentation"),
+    "v5p": _tpu("v5p", "v5p", 95 * 2**30, 459e12, 2.765e12, 100 * GB, 6.25 * GB, "Google Cloud TPU v5p documentation"),
 }  # fmt: skip
-"""Name -> TPU target (a slice of chips; `spec` is libtpu's generation name). The ICI bandwidth is
-one link's, one direction (a ring collective runs over one link per neighbour); f32 matmuls run as
-bfloat16 passes at JAX's default precision, so one peak. No v4: libtpu's deviceless v4 topology gives
-two devices per chip (v4:2x2x1 has 8), where a v4 VM runs one per chip (megacore)."""
+"""Name -> TPU target (a slice of chips, one "node"; `spec` is libtpu's generation name). The ICI
+bandwidth is one link's, one direction (a ring collective runs over one link per neighbour), the DCN
+one a chip's share of the network; f32 matmuls run as bfloat16 passes at JAX's default precision,
+so one peak. No v4: libtpu's deviceless v4 topology gives two devices per chip (v4:2x2x1 has 8),
+where a v4 VM runs one per chip (megacore)."""
 TARGETS.update(TPUS)
 
 CPU_MEMORY = 16 * 2**30

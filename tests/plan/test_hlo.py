@@ -99,17 +99,19 @@ def test_parse_finds_the_entry_and_every_computation():
     assert module.operand_types(dot) == ["bf16[4,32]{1,0}", "bf16[32,64]{1,0}"]
 
 
-def test_kernels_are_counted_with_loops_weighted_by_their_trip_counts():
+def test_kernels_are_counted_as_the_gpu_runtime_runs_them():
     k = count_kernels(HLO)
     # entry: e1, e2, cp, all-gather-start, reduce-scatter (inside async) = 5
-    # while w1 (5 trips): body 3 kernels x 5 + condition 1 x 6 = 21
+    # while w1 (5 trips, known): body 3 kernels x 5 = 15, its condition never runs
     # while w2 (unknown, taken as 1): inner all-reduce x 1 + condition 1 x 2 = 3
     # conditional: the costlier branch, 3 kernels
-    assert k["launches"] == 5 + 21 + 3 + 3
-    assert k["static"] == 5 + 4 + 2 + 3
-    assert k["fusions"] == 2 + 3 + 1 + 2  # entry, w1 (body 2 + cond 1), w2's cond, branch_big's 2
+    assert k["launches"] == 5 + 15 + 3 + 3
+    assert k["static"] == 5 + 3 + 2 + 3
+    assert k["fusions"] == 2 + 2 + 1 + 2  # entry, w1's body, w2's condition, branch_big's 2
     assert k["custom_calls"] == {"__cublas$lt$matmul": 5}
     assert k["unknown_trip_counts"] == 1
+    # w2's condition twice (the predicate copied to the host each time), the conditional's index once
+    assert k["host_syncs"] == 2 + 1
     assert k["once_per_step"] == 5 + 3
     loops = sorted((loop["trip_count"], loop["known"], loop["launches_per_iteration"]) for loop in k["loops"])
     assert loops == [(1, False, 1), (5, True, 3)]  # w2's body: the all-reduce; w1's: 3 kernels
@@ -117,16 +119,18 @@ def test_kernels_are_counted_with_loops_weighted_by_their_trip_counts():
 
 def test_a_loop_without_a_trip_count_takes_the_one_given():
     k = count_kernels(HLO, unknown_trip_count=4)
-    assert k["launches"] == 5 + 21 + (4 + 5) + 3  # w2: all-reduce x 4, condition x 5
+    assert k["launches"] == 5 + 15 + (4 + 5) + 3  # w2: all-reduce x 4, condition x 5
     assert k["by_opcode"]["all-reduce"] == 4
+    assert k["host_syncs"] == 5 + 1
 
 
 def test_collectives_count_their_arrays_and_groups():
     c = collectives(HLO, unknown_trip_count=3)
     ag = 8 * 16 * 4 * 8  # the gathered array: the operand x 8 devices
-    assert c["all-gather"] == {"count": 1, "bytes": ag, "group_size": 8}
-    assert c["reduce-scatter"] == {"count": 1, "bytes": 64 * 16 * 4, "group_size": 8}
-    assert c["all-reduce"] == {"count": 3, "bytes": 3 * 8 * 16 * 4, "group_size": 4}
+    one_node = {"network_count": 0, "network_bytes": 0}
+    assert c["all-gather"] == {"count": 1, "bytes": ag, "group_size": 8, "group_sizes": [8], **one_node}
+    assert c["reduce-scatter"] == {"count": 1, "bytes": 64 * 16 * 4, "group_size": 8, "group_sizes": [8], **one_node}
+    assert c["all-reduce"] == {"count": 3, "bytes": 3 * 8 * 16 * 4, "group_size": 4, "group_sizes": [4], **one_node}
 
 
 def test_the_gpu_start_and_done_pairs_are_one_collective_each():
@@ -140,7 +144,8 @@ ENTRY %main (g: bf16[64,32], h: bf16[8]) -> bf16[8,32] {
   ROOT %r = bf16[8,32]{1,0} get-tuple-element(%rd), index=0
 }
 """
-    assert collectives(text) == {"reduce-scatter": {"count": 1, "bytes": (64 * 32 + 8) * 2, "group_size": 8}}
+    (rs,) = collectives(text).values()
+    assert (rs["count"], rs["bytes"], rs["group_size"]) == (1, (64 * 32 + 8) * 2, 8)
     assert count_kernels(text)["launches"] == 1
 
 
@@ -157,3 +162,111 @@ ENTRY %main (a: f32[8]) -> f32[8] {
     n, q, c = parse(text).computations["main"][1:]
     assert n.op_name() == "jit(step)/transpose(jvp(lm_head))/neg"
     assert q.op_name() == 'jit(step)/say \\"hi\\"/add' and c.op_name() == ""
+
+
+# Control flow as XLA's GPU runtime runs it (qkvflow/plan/hlo.py's docstring): an outer loop of 3
+# known trips whose body holds an inner loop of 4 known trips, a `call` and an async reduce-scatter;
+# an unknown-trip loop (taken as 5) whose body holds a conditional and a known loop of 2.
+NESTED = """HloModule m, num_partitions=2
+
+%k1 (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  ROOT %n = f32[8]{0} negate(%x)
+}
+
+%inner_body (t: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %t = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %v = f32[8]{0} get-tuple-element(%t), index=1
+  %f = f32[8]{0} fusion(%v), kind=kLoop, calls=%k1
+  ROOT %r = (s32[], f32[8]{0}) tuple(%i, %f)
+}
+
+%inner_cond (t.1: (s32[], f32[8])) -> pred[] {
+  %t.1 = (s32[], f32[8]{0}) parameter(0)
+  ROOT %c = pred[] fusion(%t.1), kind=kLoop, calls=%k1
+}
+
+%called (y: f32[8]) -> f32[8] {
+  %y = f32[8]{0} parameter(0)
+  %y1 = f32[8]{0} fusion(%y), kind=kLoop, calls=%k1
+  ROOT %y2 = f32[8]{0} fusion(%y1), kind=kLoop, calls=%k1
+}
+
+%scatter (z: f32[8]) -> f32[4] {
+  %z = f32[8]{0} parameter(0)
+  ROOT %rs = f32[4]{0} reduce-scatter(%z), replica_groups={{0,1}}, dimensions={0}, to_apply=%k1
+}
+
+%outer_body (o: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %o = (s32[], f32[8]{0}) parameter(0)
+  %w = (s32[], f32[8]{0}) while(%o), condition=%inner_cond, body=%inner_body, backend_config={"known_trip_count":{"n":"4"}}
+  %wv = f32[8]{0} get-tuple-element(%w), index=1
+  %cl = f32[8]{0} call(%wv), to_apply=%called
+  %as = ((f32[8]{0}), f32[4]{0}) async-start(%cl), calls=%scatter
+  %ad = f32[4]{0} async-done(%as)
+  %oi = s32[] get-tuple-element(%o), index=0
+  ROOT %or = (s32[], f32[8]{0}) tuple(%oi, %cl)
+}
+
+%outer_cond (o.1: (s32[], f32[8])) -> pred[] {
+  %o.1 = (s32[], f32[8]{0}) parameter(0)
+  ROOT %oc = pred[] fusion(%o.1), kind=kLoop, calls=%k1
+}
+
+%yes (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  ROOT %a1 = f32[8]{0} fusion(%a), kind=kLoop, calls=%k1
+}
+
+%no (b: f32[8]) -> f32[8] {
+  %b = f32[8]{0} parameter(0)
+  ROOT %b1 = f32[8]{0} copy(%b)
+}
+
+%solve_body (s: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %s = (s32[], f32[8]{0}) parameter(0)
+  %sv = f32[8]{0} get-tuple-element(%s), index=1
+  %p = pred[] fusion(%sv), kind=kLoop, calls=%k1
+  %cd = f32[8]{0} conditional(%p, %sv, %sv), true_computation=%yes, false_computation=%no
+  %si = s32[] get-tuple-element(%s), index=0
+  %t2 = (s32[], f32[8]{0}) tuple(%si, %cd)
+  %w2 = (s32[], f32[8]{0}) while(%t2), condition=%inner_cond, body=%inner_body, backend_config={"known_trip_count":{"n":"2"}}
+  ROOT %sr = (s32[], f32[8]{0}) tuple(%si, %cd)
+}
+
+%solve_cond (s.1: (s32[], f32[8])) -> pred[] {
+  %s.1 = (s32[], f32[8]{0}) parameter(0)
+  %s2 = f32[8]{0} get-tuple-element(%s.1), index=1
+  %s3 = f32[8]{0} fusion(%s2), kind=kLoop, calls=%k1
+  ROOT %sc = pred[] fusion(%s3), kind=kLoop, calls=%k1
+}
+
+ENTRY %main (e: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %e = (s32[], f32[8]{0}) parameter(0)
+  %outer = (s32[], f32[8]{0}) while(%e), condition=%outer_cond, body=%outer_body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %solve = (s32[], f32[8]{0}) while(%outer), condition=%solve_cond, body=%solve_body
+}
+"""
+
+
+def test_nested_loops_calls_async_ops_and_conditionals_keep_their_enclosing_weight():
+    k = count_kernels(NESTED, unknown_trip_count=5)
+    # outer (3 known trips), per trip: the inner loop's body 4 x 1 fusion, the call's 2 fusions, the
+    # async reduce-scatter 1: 3 x (4 + 2 + 1) = 21; no condition runs (both counts are known)
+    outer = 3 * (4 * 1 + 2 + 1)
+    # solve (unknown, taken as 5): condition 2 fusions x 6; body per trip: the predicate fusion, the
+    # conditional's costlier branch (1 fusion; the other is a copy, also 1: either), the known loop 2 x 1
+    solve = 2 * 6 + 5 * (1 + 1 + 2 * 1)
+    assert k["launches"] == outer + solve
+    assert k["by_opcode"]["reduce-scatter"] == 3  # inside async-start, inside the outer loop
+    assert k["by_opcode"]["fusion"] == outer - 3 + solve
+    # host synchronisations: the solve's condition 6 times, its conditional 5 times
+    assert k["host_syncs"] == 6 + 5 and k["host_syncs_by"] == {"while": 6, "conditional": 5}
+    assert k["once_per_step"] == 0  # every launch is in a loop
+
+
+def test_collectives_inside_loops_and_async_ops_are_weighted_by_their_loops():
+    c = collectives(NESTED, unknown_trip_count=5)
+    assert c["reduce-scatter"]["count"] == 3 and c["reduce-scatter"]["bytes"] == 3 * 8 * 4
+    assert c["reduce-scatter"]["group_sizes"] == [2]

@@ -169,3 +169,18 @@ ENTRY %main (a: bf16[64,32], b: bf16[32,16], c: f32[64,32], d: f32[32,16]) -> f3
     # without an f32 peak everything runs at the compute dtype's, as before
     e = roofline.estimate(text, peak_flops=4.0, hbm_bytes_per_s=1e30, link_bytes_per_s=None)
     assert e["compute_s"] == 3 * one / 4.0
+
+
+def test_a_bf16_by_f32_product_runs_at_the_compute_dtypes_peak():
+    # one operand bf16, the other f32: not a product of two f32 operands, so not at the f32 rate
+    text = """HloModule m
+
+ENTRY %main (a: bf16[64,32], b: f32[32,16]) -> f32[64,16] {
+  %a = bf16[64,32]{1,0} parameter(0)
+  %b = f32[32,16]{1,0} parameter(1)
+  ROOT %d = f32[64,16]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+    one = 2 * 64 * 16 * 32
+    (k,) = roofline.kernels(text, peak_flops=4.0, hbm_bytes_per_s=1e30, f32_peak_flops=1.0)
+    assert (k["flops"], k["f32_flops"]) == (one, 0) and k["compute_s"] == one / 4.0
