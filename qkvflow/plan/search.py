@@ -136,12 +136,22 @@ def overrides(layout: Layout, per_device: int, key: str | None) -> str:
 
 
 def estimate(plan: dict) -> dict:
-    """The time estimate a layout is ranked by: {"step_s": seconds, "error": its relative error band or
-    None, "is": what it is}. Today the plan's roofline (`plan["estimate"]["step_s"]`), which carries no
-    error: it was measured 1.44-1.72 x too fast on the H200 runs (issue 61)."""
-    step_s = plan["estimate"]["step_s"]
-    what = "roofline, not calibrated" if step_s is not None else "none for this target: ranked by batch"
-    return {"step_s": step_s, "error": None, "is": what}
+    """The time estimate a layout is ranked by: {"step_s": seconds, "error": the relative band or None,
+    "is": what it is}. The calibrated estimate where the target has a calibration
+    (`plan["estimate"]["calibrated"]`, qkvflow.plan.calibration: the truth within step / (1 +- band)),
+    else the plan's roofline, which carries no error band."""
+    e = plan["estimate"]
+    c = e.get("calibrated") or {}
+    if c.get("calibrated"):
+        return {
+            "step_s": c["step_s"],
+            "error": c["band"],
+            "mfu": c["mfu"],
+            "is": f"calibrated on {len(c['rows'])} measured steps",
+        }
+    why = f" ({c['why']})" if c.get("why") else ""
+    what = "the roofline, not calibrated" + why if e["step_s"] is not None else "none for this target: ranked by batch"
+    return {"step_s": e["step_s"], "error": None, "mfu": e.get("mfu"), "is": what}
 
 
 def predicted_largest(known: dict, limit: int) -> float:
@@ -192,7 +202,7 @@ def row(layout: Layout, per_device: int, global_batch: int, key: str | None, pla
         "memory": plan["memory"]["total"],
         "fits": plan["fits"],
         "step_s": e["step_s"],
-        "mfu": plan["estimate"].get("mfu"),
+        "mfu": e.get("mfu"),
         "error": e["error"],
         "estimate_is": e["is"],
         "compile_s": plan["compile_s"],
