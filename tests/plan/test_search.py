@@ -313,3 +313,32 @@ def test_the_verb_searches_on_two_cpu_devices_with_real_compiles():
     ]
     config = configfile.parse(PlanConfig, ["--config_path", TINY, *shlex.split(best["overrides"])], "plan")
     assert mesh_shape(config.trainer.mesh, 2) == {"data": 2, "replica": 1, "model": 1, "replica_dcn": 1}
+
+
+def test_the_ranking_takes_the_calibrated_estimate_and_its_band_where_the_plan_has_one(tiny):
+    calibrated = {"calibrated": True, "step_s": 2.0, "band": 0.12, "mfu": 0.3, "rows": ["a", "b", "c"]}
+    plan = {"estimate": {"step_s": 1.0, "mfu": 0.6, "calibrated": calibrated}}
+    assert search.estimate(plan) == {"step_s": 2.0, "error": 0.12, "mfu": 0.3, "is": "calibrated on 3 measured steps"}
+    plan = {"estimate": {"step_s": 1.0, "mfu": 0.6, "calibrated": {"calibrated": False, "why": "no measured X"}}}
+    assert search.estimate(plan) == {
+        "step_s": 1.0,
+        "error": None,
+        "mfu": 0.6,
+        "is": "the roofline, not calibrated (no measured X)",
+    }
+    # the roofline says FSDP off is faster, the calibration says on: the calibration ranks
+    calls = []
+    uncalibrated = fake_plan(lambda *k: 1000, lambda d, r, m, b, remat: 1.0 if r > 1 else 2.0, calls)
+
+    def plan_fn(config, target, devices, vocab):
+        p = uncalibrated(config, target, devices, vocab)
+        off = config.trainer.mesh.axes["replica"] > 1
+        p["estimate"]["calibrated"] = {"calibrated": True, "step_s": 5.0 if off else 4.0, "band": 0.1, "mfu": None}
+        p["estimate"]["calibrated"]["rows"] = ["h200 row"]
+        return p
+
+    out = search.search(
+        tiny, targets.get("cpu:8", device_memory=10**6), 8, 64, models=[1], remats=[True], plan_fn=plan_fn
+    )
+    assert [(r["fsdp"], r["step_s"], r["error"]) for r in out["ranked"]] == [(True, 4.0, 0.1), (False, 5.0, 0.1)]
+    assert "+-10%" in search.text(out)
