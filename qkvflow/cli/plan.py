@@ -25,7 +25,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--search_max_compiles", type=int, default=12, help="the search's compile cap (default 12)")
     p.add_argument("--search_model", default=None, help="model-axis sizes to try, e.g. 1,2 (default: every divisor)")
     p.add_argument("--search_fsdp", default="on,off", help="FSDP on, off or on,off (default)")
-    p.add_argument("--search_remat", default=None, help="remat values to try, e.g. null,5 (default: the config's)")
+    p.add_argument(
+        "--search_remat", default=None, help="remat values to try, e.g. null,5 (default: all the config allows)"
+    )
     p.add_argument("--save_hlo", default=None, help="also write the compiled step's optimised HLO text to this file")
     return p
 

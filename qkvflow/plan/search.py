@@ -317,7 +317,9 @@ def _layout_words(r: dict, key: str | None) -> list[str]:
 
 
 def milliseconds(s) -> str:
-    return "n/a" if s is None else f"{s * 1e3:,.1f} ms"
+    if s is None:
+        return "n/a"
+    return f"{s * 1e3:,.1f} ms" if s >= 1e-3 else f"{s * 1e6:,.1f} us"
 
 
 def text(out: dict, config_path: str | None = None) -> str:
@@ -374,6 +376,9 @@ def report_progress(n: int, cap: int, r: dict) -> None:
 
 def options(args, config) -> dict:
     """`search`'s keyword arguments from `qkvflow plan`'s --search_* flags."""
+    for flag, given in (("--max_batch", args.max_batch), ("--save_hlo", args.save_hlo)):
+        if given:
+            raise UserError(f"{flag} is for one plan: --search finds each layout's largest batch itself")
     models = None
     if args.search_model is not None:
         words = [w.strip() for w in args.search_model.split(",")]

@@ -282,6 +282,7 @@ def test_search_flags_are_read_and_bad_ones_refused_in_one_line(tiny, medium_ode
         ("--search_model", "1,two", "--search_model '1,two' is invalid: expected sizes such as 1,2,4"),
         ("--search_fsdp", "maybe", "--search_fsdp 'maybe' is invalid: expected on, off or on,off"),
         ("--search_remat", "0", "--search_remat '0' is invalid for model.ode.checkpoints: expected null or an"),
+        ("--save_hlo", "x.txt", "--save_hlo is for one plan: --search finds each layout's largest batch itself"),
     ]:
         args, _ = parser().parse_known_args(["--target", "x", flag, value])
         with pytest.raises(UserError, match=message):
