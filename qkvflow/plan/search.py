@@ -326,14 +326,15 @@ def text(out: dict, config_path: str | None = None) -> str:
     """The search as one screen: the ranking, then what did not fit, was skipped or was not reached."""
     key = out["remat_key"]
     head = ["rank", "data x replica x model", "FSDP", *([key] if key else []), "batch/device", "microbatches"]
-    head += ["memory", "est. step", "error"]
+    head += ["memory", "est. step", "error", "est. MFU"]
     rows = []
     for i, r in enumerate(out["ranked"], 1):
         mark = "" if r["largest_fitting_known"] else " (at least)"
-        error = "n/a" if r["error"] is None else f"+-{r['error']:.0%}"
+        error = "none" if r["error"] is None else f"+-{r['error']:.0%}"
+        mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.0%}"
         rows.append(
             [str(i), *_layout_words(r, key), f"{r['per_device']}{mark}", str(r["microbatches"])]
-            + [gib(r["memory"]), milliseconds(r["step_s"]), error]
+            + [gib(r["memory"]), milliseconds(r["step_s"]), error, mfu]
         )
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     lines = [
