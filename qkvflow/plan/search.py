@@ -200,6 +200,7 @@ def row(layout: Layout, per_device: int, global_batch: int, key: str | None, pla
         "per_device": per_device,
         "microbatches": global_batch // (per_device * layout.data_parallel),
         "memory": plan["memory"]["total"],
+        "arguments": plan["memory"]["arguments"],
         "fits": plan["fits"],
         "step_s": e["step_s"],
         "mfu": e.get("mfu"),
