@@ -343,8 +343,8 @@ def text(out: dict, config_path: str | None = None) -> str:
         f"{out['global_batch']} x {out['seq_len']} tokens; {gib(out['usable'])} usable per device",
         f"{out['compiles']} compiles of at most {out['max_compiles']} (--search_max_compiles)",
         "",
-        "  ".join(h.ljust(w) for h, w in zip(head, widths)),
-        *("  ".join(c.ljust(w) for c, w in zip(row_, widths)) for row_ in rows),
+        "  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip(),
+        *("  ".join(c.ljust(w) for c, w in zip(row_, widths)).rstrip() for row_ in rows),
     ]
     if not rows:
         lines.append("(no layout compiled fits)")
