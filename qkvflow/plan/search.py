@@ -92,6 +92,8 @@ def layouts(devices: int, model_config, models=None, fsdp=(True, False), remats=
     (default: every divisor of `devices`), FSDP on and off, every remat choice; a layout that compiles
     to the same program as one listed before it is skipped."""
     key, choices = remat_key(model_config)
+    if remats is not None and key == "model.ode.checkpoints":  # K = num_steps is null's program
+        remats = list(dict.fromkeys(None if r == model_config.ode.num_steps else r for r in remats))
     todo, skipped = [], []
     for m in divisors(devices) if models is None else models:
         if devices % m:

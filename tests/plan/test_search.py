@@ -65,6 +65,7 @@ def test_remat_choices_are_the_keys_the_model_config_has(tiny, medium_ode):
     assert search.remat_key(medium_ode.model) == ("model.ode.checkpoints", [5, None])
     every = dataclasses.replace(medium_ode.model, ode=dataclasses.replace(ode, checkpoints=24))
     assert search.remat_key(every) == ("model.ode.checkpoints", [None])  # K = N is null's program
+    assert [lay.remat for lay in search.layouts(1, medium_ode.model, remats=[24, None, 3])[0]] == [None, 3]
     backsolve = dataclasses.replace(medium_ode.model, ode=dataclasses.replace(ode, adjoint="backsolve"))
     assert search.remat_key(backsolve) == (None, [None])
     assert search.remat_key(tiny.model) == ("model.gradient_checkpointing", [True, False])
