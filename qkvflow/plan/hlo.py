@@ -335,18 +335,30 @@ def group_size(instr: Instr, num_partitions: int) -> int:
     return max(len(g) for g in groups.device_groups(instr.opcode, instr.attrs, num_partitions))
 
 
-def collectives(hlo, unknown_trip_count: int = 1, nodes=None) -> dict:
+MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
+"""A TPU multi-slice program's collective across slices: a `send` to the host's DCN runtime
+(`is_host_transfer=true`) whose frontend attributes name the transfer, e.g. ALL_REDUCE. The program
+itself is one slice's (its partitions are that slice's chips)."""
+
+
+def collectives(hlo, unknown_trip_count: int = 1, nodes=None, slices: int = 1) -> dict:
     """Per collective kind: `count` (per step, loops weighted), `bytes` (per step: the arrays gathered
     or reduced, see the module docstring), `group_size` (the largest group seen), `group_sizes` (every
     size seen) and `network_bytes`, `network_count` (the part whose groups span two nodes; `nodes[d]`
-    is partition d's node, None: one node)."""
+    is partition d's node, None: one node). A TPU multi-slice program's transfers across its `slices`
+    slices (`MEGASCALE`) count as their kind, in groups of `slices`, all of it across nodes."""
     module = _module(hlo)
     out: dict = {}
     for instr, weight in walk(module, unknown=unknown_trip_count):
         kind = COLLECTIVES.get(instr.opcode)
-        if kind is None:
+        megascale = MEGASCALE.search(instr.attrs) if instr.opcode == "send" else None
+        if megascale:
+            kind = megascale.group(1).lower().replace("_", "-")
+            found = [list(range(slices))]
+        elif kind is None:
             continue
-        found = groups.device_groups(instr.opcode, instr.attrs, module.num_partitions)
+        else:
+            found = groups.device_groups(instr.opcode, instr.attrs, module.num_partitions)
         n = max(len(g) for g in found)
         size = module.operand_bytes(instr) * (n if kind == "all-gather" else 1)
         entry = out.setdefault(
@@ -356,7 +368,7 @@ def collectives(hlo, unknown_trip_count: int = 1, nodes=None) -> dict:
         entry["bytes"] += weight * size
         entry["group_size"] = max(entry["group_size"], n)
         entry["group_sizes"] = sorted(set(entry["group_sizes"]) | {n})
-        if groups.crosses_nodes(found, nodes):
+        if megascale or groups.crosses_nodes(found, nodes):
             entry["network_count"] += weight
             entry["network_bytes"] += weight * size
     return out

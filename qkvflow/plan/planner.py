@@ -161,7 +161,8 @@ def plan(config, target: Target, devices: int, vocab: int, *, search_max_batch: 
     (and the optimised HLO text in `hlo_file`, if given)."""
     if devices < 1:
         raise UserError(f"--devices {devices} is invalid: expected an integer >= 1")
-    found = backend.devices_for(target, devices, tpu_slices(config) if target.platform == "tpu" else 1)
+    slices = tpu_slices(config) if target.platform == "tpu" else 1
+    found = backend.devices_for(target, devices, slices)
     if len(found) != devices:
         raise UserError(f"--target {target.name} gave {len(found)} devices, not --devices {devices}")
     compiled = step.compile_step(config, target, found, vocab)
@@ -175,7 +176,8 @@ def plan(config, target: Target, devices: int, vocab: int, *, search_max_batch: 
     trips = unknown_trips(config.model)
     dp = step.data_parallel(compiled.mesh_shape)
     kernels = hlo.count_kernels(module, unknown_trip_count=trips)
-    nodes = list(compiled.partition_nodes) or None
+    # a TPU multi-slice program is one slice's: its partitions never leave the slice (hlo.MEGASCALE)
+    nodes = (list(compiled.partition_nodes) or None) if slices == 1 else None
     attention = attention_kernels(module)
     # XLA:TPU writes matrix products as convolutions (batched ones with windows), which the roofline
     # does not count: no time estimate there rather than one without most of its FLOPs
@@ -184,7 +186,7 @@ def plan(config, target: Target, devices: int, vocab: int, *, search_max_batch: 
         "target": target.name,
         "platform": target.platform,
         "devices": devices,
-        "nodes": len(set(nodes or [0])),
+        "nodes": len(set(compiled.partition_nodes or [0])),
         "mesh": compiled.mesh_shape,
         "model_type": type(config.model).__name__,
         "vocab_size": compiled.vocab_size,
@@ -197,7 +199,7 @@ def plan(config, target: Target, devices: int, vocab: int, *, search_max_batch: 
         "memory": {**mem, "usable": limit, "usable_is": why, "device": target.memory_bytes},
         "fits": mem["total"] <= limit,
         "kernels": kernels,
-        "collectives": hlo.collectives(module, unknown_trip_count=trips, nodes=nodes),
+        "collectives": hlo.collectives(module, unknown_trip_count=trips, nodes=nodes, slices=slices),
         "estimate": roofline.estimate(
             module,
             peak_flops=peak,

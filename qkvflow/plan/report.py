@@ -51,9 +51,12 @@ def text(p: dict) -> str:
         f"attention kernel: {', '.join(p['attention']['kernels'])} (attn_backend {p['attention']['config']})",
         f"kernel launches per step: {k['launches']:,} ({k['static']:,} in the program, {k['fusions']:,} fusions; "
         f"{k['once_per_step']:,} outside loops), as XLA's GPU runtime issues them",
-        f"host synchronisations per step: {k['host_syncs']:,} ({k['host_syncs_by']['while']:,} in loops without a "
-        f"known trip count, {k['host_syncs_by']['conditional']:,} at conditionals)",
     ]
+    if p["platform"] == "gpu":  # a TPU runs its loops and branches on the chip
+        lines.append(
+            f"host synchronisations per step: {k['host_syncs']:,} ({k['host_syncs_by']['while']:,} in loops without "
+            f"a known trip count, {k['host_syncs_by']['conditional']:,} at conditionals)"
+        )
     if k["unknown_trip_counts"]:
         lines.append(
             f"  {k['unknown_trip_counts']} loops without a known trip count taken to run "

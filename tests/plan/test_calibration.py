@@ -204,7 +204,7 @@ def plan_dict(target: str) -> dict:
     peak = targets.get(target).peak_flops["bfloat16"]
     e["calibrated"] = calibration.calibrated(feats, target, e["model_flops"], peak)
     return {
-        "target": target, "devices": 1, "mesh": {"data": 1}, "model_type": "DiffEqFormerGpt2Config",
+        "target": target, "platform": targets.get(target).platform, "devices": 1, "mesh": {"data": 1}, "model_type": "DiffEqFormerGpt2Config",
         "batch": {"global": 8, "per_device": 8, "seq_len": 1024}, "compute_dtype": "bfloat16",
         "memory": {"parameters": 1, "optimizer_state": 1, "batch": 1, "temporaries": 1, "gradients": 1,
                    "total": 5, "usable": 10, "usable_is": "all"},

@@ -173,3 +173,29 @@ ENTRY %main (q: bf16[2,8,4,16]) -> bf16[2,8,4,16] {
     array = 2 * 8 * 4 * 16 * 2
     assert len(module.operand_types(call)) == 6
     assert roofline.kernel_bytes(module, call) == 5 * array + 2 * 4 * 8 * 4 + array
+
+
+def test_a_tpu_multi_slice_transfer_counts_as_its_collective_across_nodes():
+    # XLA:TPU compiles one slice's program; a reduction across slices is a send to the DCN runtime
+    text = """HloModule m, num_partitions=8
+
+%add (x: bf16[], y: bf16[]) -> bf16[] {
+  %x = bf16[] parameter(0)
+  %y = bf16[] parameter(1)
+  ROOT %s = bf16[] add(%x, %y)
+}
+
+ENTRY %main (g: bf16[2,8,128]) -> bf16[2,8,128] {
+  %g = bf16[2,8,128]{2,1,0} parameter(0)
+  %t = token[] after-all()
+  %s = (bf16[2,8,128]{2,1,0}, u32[], token[]) send(%g, %t), channel_id=16, is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_megascale_reduce_operation="SUM",_xla_megascale_transfer_type="ALL_REDUCE"}
+  %ar = bf16[2,8,128]{2,1,0} all-reduce(%g), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%add
+  ROOT %c = bf16[2,8,128]{2,1,0} copy(%ar)
+}
+"""
+    c = collectives(text, slices=2)
+    array = 2 * 8 * 128 * 2
+    # the slice's own all-reduce over its 8 chips, and the one across the 2 slices
+    assert c["all-reduce"]["count"] == 2 and c["all-reduce"]["bytes"] == 2 * array
+    assert c["all-reduce"]["group_sizes"] == [2, 8]
+    assert c["all-reduce"]["network_count"] == 1 and c["all-reduce"]["network_bytes"] == array

@@ -223,13 +223,13 @@ def test_a_fixed_step_odes_loops_run_its_steps(monkeypatch):
 def test_the_plan_reports_its_compile_time(monkeypatch):
     from qkvflow.plan import report
 
-    plan = fake_plan(monkeypatch, targets.get("cpu:4"))
+    plan = fake_plan(monkeypatch, targets.get("H100-80GB"))
     assert plan["compile_s"] == 12.5
-    assert "compiled in 12.5 s" in report.text(plan)
-    assert (
-        "host synchronisations per step: 2 (2 in loops without a known trip count, 0 at conditionals)"
-        in report.text(plan)
-    )
+    text = report.text(plan)
+    assert "compiled in 12.5 s" in text
+    assert "host synchronisations per step: 2 (2 in loops without a known trip count, 0 at conditionals)" in text
+    tpu = fake_plan(monkeypatch, targets.get("v5p"))
+    assert "host synchronisations" not in report.text(tpu)  # a TPU runs its loops on the chip
 
 
 def test_the_batch_splits_over_replica_dcn_too(monkeypatch):
