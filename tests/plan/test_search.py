@@ -344,3 +344,14 @@ def test_the_ranking_takes_the_calibrated_estimate_and_its_band_where_the_plan_h
     )
     assert [(r["fsdp"], r["step_s"], r["error"]) for r in out["ranked"]] == [(True, 4.0, 0.1), (False, 5.0, 0.1)]
     assert "+-10%" in search.text(out)
+
+
+def test_the_verb_refuses_a_bad_search_flag_in_one_line(capsys):
+    import jax
+
+    from qkvflow.cli import main
+
+    jax.devices()  # this process's backend, as the rest of the suite has it: one CPU device
+    rc = main(["plan", "--config_path", TINY, "--target", "cpu:1", "--search", "--search_model", "2"])
+    out, err = capsys.readouterr()
+    assert (rc, out) == (2, "") and err == "qkvflow plan: error: --search_model 2 does not divide --devices 1\n"
