@@ -16,14 +16,15 @@ batch `trainer.train_batch_size` stays the config's):
   K), or `model.gradient_checkpointing` of Levanter's discrete models (true or false).
 
 Each candidate is compiled by `planner.plan` (the program `qkvflow train` would run). Per layout, the
-largest b that fits is searched on that layout's valid batches, largest first (no accumulation when it
-fits); each further guess is the largest valid b that a line through the nearest compiles predicts to
-fit (with one compile: its batch's bytes scaled in proportion, the state held fixed), checked by
-compiling it. Memory is monotone in b, so a batch that fits answers for every smaller one and one that
-does not for every larger one. Two layouts that are one program (FSDP off with one data-parallel
-device; a remat value that equals another) are compiled once. Compiles stop at `max_compiles`, and
-the search says which layouts it did not reach. JAX's persistent compilation cache
-(JAX_COMPILATION_CACHE_DIR) also answers a search run again.
+whole batch per device first: if it fits, it is the layout's batch (a smaller b only adds accumulation
+steps). If not, the accumulating batches (b below it), whose memory grows with b: a b that fits
+answers for every smaller one, one that does not for every larger one (`next_batch`). The whole batch
+is not of that family: the accumulator is one more copy of the gradients, so a smaller b can need more
+memory than no accumulation (docs/plan.md has such a case). A layout whose arguments alone exceed the
+memory fits at no b. Two layouts that are one program (FSDP off with one data-parallel device; a remat
+value that equals another) are compiled once. Compiles stop at `max_compiles`, and the search says
+which layouts it did not finish. JAX's persistent compilation cache (JAX_COMPILATION_CACHE_DIR) also
+answers compiles made before, by an earlier search or plan.
 
 Layouts are ranked by `estimate`, the one function through which a plan's time estimate (and its
 error, where it has one) reaches the ranking.
