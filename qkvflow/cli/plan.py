@@ -22,6 +22,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max_batch", action="store_true", help="also find the largest per-device batch that fits")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.add_argument("--device_memory", type=int, default=None, help="bytes of memory per device (default: the target's)")
+    p.add_argument("--search", action="store_true", help="compile the layouts for --devices, rank those that fit")
+    p.add_argument("--search_max_compiles", type=int, default=12, help="the search's compile cap (default 12)")
+    p.add_argument("--search_model", default=None, help="model-axis sizes to try, e.g. 1,2 (default: every divisor)")
+    p.add_argument("--search_fsdp", default="on,off", help="FSDP on, off or on,off (default)")
+    p.add_argument(
+        "--search_remat", default=None, help="remat values to try, e.g. null,5 (default: all the config allows)"
+    )
     p.add_argument("--save_hlo", default=None, help="also write the compiled step's optimised HLO text to this file")
     p.add_argument("--overwrite", action="store_true", help=outputs.OVERWRITE_HELP)
     return p
@@ -50,6 +57,12 @@ def main(argv: list[str]) -> int:
 
     backend.start(devices)  # before anything runs on a backend
     config = cli.parse(PlanConfig, rest, "plan", required="a training config")
+    if args.search:
+        from qkvflow.plan import search
+
+        out = search.search(config, target, devices, vocabulary(config), **search.options(args, config))
+        print(json.dumps(out) if args.json else search.text(out, cli.split_config_path(rest)[0]))
+        return 0
     out = planner.plan(
         config,
         target,
