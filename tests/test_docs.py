@@ -8,11 +8,18 @@
   without placeholders (<run_id>, $VAR, {name}, *).
 * Commands. Every `qkvflow ...` command line there parses with its verb's own parser, so a renamed or
   removed flag fails as a renamed path does.
+* Lists. Every list renders as a list on the site: Python-Markdown (mkdocs) reads a list only after a
+  blank line (GitHub also after a paragraph), and numbers an ordered list from 1 whatever its first
+  number, so a step list broken by an unindented code block restarts at "1." (`list_problems`).
 * The site. `mkdocs build --strict` builds it (mkdocs.yml), so a broken link, a page left out of the nav
   or a docstring reference that resolves nowhere fails."""
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
+from pydoc_data.topics import topics
 
 import pytest
 
@@ -233,16 +240,115 @@ def test_every_documented_command_parses(where, command, monkeypatch):
         pytest.fail(f"{where}: `qkvflow {command}` does not parse: {e}")
 
 
+# Python-Markdown's list rules (markdown.blockprocessors: OListProcessor/UListProcessor, tab_length 4, and
+# `lazy_ol`, on by default, which ignores an ordered list's first number): an item is a marker after at most 3
+# spaces; a list begins only in a new block (after a blank line, or right after a heading); after a blank line
+# only lines indented by 4 or more stay in the list.
+LIST_ITEM = re.compile(r"^ {0,3}(?:(\d+)\.|[-*+])[ \t]+\S")
+FENCE_OPEN = re.compile(r"^(\s*)(```|~~~)")
+
+
+def list_problems(text: str) -> list[tuple[int, str]]:
+    """(line number, what is wrong) for each list that mkdocs renders other than a reader of the Markdown
+    expects, outside fenced code blocks: an item right after a paragraph line (no blank line before the
+    list: it renders as text of that paragraph), and an ordered list whose first item is not 1 (it renders
+    from 1: a step's code block that is not indented under its item ends the list)."""
+    problems, fence, in_list, previous = [], None, False, ""
+    for number, line in enumerate(text.splitlines(), 1):
+        opening = FENCE_OPEN.match(line)
+        if fence is not None:  # inside a fenced block: only its closing fence counts
+            fence = None if opening and opening.group(2) == fence else fence
+            continue
+        if opening:
+            fence, in_list, previous = opening.group(2), in_list and opening.group(1) != "", line
+            continue
+        item = LIST_ITEM.match(line)
+        if item and not in_list:
+            if previous.strip() and not previous.lstrip().startswith("#"):
+                problems.append((number, "list item right after a paragraph line: add a blank line before the list"))
+            elif item.group(1) is not None and item.group(1) != "1":
+                where = "indent the code block above under its item"
+                problems.append((number, f"ordered list starts at {item.group(1)} but renders from 1: {where}"))
+        if item:
+            in_list = True
+        elif line.strip() and not previous.strip() and not line.startswith("    "):
+            in_list = False
+        previous = line
+    return problems
+
+
+def test_the_list_scanner_flags_what_mkdocs_renders_as_text_or_renumbers():
+    text = "\n".join(
+        [
+            "Steps:",  # 1
+            "1. first",  # 2: no blank line before it
+            "",
+            "1. a list",  # 4
+            "continued lazily",
+            "2. second item",  # 6: in the list
+            "",
+            "```bash",
+            "- not markdown: 3. inside a fence",  # 9
+            "```",
+            "",
+            "2. after an unindented code block",  # 12: a new list, rendered from 1
+            "",
+            "- item",
+            "    ```yaml",
+            "    a: 1",
+            "    ```",
+            "",
+            "    indented paragraph of the item",
+            "- next item",  # 20: still the same list
+            "",
+            "  two-space text leaves the list",
+            "- so this item follows a paragraph",  # 23
+            "## Heading",
+            "- a list right under a heading",  # 25: Python-Markdown splits the heading off
+        ]
+    )
+    assert [n for n, _ in list_problems(text)] == [2, 12, 23]
+    assert "starts at 2" in dict(list_problems(text))[12]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=[str(d.relative_to(ROOT)) for d in DOCS])
+def test_every_list_renders_as_a_list(doc):
+    problems = [f"{doc.relative_to(ROOT)}:{n}: {what}" for n, what in list_problems(doc.read_text())]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_own_text_example_makes_its_text_from_what_every_python_has(tmp_path):
+    """docs/own_text.md's step 0 runs in an empty folder (a fresh clone has nothing beside it): it writes
+    four non-empty .txt files that together hold every `help()` topic page of this Python."""
+    block = (ROOT / "docs/own_text.md").read_text().split("```bash\n", 1)[1].split("```", 1)[0]
+    step0 = block.split("\n# 1.", 1)[0]
+    assert "../" not in step0 and "qkvflow" not in step0, step0
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    subprocess.run(["bash", "-euc", step0], cwd=tmp_path, env=env, check=True)
+    files = sorted((tmp_path / "mytext").iterdir())
+    assert [f.name for f in files] == [f"part_{i}.txt" for i in range(4)]
+    texts = [f.read_text(encoding="utf-8") for f in files]
+    assert all(texts) and all(page in "".join(texts) for page in topics.values())
+
+
 def test_the_documentation_site_builds_strict(tmp_path):
     """`mkdocs build --strict` (mkdocs.yml), offline, as CI would publish it: a broken link or anchor, a
     page missing from the nav, a docstring cross-reference that resolves nowhere or a failing hook ends
     the build. The pages kept outside docs/ come with their links pointed at the site's pages and files,
-    and the configuration page is generated (tests/test_reference.py checks its rows)."""
-    from mkdocs.commands.build import build
-    from mkdocs.config import load_config
-
+    and the configuration page is generated (tests/test_reference.py checks its rows). The `mkdocs`
+    command shows DeprecationWarnings in its log, with their stacks: the build logs none (the hook filters
+    haliax's import-time one, docs/hooks/site.py)."""
     site = tmp_path / "site"
-    build(load_config(str(ROOT / "mkdocs.yml"), strict=True, site_dir=str(site)))
+    mkdocs = "from mkdocs.__main__ import cli; cli()"  # the `mkdocs` command (`-m mkdocs` would log to `__main__`)
+    built = subprocess.run(
+        [sys.executable, "-c", mkdocs, "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**{k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert built.returncode == 0, built.stderr
+    assert "DeprecationWarning" not in built.stdout + built.stderr, built.stderr
     index = (site / "index.html").read_text()
     assert 'href="install.html"' in index and 'href="docs/install.md"' not in index  # README's link, on the site
     assert "<code>model.ode.num_steps</code>" in (site / "config.html").read_text()

@@ -10,12 +10,14 @@ r"""MkDocs hooks of the documentation site (mkdocs.yml, `hooks:`).
   as written, and `mkdocs build --strict` fails on it.
 * **Tables** show `\|` inside inline code as `|`, as GitHub does (`on_page_content`).
 * **The configuration reference** (docs/config.md) is generated from the config dataclasses at every
-  build (`qkvflow.cli.reference`), in place of the `CONFIG_REFERENCE` marker.
+  build (`qkvflow.cli.reference`), in place of the `CONFIG_REFERENCE` marker, with haliax's import-time
+  DeprecationWarning filtered (`HALIAX_IMPORT_WARNING`).
 """
 
 import os
 import posixpath
 import re
+import warnings
 
 from mkdocs.structure.files import File
 
@@ -29,6 +31,9 @@ IMPORTED = {
 }
 """Repository file -> its page on the site."""
 CONFIG_REFERENCE = "<!-- CONFIG_REFERENCE -->"
+HALIAX_IMPORT_WARNING = r"jax\.interpreters\.pxla\.thread_resources is deprecated"
+"""haliax.partitioning's import of a jax name deprecated since jax 0.8.2 (haliax's to change, not ours): the
+`mkdocs` command shows DeprecationWarnings, so without this filter every build logged its stack as INFO."""
 LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s]+)((?:\s+\"[^\"]*\")?\))")
 FENCE = re.compile(r"^\s*(```|~~~)")
 
@@ -125,7 +130,9 @@ def on_page_markdown(markdown, page, config, files):
     if CONFIG_REFERENCE in markdown:
         from qkvflow.cli.reference import reference
 
-        markdown = markdown.replace(CONFIG_REFERENCE, reference())
+        with warnings.catch_warnings():  # the config classes import haliax, which imports a deprecated jax name
+            warnings.filterwarnings("ignore", message=HALIAX_IMPORT_WARNING, category=DeprecationWarning)
+            markdown = markdown.replace(CONFIG_REFERENCE, reference())
     return markdown
 
 
