@@ -76,11 +76,27 @@ def dumps(table: dict) -> str:
     return json.dumps(table, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
 
 
-def main() -> int:
-    PATH.write_text(dumps(render()), encoding="utf-8")
+def stale(written: dict, now: dict) -> list[str]:
+    """What differs between the table as written and as rendered now: help commands, `model_types`."""
+    out = [f"help of `qkvflow {c} --help`" for c in sorted(set(written["help"]) | set(now["help"]))
+           if written["help"].get(c) != now["help"].get(c)]  # fmt: skip
+    if written["model_types"] != now["model_types"]:
+        out.append(f"model_types (now {', '.join(now['model_types'])})")
+    return out
+
+
+def main(argv: list[str]) -> int:
+    """`python -m qkvflow.cli.table`: rewrite table.json; with `--check`, say what is stale and exit 1."""
+    now = render()
+    if "--check" in argv:
+        differ = stale(json.loads(PATH.read_text(encoding="utf-8")), now)
+        for what in differ:
+            print(f"{PATH.name} is stale: {what}; run `python -m qkvflow.cli.table`", file=sys.stderr)
+        return 1 if differ else 0
+    PATH.write_text(dumps(now), encoding="utf-8")
     print(f"wrote {PATH}", file=sys.stderr)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
