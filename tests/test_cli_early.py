@@ -49,7 +49,10 @@ def _in_one_process(cases: list[list[str]], cwd: Path) -> list[dict]:
         for argv in json.loads(sys.argv[1]):
             o, e = io.StringIO(), io.StringIO()
             with contextlib.redirect_stdout(o), contextlib.redirect_stderr(e):
-                rc = main(argv)
+                try:
+                    rc = main(argv)
+                except SystemExit as exit:  # argparse's verbs, were they reached
+                    rc = exit.code
             heavy = sorted(m for m in sys.modules if m.split(".")[0] in {HEAVY!r})
             out.append({{"rc": rc, "out": o.getvalue(), "err": e.getvalue(), "heavy": heavy}})
         print(json.dumps(out))
