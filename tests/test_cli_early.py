@@ -81,6 +81,8 @@ def files(tmp_path_factory):
         (ROOT / Q).read_text().replace("type: diffeqformer_gpt2", "type: difeqformer_gpt2")
     )
     assert "difeqformer_gpt2" in (w / "typo_type.yaml").read_text()
+    (w / "typo_key.yaml").write_text((ROOT / Q).read_text().replace("\noptimizer:", "\noptimiser:"))
+    assert "\noptimiser:" in (w / "typo_key.yaml").read_text()
     return w
 
 
@@ -146,6 +148,18 @@ def refusals(w: Path) -> dict:
         "plan-mesh": (
             ["plan", "--config_path", q, "--target", "H200", "--devices", "8", "--trainer.mesh.axes", "{model: 3}"],
             "plan", ["trainer.mesh does not fit 8 devices: the fixed axes (model=3) need a multiple of 3 devices"],
+        ),
+        "override-key": (
+            ["train", "--config_path", q, "--trainr.id", "x"], "train",
+            ["command line: unknown key --trainr.id: expected one of corpus, data,", "did you mean --trainer.id?"],
+        ),
+        "file-key": (
+            ["eval", "--config_path", str(w / "typo_key.yaml"), "--checkpoint", ckpt], "eval",
+            ["typo_key.yaml: unknown key 'optimiser'", "did you mean optimizer?"],
+        ),
+        "sweep-option": (
+            ["sweep", "--config_path", str(ROOT / "configs/finetune/quickstart_lora.yaml"), "--depth", "2"], "sweep",
+            ["unknown key --depth:", "did you mean --depths?"],
         ),
         "bench-mode": (["bench", "sped"], "bench", ["unknown bench mode 'sped'", "did you mean speed?"]),
         "analysis": (["analyze", "spectrum", "--output", "x"], "analyze", ["unknown analysis 'spectrum'", "did you mean spectra?"]),

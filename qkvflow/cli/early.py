@@ -35,6 +35,7 @@ from pathlib import Path
 import yaml
 
 from qkvflow import configfile
+from qkvflow.cli.usage import HELP_ALL
 from qkvflow.errors import UserError
 from qkvflow.evaluation import grids
 
@@ -70,14 +71,20 @@ def table() -> dict:
     return json.loads(TABLE.read_text(encoding="utf-8"))
 
 
-def did_you_mean(word: str, choices) -> str:
-    """`; did you mean X?` for the choice that `word` begins (`h100` -> `H100-80GB`), else the closest by
-    difflib's ratio (>= 0.6), case aside; `` when none is close."""
+def nearest(word: str, choices) -> str | None:
+    """The choice that `word` begins (`h100` -> `H100-80GB`), else the closest by difflib's ratio (>= 0.6),
+    case aside; None when none is close."""
     choices = list(choices)
     lower = {c.lower(): c for c in choices}
     starts = [c for c in choices if word and c.lower().startswith(word.lower())]
     close = starts or [lower[c] for c in difflib.get_close_matches(word.lower(), list(lower), n=1)]
-    return f"; did you mean {close[0]}?" if close else ""
+    return close[0] if close else None
+
+
+def did_you_mean(word: str, choices) -> str:
+    """`; did you mean X?` for the `nearest` choice, else ``."""
+    close = nearest(word, choices)
+    return f"; did you mean {close}?" if close else ""
 
 
 def command(verb: str, argv: list[str]) -> str:
@@ -106,6 +113,7 @@ def check(verb: str, argv: list[str]) -> bool:
     args = configfile.overrides(verb, rest)
     if verb in MODEL_VERBS:
         check_model_types(path, args)
+    check_keys(verb, path, args)
     for option in PATHS.get(verb, ()):
         for value in values(argv, option, many=option == "--files"):
             check_exists(option, value)
@@ -159,6 +167,38 @@ def check_model_types(path, args: list[str]) -> None:
             raise UserError(
                 f"model.type {name!r} is unknown: expected one of {', '.join(known)}{did_you_mean(name, known)}"
             )
+
+
+OWN_OPTIONS = {"sweep": ("depths", "methods")}
+"""Options a draccus-parsed verb takes out of its command line before the parse (`qkvflow sweep`'s grid)."""
+
+
+def check_keys(verb: str, path, args: list[str]) -> None:
+    """The top-level keys of the config file and of the `--key...` overrides are fields of the verb's config
+    (table.json's `keys`), or options of its own; only for the verbs whose whole command line is the config."""
+    finetune = verb in ("eval", "generate") and _is_finetune_config(path)
+    known = table()["keys"].get(f"{verb} finetune" if finetune else verb)
+    if known is None:
+        return
+    known = [*known, *OWN_OPTIONS.get(verb, ())]
+    try:
+        with open(path) as f:
+            tree = yaml.safe_load(f)
+    except (TypeError, OSError, ValueError, yaml.YAMLError):
+        tree = None
+    for key in tree if isinstance(tree, dict) else ():
+        if key not in known:
+            hint = did_you_mean(str(key), known)
+            raise UserError(f"{path}: unknown key {key!r}: expected one of {', '.join(known)}{hint}")
+    for arg in args:
+        if not arg.startswith("--") or arg == HELP_ALL:
+            continue
+        key = arg[2:].split("=", 1)[0]
+        top = key.split(".", 1)[0]
+        if top not in known:
+            close = nearest(top, known)
+            hint = f"; did you mean --{close}{key[len(top) :]}?" if close else ""
+            raise UserError(f"command line: unknown key --{key}: expected one of {', '.join(known)}{hint}")
 
 
 def check_steps(verb: str, given: list[str]) -> None:

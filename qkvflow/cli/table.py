@@ -7,7 +7,9 @@ transformers or draccus, so it cannot ask the verbs or the model registry. It re
   analysis, and the `bench` and `analyze` overviews), rendered by the verbs' own code at a fixed width
   of `COLUMNS` characters (argparse otherwise follows the terminal's);
 * `model_types`: every `model.type` draccus accepts (`LmConfig`'s registered choices, qkvflow's
-  families and Levanter's models).
+  families and Levanter's models);
+* `keys`: the top-level keys of the config each draccus-parsed verb reads (`CONFIGS`; `eval finetune`
+  and `generate finetune` for a `qkvflow finetune` config).
 
 `python -m qkvflow.cli.table` rewrites the file; tests/test_cli_early.py fails, naming that command,
 whenever the table differs from what the code renders now (a changed docstring, option or model type).
@@ -15,6 +17,7 @@ This module imports the whole stack: only that test and the command above import
 """
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -65,10 +68,31 @@ def model_types() -> list[str]:
     return sorted(LmConfig.get_known_choices())
 
 
+def configs() -> dict:
+    """The config class each draccus-parsed verb reads its whole command line into (a verb with argparse
+    options of its own, export, analyze, plan and bench, is left out)."""
+    from qkvflow.cli import describe, eval, generate, tokenizer
+    from qkvflow.training.config import TrainConfig
+    from qkvflow.training.finetune import FinetuneConfig
+
+    return {
+        "train": TrainConfig,
+        "describe": describe.DescribeConfig,
+        "eval": eval.EvalConfig,
+        "eval finetune": eval.FinetuneEvalConfig,
+        "generate": generate.GenerateConfig,
+        "generate finetune": generate.FinetuneGenerateConfig,
+        "finetune": FinetuneConfig,
+        "sweep": FinetuneConfig,
+        "tokenizer": tokenizer.TokenizerConfig,
+    }
+
+
 def render() -> dict:
     return {
         "help": {" ".join(c): render_help(c) for c in commands()},
         "model_types": model_types(),
+        "keys": {verb: sorted(f.name for f in dataclasses.fields(cls)) for verb, cls in configs().items()},
     }
 
 
@@ -80,8 +104,9 @@ def stale(written: dict, now: dict) -> list[str]:
     """What differs between the table as written and as rendered now: help commands, `model_types`."""
     out = [f"help of `qkvflow {c} --help`" for c in sorted(set(written["help"]) | set(now["help"]))
            if written["help"].get(c) != now["help"].get(c)]  # fmt: skip
-    if written["model_types"] != now["model_types"]:
-        out.append(f"model_types (now {', '.join(now['model_types'])})")
+    for key in ("model_types", "keys"):
+        if written.get(key) != now[key]:
+            out.append(f"{key} (now {json.dumps(now[key])})")
     return out
 
 
