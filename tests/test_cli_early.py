@@ -94,22 +94,22 @@ def refusals(w: Path) -> dict:
         "missing-config": (["describe", "--config_path", missing], "describe", [f"config file '{missing}' does not exist"]),
         "malformed-config": (["train", "--config_path", str(w / "malformed.yaml")], "train", ["malformed.yaml is not valid YAML"]),
         "old-key": (["train", "--config_path", q, "--model.seq_len", "64"], "train", ["model.seq_len was removed"]),
-        "eval-checkpoint": (["eval", "--config_path", q, "--checkpoint", missing], "eval", [f"--checkpoint '{missing}' does not exist"]),
+        "eval-checkpoint": (["eval", "--config_path", q, "--checkpoint", missing], "eval", [f"--checkpoint: '{missing}' does not exist"]),
         "generate-prompts": (
             ["generate", "--config_path", q, "--checkpoint", ckpt, "--prompts_file", missing], "generate",
-            [f"--prompts_file '{missing}' does not exist"],
+            [f"--prompts_file: '{missing}' does not exist"],
         ),
         "export-checkpoint": (
             ["export", "--config_path", q, "--checkpoint=" + missing, "--output", str(w / "out")], "export",
-            [f"--checkpoint '{missing}' does not exist"],
+            [f"--checkpoint: '{missing}' does not exist"],
         ),
         "analyze-checkpoint": (
             ["analyze", "spectra", "--config_path", q, "--checkpoint", missing], "analyze",
-            [f"--checkpoint '{missing}' does not exist"],
+            [f"--checkpoint: '{missing}' does not exist"],
         ),
         "tokenizer-files": (
             ["tokenizer", "--files", str(w / "a.txt"), missing, "--output", str(w / "tok")], "tokenizer",
-            [f"--files '{missing}' does not exist"],
+            [f"--files: '{missing}' does not exist"],
         ),
         "eval-steps": (["eval", "--config_path", q, "--checkpoint", ckpt, "--steps", "2,x"], "eval", ["--steps '2,x' is invalid"]),
         "eval-auto-grids": (

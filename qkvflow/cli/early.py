@@ -156,7 +156,7 @@ def values(argv: list[str], option: str, *, many: bool = False) -> list[str]:
 def check_exists(option: str, value: str) -> None:
     if "://" in value or os.path.exists(value):  # a URL is the verb's to read
         return
-    raise UserError(f"{option} {value!r} does not exist (expected {WHAT[option]})")
+    raise UserError(f"{option}: {value!r} does not exist (expected {WHAT[option]})")
 
 
 def check_model_types(path, args: list[str]) -> None:
