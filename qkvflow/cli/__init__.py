@@ -16,6 +16,10 @@ import gc
 import importlib
 import sys
 
+import yaml
+
+from qkvflow import __version__
+from qkvflow.cli import early, interrupt
 from qkvflow.cli.bench import MODES as BENCH_MODES
 from qkvflow.configfile import (  # noqa: F401  (re-exported: `qkvflow.cli.parse` is how verbs read configs)
     COMPONENTS,
@@ -28,6 +32,7 @@ from qkvflow.configfile import (  # noqa: F401  (re-exported: `qkvflow.cli.parse
     parse,
     split_config_path,
 )
+from qkvflow.errors import UserError
 
 VERBS = {
     "train": ("qkvflow.cli.train", "train a model with Levanter (--config_path CFG [--key value ...])"),
@@ -71,7 +76,6 @@ def overview() -> str:
 @contextlib.contextmanager
 def _argparse_raises():
     """Make argparse's errors (unknown override keys) exceptions instead of a page of usage."""
-    from qkvflow.errors import UserError
 
     def error(self, message):
         raise UserError(f"{message} (`qkvflow VERB --help` lists the keys)")
@@ -107,8 +111,6 @@ def _config_path(argv: list[str]) -> str:
 
 def _unreadable_value(args: list[str]) -> tuple[str, str] | None:
     """The first `--key value` (or `--key=value`) of the command line whose value is not YAML."""
-    import yaml
-
     for i, arg in enumerate(args):
         if not arg.startswith("--"):
             continue
@@ -145,19 +147,13 @@ def main(argv: list[str] | None = None) -> int:
         print(overview())
         return 0
     if argv[0] in ("-V", "--version"):
-        from qkvflow import __version__
-
         print(f"qkvflow {__version__}")
         return 0
     verb, rest = argv[0], argv[1:]
     if verb not in VERBS:
-        from qkvflow.cli.early import did_you_mean
-
-        hint = did_you_mean(verb, VERBS)
+        hint = early.did_you_mean(verb, VERBS)
         print(f"qkvflow: error: unknown verb {verb!r}: expected one of {', '.join(VERBS)}{hint}", file=sys.stderr)
         return 2
-    from qkvflow.cli import interrupt
-
     with interrupt.at_once(verb) if verb in interrupt.AT_ONCE else contextlib.nullcontext():
         try:
             return _verb(verb, rest)
@@ -167,11 +163,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _verb(verb: str, rest: list[str]) -> int:
-    import yaml
-
-    from qkvflow.cli import early
-    from qkvflow.errors import UserError
-
     where = _config_path(rest)
     try:
         if early.check(verb, rest):  # before anything heavy is imported
@@ -181,7 +172,7 @@ def _verb(verb: str, rest: list[str]) -> int:
     except yaml.YAMLError as e:  # an override's value (qkvflow.configfile.overrides reads some as YAML)
         return _refused(verb, _not_yaml(e, rest, where))
 
-    import draccus.utils
+    import draccus.utils  # the stack: only now (qkvflow.cli.early)
 
     try:
         with _argparse_raises():

@@ -19,9 +19,10 @@ Checked here, for every verb:
 * paths the verb reads exist (`PATHS`), and `--steps` is a grid (`qkvflow.evaluation.grids`);
 * `plan`: the target, the device count and the mesh (`plan_checks`).
 
-This module (and the dispatcher in `qkvflow.cli`) is where the command line imports lazily: the verb
-modules import their stack at the top, and `qkvflow.cli.main` imports a verb's module only after
-`check`. tests/test_cli_early.py checks that nothing here imports JAX, Levanter, transformers or draccus.
+This is the command line's one lazy import: `qkvflow.cli` imports this module and other light ones at
+its top, and the verb's module (which imports its stack at its top) and draccus only after `check`.
+tests/test_cli_early.py checks that `--help` and every refusal here import none of JAX, Levanter,
+transformers, torch, numpy or draccus.
 """
 
 import difflib
@@ -38,6 +39,8 @@ from qkvflow import configfile
 from qkvflow.cli.usage import HELP_ALL
 from qkvflow.errors import UserError
 from qkvflow.evaluation import grids
+from qkvflow.plan import targets
+from qkvflow.training.compat import check_config
 
 TABLE = Path(__file__).with_name("table.json")
 
@@ -107,8 +110,6 @@ def check(verb: str, argv: list[str]) -> bool:
         return True
     config_path, rest = configfile.split_config_path(argv)
     path = configfile.check_config_file(config_path)
-    from qkvflow.training.compat import check_config  # light: PyYAML only
-
     check_config(path, argv)  # Levanter 1.2 keys
     args = configfile.overrides(verb, rest)
     if verb in MODEL_VERBS:
@@ -236,8 +237,6 @@ tests/test_cli_early.py pins them)."""
 def plan_checks(path, argv: list[str]) -> None:
     """`qkvflow plan`: a known --target, --devices >= 1 (and not against cpu:N's N), and a mesh whose fixed
     axes can divide the devices."""
-    from qkvflow.plan import targets  # light: the targets' table
-
     target_names = values(argv, "--target")
     if not target_names:
         raise UserError(f"--target is missing: expected one of {', '.join(targets.known())}")
