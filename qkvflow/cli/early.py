@@ -15,7 +15,8 @@ Checked here, for every verb:
 * the --config_path file: it exists, is UTF-8 YAML and a mapping (`qkvflow.configfile.check_config_file`);
   no Levanter 1.2 keys in it or in the overrides (`qkvflow.training.compat`); the overrides' own
   forms (`qkvflow.configfile.overrides`);
-* every `model.type` given (file or overrides) is registered (`table.json`'s `model_types`);
+* every `model.type` given (file or overrides) is registered (`table.json`'s `model_types`), and, for the
+  verbs whose whole command line is their config, every top-level key is a field of it (`check_keys`);
 * paths the verb reads exist (`PATHS`), and `--steps` is a grid (`qkvflow.evaluation.grids`);
 * `plan`: the target, the device count and the mesh (`plan_checks`).
 
