@@ -35,6 +35,44 @@ def split_config_path(argv: list[str]) -> tuple[str | None, list[str]]:
     return (paths[0] if paths else None), rest
 
 
+def check_config_file(path):
+    """The --config_path file: it exists, is UTF-8 YAML (a syntax error is named with PyYAML's line and
+    column), and holds a mapping of sections. Light (no draccus or Levanter): `qkvflow.cli.early` runs it
+    before the verb imports its stack. Returns the file as Levanter
+    finds it (`path`, `path.yaml` or `path.yml`), or `path` itself if remote or None."""
+    import os
+
+    import yaml
+
+    from qkvflow.errors import UserError
+
+    if path is None or "://" in path:
+        return path  # remote configs are read by Levanter (fsspec)
+    path = next((p for p in (path, f"{path}.yaml", f"{path}.yml") if os.path.isfile(p)), path)  # as Levanter looks
+    if not os.path.isfile(path):
+        what = "is a folder" if os.path.isdir(path) else "does not exist"
+        raise UserError(f"config file {path!r} {what} (expected a YAML file, e.g. configs/quickstart.yaml)")
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise UserError(f"config file {path!r} is not UTF-8 text (line {line}, byte {e.start})") from None
+    try:
+        content = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise UserError(f"{path} is not valid YAML: {' '.join(str(e).split())}") from None
+    if content is None:
+        raise UserError(f"config file {path!r} is empty (expected sections such as model:, trainer:, data:)")
+    if not isinstance(content, dict):
+        raise UserError(
+            f"config file {path!r} holds a {type(content).__name__} (expected a mapping of sections such as "
+            "model:, trainer:, data:)"
+        )
+    return path
+
+
 def _readable_config(path: str) -> str:
     """What Levanter's `levanter.config.main` did with a --config_path: a URL (gs://, s3://, file://, ...)
     is copied to a local temporary file (fsspec; removed at exit); a local `path` may omit `.yaml`/`.yml`."""

@@ -139,7 +139,11 @@ CASES = [
         "`trainer.num_train_steps`: Couldn't parse 'many' into an int",
     ),
     ("wrong-type-override", ["--model.hidden_dim", "abc"], "`model.hidden_dim`: Couldn't parse 'abc' into an int"),
-    ("unknown-model-type", ["--model.type", "transformer9000"], "invalid choice: 'transformer9000'"),
+    (
+        "unknown-model-type",
+        ["--model.type", "transformer9000"],
+        "model.type 'transformer9000' is unknown: expected one of adaptive_gpt2,",
+    ),
     ("bad-list-value", ["--trainer.checkpointer.keep", "every 2"], "`trainer.checkpointer.keep`"),
     # impossible values
     (

@@ -2,9 +2,12 @@
 
 Bad input (unknown or mistyped config keys, unreadable YAML, missing files, invalid values) ends
 with one line naming the problem and exit status 2, not a traceback. Every verb goes through `main`,
-which first checks the --config_path file and refuses Levanter 1.2 keys there and in the overrides
-(qkvflow.training.compat). Each verb then reads its config with `parse` (the --config_path file and the
-overrides, two kinds of which draccus cannot read are rewritten by `overrides`), and nothing else.
+which first runs `qkvflow.cli.early.check`: `--help`, the --config_path file, Levanter 1.2 keys
+(qkvflow.training.compat), model types, paths and grids, answered or refused before JAX, Levanter or
+draccus is imported. Only then does it import the verb's module. Each verb reads its config with `parse`
+(the --config_path file and the overrides, two kinds of which draccus cannot read are rewritten by
+`overrides`), and nothing else. Ctrl-C ends every verb with one line and exit status 130
+(qkvflow.cli.interrupt).
 """
 
 import argparse
@@ -13,6 +16,10 @@ import gc
 import importlib
 import sys
 
+import yaml
+
+from qkvflow import __version__
+from qkvflow.cli import early, interrupt
 from qkvflow.cli.bench import MODES as BENCH_MODES
 from qkvflow.configfile import (  # noqa: F401  (re-exported: `qkvflow.cli.parse` is how verbs read configs)
     COMPONENTS,
@@ -25,6 +32,7 @@ from qkvflow.configfile import (  # noqa: F401  (re-exported: `qkvflow.cli.parse
     parse,
     split_config_path,
 )
+from qkvflow.errors import UserError
 
 VERBS = {
     "train": ("qkvflow.cli.train", "train a model with Levanter (--config_path CFG [--key value ...])"),
@@ -68,7 +76,6 @@ def overview() -> str:
 @contextlib.contextmanager
 def _argparse_raises():
     """Make argparse's errors (unknown override keys) exceptions instead of a page of usage."""
-    from qkvflow.errors import UserError
 
     def error(self, message):
         raise UserError(f"{message} (`qkvflow VERB --help` lists the keys)")
@@ -104,8 +111,6 @@ def _config_path(argv: list[str]) -> str:
 
 def _unreadable_value(args: list[str]) -> tuple[str, str] | None:
     """The first `--key value` (or `--key=value`) of the command line whose value is not YAML."""
-    import yaml
-
     for i, arg in enumerate(args):
         if not arg.startswith("--"):
             continue
@@ -141,24 +146,35 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(overview())
         return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"qkvflow {__version__}")
+        return 0
     verb, rest = argv[0], argv[1:]
     if verb not in VERBS:
-        print(f"qkvflow: unknown verb {verb!r}\n\n{overview()}", file=sys.stderr)
+        hint = early.did_you_mean(verb, VERBS)
+        print(f"qkvflow: error: unknown verb {verb!r}: expected one of {', '.join(VERBS)}{hint}", file=sys.stderr)
         return 2
+    with interrupt.at_once(verb) if verb in interrupt.AT_ONCE else contextlib.nullcontext():
+        try:
+            return _verb(verb, rest)
+        except KeyboardInterrupt:
+            print(interrupt.line(verb), file=sys.stderr)
+            return interrupt.STATUS
 
-    import draccus.utils
-    import yaml
 
-    from qkvflow.errors import UserError
-
+def _verb(verb: str, rest: list[str]) -> int:
     where = _config_path(rest)
     try:
-        from qkvflow.training.compat import check_config
-        from qkvflow.training.preflight import check_config_file
+        if early.check(verb, rest):  # before anything heavy is imported
+            return 0
+    except UserError as e:
+        return _refused(verb, str(e))
+    except yaml.YAMLError as e:  # an override's value (qkvflow.configfile.overrides reads some as YAML)
+        return _refused(verb, _not_yaml(e, rest, where))
 
-        path = check_config_file(None if where == "the config" else where)
-        check_config(path, rest)  # Levanter 1.2 keys, before anything is imported or parsed
-        overrides(verb, rest)  # refuses a bad one before anything is imported; the verb's `parse` applies them
+    import draccus.utils  # the stack: only now (qkvflow.cli.early)
+
+    try:
         with _argparse_raises():
             module = importlib.import_module(VERBS[verb][0])
             return module.main(rest) or 0
@@ -179,11 +195,19 @@ def main(argv: list[str] | None = None) -> int:
         else:
             message = f"{where} is not valid YAML: {e.__cause__ or e}".replace("\n", " ")
     except yaml.YAMLError as e:  # a command-line value draccus reads as YAML (the file's errors are draccus's)
-        flag, value = _unreadable_value(rest) or ("", None)
-        problem = getattr(e, "problem", None) or e
-        message = f"command line ({flag}): {value!r} is not valid YAML: {problem}" if flag else f"{where}: {e}"
+        message = _not_yaml(e, rest, where)
     except FileNotFoundError as e:
         message = str(e)
+    return _refused(verb, message)
+
+
+def _not_yaml(error, rest: list[str], where: str) -> str:
+    flag, value = _unreadable_value(rest) or ("", None)
+    problem = getattr(error, "problem", None) or error
+    return f"command line ({flag}): {value!r} is not valid YAML: {problem}" if flag else f"{where}: {error}"
+
+
+def _refused(verb: str, message: str) -> int:
     message = " ".join(line.strip() for line in message.splitlines() if line.strip())  # one line
     print(f"qkvflow {verb}: error: {message}", file=sys.stderr)
     return 2

@@ -13,7 +13,8 @@ they return:
   `plan` pass them on, and are parsed so (`LEFTOVER_CONFIG`).
 
 Whatever the verb would refuse before that point (an unknown verb, a missing config file, a Levanter
-1.2 key) is refused as it would be. A renamed or removed flag, or a value of the wrong type, raises
+1.2 key, an unknown model type) is refused as it would be, except that the files a command line names
+(`--checkpoint`, `--files`: `qkvflow.cli.early.PATHS`) need not exist. A renamed or removed flag, or a value of the wrong type, raises
 `UserError` with the verb's own one-line message; the docs' command lines are checked with it
 (tests/test_docs.py).
 """
@@ -71,8 +72,10 @@ def parse_only(argv: list[str]):
 @contextlib.contextmanager
 def _stopped_seams(verb: str):
     from qkvflow import cli, configfile
+    from qkvflow.cli import early
 
     real_parse = configfile.parse
+    real_exists = early.check_exists
     real_known = argparse.ArgumentParser.parse_known_args
     real_args = argparse.ArgumentParser.parse_args
     depth = [0]  # argparse calls nested in the verb's own (subparsers, parse_args -> parse_known_args)
@@ -124,9 +127,11 @@ def _stopped_seams(verb: str):
     configfile.parse = cli.parse = parse
     argparse.ArgumentParser.parse_known_args = parse_known_args
     argparse.ArgumentParser.parse_args = parse_args
+    early.check_exists = lambda option, value: None  # a command line parses whatever its files
     try:
         yield
     finally:
+        early.check_exists = real_exists
         configfile.parse = cli.parse = real_parse
         argparse.ArgumentParser.parse_known_args = real_known
         argparse.ArgumentParser.parse_args = real_args

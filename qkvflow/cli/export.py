@@ -23,6 +23,7 @@ import os
 from qkvflow import outputs
 from qkvflow.cli import quiet_checkpoint_warnings, usage
 from qkvflow.errors import UserError
+from qkvflow.evaluation.grids import ONE_DEPTH
 
 KIND = "hf_export"
 
@@ -74,9 +75,6 @@ def _train_config(path: str, overrides: list[str]):
         kind = registry.type_name(config.model)
         raise UserError(f"{path}: export needs a DiffEqFormer checkpoint; got model.type={kind}")
     return config
-
-
-ONE_DEPTH = "one number of layers M: an integer >= 1 or a multiple of the trained N (e.g. 8, 2N or N/2)"
 
 
 def layers(text, trained: int) -> int:

@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
     n = targets.cpu_devices(target)
     if n is not None and args.devices not in (None, n):
         raise UserError(f"--devices {args.devices} contradicts --target {target.name}: give one of the two")
-    devices = args.devices or n or 1
+    devices = args.devices if args.devices is not None else n or 1  # (not `or`: --devices 0 is refused below)
     if devices < 1:
         raise UserError(f"--devices {devices} is invalid: expected an integer >= 1")
     if args.save_hlo:

@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from qkvflow.errors import UserError
+from qkvflow.evaluation.grids import parse_list, parse_steps  # noqa: F401  (the grammar, light for the CLI)
 from qkvflow.integrate.config import OdeConfig
 from qkvflow.integrate.solvers import EMBEDDED_ERROR, SOLVERS
 
@@ -47,47 +48,6 @@ class GridPoint:
     @property
     def label(self) -> str:
         return f"tol={self.tolerance:g}" if self.adaptive else f"N={self.ode.num_steps}"
-
-
-def parse_list(text, key: str, kind, expected: str) -> list:
-    """`2,4,8` -> [2, 4, 8]; a UserError naming `key` for anything else."""
-    if text is None:
-        return []
-    items = [s.strip() for s in str(text).split(",")]
-    try:
-        values = [kind(s) for s in items]
-    except ValueError:
-        values = None
-    if not items or values is None or any(s == "" for s in items):
-        raise UserError(f"--{key} {text!r} is invalid: expected {expected}")
-    return values
-
-
-def parse_steps(text, trained: int, key: str = "steps", expected: str | None = None) -> list[int]:
-    """`--steps` (or another option `key`): integers, or multiples of the trained N written relative to it:
-    `N/4,N/2,N,2N,4N` with N = `trained` gives [N/4, N/2, N, 2N, 4N]; each must come out a whole number >= 1.
-    `expected`: what a refusal says the option takes (default: eval's comma-separated grids)."""
-    import re
-
-    expected = expected or "comma-separated integers >= 1 or multiples of the trained N (e.g. N/2,N,2N,4N)"
-    steps = []
-    for item in parse_list(text, key, str, expected):
-        match = re.fullmatch(r"(\d+)?\s*\*?\s*N(?:\s*/\s*(\d+))?", item)
-        if match is None:
-            if not re.fullmatch(r"[+-]?\d+", item):
-                raise UserError(f"--{key} {text!r} is invalid: expected {expected}")
-            if int(item) < 1:
-                raise UserError(f"--{key} {item} is invalid: expected integers >= 1 (fixed solver steps N)")
-            steps.append(int(item))
-            continue
-        times, over = int(match.group(1) or 1), int(match.group(2) or 1)
-        if over == 0 or (times * trained) % over or times * trained < over:
-            raise UserError(
-                f"--{key} {item} is invalid with the trained N={trained}: {times} x {trained} / {over} is not a "
-                "whole number of steps >= 1"
-            )
-        steps.append(times * trained // over)
-    return steps
 
 
 def grid_points(

@@ -17,9 +17,8 @@ import sys
 from qkvflow import outputs
 from qkvflow.errors import UserError
 from qkvflow.evaluation import auto_steps
+from qkvflow.evaluation.grids import ONE_GRID
 from qkvflow.training.finetune_config import FinetuneConfig
-
-ONE_GRID = "one grid N': an integer >= 1 or a multiple of the trained N (e.g. 8, 2N or N/2), or auto"
 
 
 def _unescape(text: str) -> str:

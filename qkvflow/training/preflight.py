@@ -14,45 +14,11 @@ so a failed start never touches an existing checkpoint.
   with its name, instead of deep inside the restore).
 """
 
-import os
-
 import levanter.checkpoint
 
+from qkvflow.configfile import check_config_file  # noqa: F401  (moved: the CLI checks it before heavy imports)
 from qkvflow.errors import UserError
 from qkvflow.training.data_checks import check_data
-
-
-def check_config_file(path):
-    """The --config_path file: it exists, is UTF-8 YAML, and holds a mapping of sections.
-    (Syntax errors are left to the parser, whose message gives the line.) Returns the file as Levanter
-    finds it (`path`, `path.yaml` or `path.yml`), or `path` itself if remote or None."""
-    import yaml
-
-    if path is None or "://" in path:
-        return path  # remote configs are read by Levanter (fsspec)
-    path = next((p for p in (path, f"{path}.yaml", f"{path}.yml") if os.path.isfile(p)), path)  # as Levanter looks
-    if not os.path.isfile(path):
-        what = "is a folder" if os.path.isdir(path) else "does not exist"
-        raise UserError(f"config file {path!r} {what} (expected a YAML file, e.g. configs/quickstart.yaml)")
-    with open(path, "rb") as f:
-        raw = f.read()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise UserError(f"config file {path!r} is not UTF-8 text (line {line}, byte {e.start})") from None
-    try:
-        content = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return path
-    if content is None:
-        raise UserError(f"config file {path!r} is empty (expected sections such as model:, trainer:, data:)")
-    if not isinstance(content, dict):
-        raise UserError(
-            f"config file {path!r} holds a {type(content).__name__} (expected a mapping of sections such as "
-            "model:, trainer:, data:)"
-        )
-    return path
 
 
 def _positive(key: str, value, *, allow_none=False, minimum=1) -> None:

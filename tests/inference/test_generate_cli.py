@@ -45,6 +45,7 @@ def one_error_line(capsys, argv, expected):
 
 def test_bad_input_is_one_line(capsys, corpus_root, tmp_path):
     missing = tmp_path / "none"
+    missing.mkdir()  # empty: each refusal below comes before the checkpoint is read (a missing one is refused first)
     one_error_line(capsys, args(corpus_root, missing, "--prompt", ""), "--prompt is empty")
     one_error_line(
         capsys, args(corpus_root, missing, "--prompt", "x", "--temperature", "-0.5"), "temperature=-0.5 is invalid"

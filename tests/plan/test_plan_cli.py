@@ -145,7 +145,7 @@ def test_a_tpu_target_without_libtpu_names_the_install(capsys, monkeypatch, plan
 
 def test_a_mesh_that_does_not_divide_the_devices_is_refused(capsys, plan):
     err = one_line_refusal(capsys, "--target", "cpu:1", "--trainer.mesh.axes", "{data: -1, replica: 1, model: 3}")
-    assert "trainer.mesh does not fit 1 devices: ICI product 3 does not divide devices_per_slice 1" in err
+    assert "trainer.mesh does not fit 1 devices: the fixed axes (model=3) need a multiple of 3 devices" in err
 
 
 def test_a_device_count_this_process_cannot_have_is_refused(capsys, plan):
