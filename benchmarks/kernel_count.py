@@ -11,7 +11,7 @@ abstract arrays (nothing is allocated) for one compile-only device of `--target`
 target name, H200, H100-80GB or A100-80GB, or an XLA `GpuTargetConfigProto` text file; the device
 comes from `qkvflow.plan.backend`), and compiled.
 
-Counts are `qkvflow.plan.count_kernels` of the optimised HLO, the counter `qkvflow plan` reports,
+Counts are `qkvflow.plan.hlo.count_kernels` of the optimised HLO, the counter `qkvflow plan` reports,
 with the trip count `qkvflow plan` takes for the ODE solve's loops; `qkvflow/plan/hlo.py`'s module
 docstring states the rule. Memory is `compiled.memory_analysis()`.
 """
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from qkvflow.errors import UserError
-from qkvflow.plan import count_kernels
+from qkvflow.plan.hlo import count_kernels
 
 
 def abstract_inputs(config, Vocab, Batch, dtype: str, optimizer):

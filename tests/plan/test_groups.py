@@ -6,8 +6,8 @@ Each expected group is worked out by hand in the comment beside it, from the for
 
 import pytest
 
-from qkvflow.plan import collectives, groups, roofline
-from qkvflow.plan.hlo import parse
+from qkvflow.plan import groups, roofline
+from qkvflow.plan.hlo import collectives, parse
 
 
 @pytest.mark.parametrize(

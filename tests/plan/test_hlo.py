@@ -1,7 +1,6 @@
 """Kernel and collective counting on a hand-written HLO module, against counts made by hand."""
 
-from qkvflow.plan import collectives, count_kernels
-from qkvflow.plan.hlo import nbytes, parse
+from qkvflow.plan.hlo import collectives, count_kernels, nbytes, parse
 
 # entry: 2 fusions, a copy, a cuBLAS GEMM, an all-gather (async pair), a reduce-scatter wrapped in
 # async-start/done, an all-reduce with explicit groups, a while (5 trips, known) and a while (trip
