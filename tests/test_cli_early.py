@@ -161,6 +161,22 @@ def refusals(w: Path) -> dict:
             ["sweep", "--config_path", str(ROOT / "configs/finetune/quickstart_lora.yaml"), "--depth", "2"], "sweep",
             ["unknown key --depth:", "did you mean --depths?"],
         ),
+        "generate-existing-output": (
+            ["generate", "--config_path", q, "--checkpoint", missing, "--prompt", "x", "--output_jsonl", str(w / "a.txt")],
+            "generate", [f"--output_jsonl={str(w / 'a.txt')!r} exists: pass --overwrite"],
+        ),
+        "plan-hlo-into-the-repository": (
+            ["plan", "--config_path", q, "--target", "H200", "--save_hlo", str(ROOT / "docs" / "x.hlo"), "--overwrite"],
+            "plan", ["is inside the repository's shipped folder docs/"],
+        ),
+        "export-into-the-repository": (
+            ["export", "--config_path", q, "--checkpoint", missing, "--output", str(ROOT / "configs" / "exp")],
+            "export", ["--output=", "is inside the repository's shipped folder configs/"],
+        ),
+        "bench-out-dir-into-the-repository": (
+            ["bench", "compare", "x.yaml", "--out_dir", str(ROOT / "benchmarks" / "results" / "x")], "bench",
+            ["is inside the repository's shipped folder benchmarks/"],
+        ),
         "bench-mode": (["bench", "sped"], "bench", ["unknown bench mode 'sped'", "did you mean speed?"]),
         "analysis": (["analyze", "spectrum", "--output", "x"], "analyze", ["unknown analysis 'spectrum'", "did you mean spectra?"]),
     }  # fmt: skip

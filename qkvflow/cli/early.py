@@ -18,6 +18,8 @@ Checked here, for every verb:
 * every `model.type` given (file or overrides) is registered (`table.json`'s `model_types`), and, for the
   verbs whose whole command line is their config, every top-level key is a field of it (`check_keys`);
 * paths the verb reads exist (`PATHS`), and `--steps` is a grid (`qkvflow.evaluation.grids`);
+* the files and folders it writes follow `qkvflow.outputs` as far as argv alone can say (`OUTPUT_FILES`,
+  `OUTPUT_FOLDERS`): no existing file without --overwrite, nothing in the repository's tracked folders;
 * `plan`: the target, the device count and the mesh (`plan_checks`).
 
 This is the command line's one lazy import: `qkvflow.cli` imports this module and other light ones at
@@ -36,7 +38,7 @@ from pathlib import Path
 
 import yaml
 
-from qkvflow import configfile
+from qkvflow import configfile, outputs
 from qkvflow.cli.usage import HELP_ALL
 from qkvflow.errors import UserError
 from qkvflow.evaluation import grids
@@ -62,6 +64,20 @@ WHAT = {
     "--prompts_file": "a text file, one prompt per line",
     "--files": "a .txt or .jsonl file",
 }
+
+OUTPUT_FILES = {"generate": ("--output_jsonl",), "plan": ("--save_hlo",), "bench speed": ("--json_out",)}
+"""Per command, the options naming a file it writes (`qkvflow.outputs.check_file`: not an existing file
+without --overwrite, not in the repository's tracked folders)."""
+
+OUTPUT_FOLDERS = {
+    "eval": ("--output",),
+    "export": ("--output",),
+    "tokenizer": ("--output",),
+    "analyze": ("--output",),
+    **{f"bench {mode}": ("--out_dir",) for mode in ("compare", "depth", "scaling", "exits", "quality")},
+}
+"""Per command, the options naming a folder it writes: never in the repository's tracked folders
+(`qkvflow.outputs.check_outside_repository`); whether an existing folder may be replaced needs the verb."""
 
 STEPS = {"eval": (grids.GRIDS, False), "generate": (grids.ONE_GRID, True), "export": (grids.ONE_DEPTH, True)}
 """Per verb taking solver grids as `--steps`: (what it takes, whether only one grid), besides `auto`."""
@@ -116,6 +132,7 @@ def check(verb: str, argv: list[str]) -> bool:
     if verb in MODEL_VERBS:
         check_model_types(path, args)
     check_keys(verb, path, args)
+    check_outputs(sub, argv)
     for option in PATHS.get(verb, ()):
         for value in values(argv, option, many=option == "--files"):
             check_exists(option, value)
@@ -126,6 +143,20 @@ def check(verb: str, argv: list[str]) -> bool:
     if verb == "plan":
         plan_checks(path, argv)
     return False
+
+
+def check_outputs(command: str, argv: list[str]) -> None:
+    """The output rules (docs/checkpoints.md, "Where outputs go") that need no config: the verb applies
+    them again with what only it knows (the run folder, the checkpoint it reads)."""
+    overwrite = any(
+        a == "--overwrite" or a.split("=", 1)[-1].lower() in ("true", "1") for a in argv if a.startswith("--overwrite")
+    )
+    for option in OUTPUT_FILES.get(command, ()):
+        for value in values(argv, option):
+            outputs.check_file(value, option, overwrite=overwrite)
+    for option in OUTPUT_FOLDERS.get(command, ()):
+        for value in values(argv, option):
+            outputs.check_outside_repository(value, option)
 
 
 def values(argv: list[str], option: str, *, many: bool = False) -> list[str]:
