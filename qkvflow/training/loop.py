@@ -7,6 +7,9 @@
         guard.check(info)
     trainer.run_hooks(info, force=True); checkpointer.wait_until_finished()
 
+A SIGINT or SIGTERM before the first step (loading, compiling) ends the process at once, with one
+line: there is nothing to save (`faults.Preemption.exit_at_once_until_first_step`).
+
 Levanter's own `Trainer.train` is this loop without the guard and without waiting for the last
 checkpoint; its default hooks are added here in an order that puts the non-finite guard first
 (`qkvflow.training.faults.NonFiniteGuard`: nothing is saved for a bad step) and keeps the checkpointer
@@ -192,6 +195,7 @@ def train_run(
     `session.start` built (`session.build_caches`; `tokens`: tokens of each split). Returns the summary and the final trainer
     state (None if no state exists, e.g. stopped before the first step)."""
     config = run.config
+    preemption.exit_at_once_until_first_step()  # loading and compiling: nothing to save if stopped
     trainer, optimizer_config = make_trainer(config, loss_fn, inject)
     t, optimizer = trainer.config, trainer.optimizer
     guard = faults.NonFiniteGuard(optimizer, config.nonfinite, t.num_train_steps, verb=run.verb)
@@ -281,6 +285,7 @@ def train_run(
         info = None
         try:
             for info in trainer.training_steps(state, batches):
+                preemption.first_step_done()  # from here on a signal stops after the step, with a checkpoint
                 guard.check(info)
                 step_info(info)
                 progress(info)
