@@ -39,6 +39,10 @@ def jax_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("jax_cache")
 
 
+RUN_LIMIT = limit(600)
+"""Seconds a training run of these tests may take (tests/timescale.py)."""
+
+
 class Run:
     """`qkvflow train` in a subprocess that a test can signal while it runs."""
 
@@ -75,7 +79,7 @@ class Run:
         done = [int(line.split()[1].split("/")[0]) for line in self.stdout.splitlines() if line.startswith("step ")]
         return max(done, default=0)
 
-    def wait_for(self, condition, timeout=600.0, poll=0.005) -> bool:
+    def wait_for(self, condition, timeout=RUN_LIMIT, poll=0.005) -> bool:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if condition():
@@ -85,7 +89,7 @@ class Run:
             time.sleep(poll)
         raise AssertionError(f"timed out; stdout:\n{self.stdout[-2000:]}\nstderr:\n{self.stderr[-2000:]}")
 
-    def finish(self, timeout=600.0) -> int:
+    def finish(self, timeout=RUN_LIMIT) -> int:
         try:
             return self.proc.wait(timeout)
         finally:
@@ -186,9 +190,9 @@ def test_kills_and_preemption_resume_to_the_uninterrupted_losses(tmp_path, corpu
     preempted.wait_for(lambda: preempted.steps_done() > 0)
     sent = time.monotonic()
     preempted.proc.send_signal(signal.SIGTERM)
-    assert preempted.finish(timeout=120) == 0, preempted.describe()
+    assert preempted.finish(timeout=limit(120)) == 0, preempted.describe()
     elapsed = time.monotonic() - sent
-    assert elapsed < 60, elapsed
+    assert elapsed < limit(60), elapsed
     assert f"removing incomplete checkpoint {tmp_path / 'checkpoints' / 'tiny' / partial}" in preempted.stderr
     assert "stopped by SIGTERM after step" in preempted.stderr, preempted.describe()
     assert done - _resumed_from(preempted) <= INTERVAL + 1
@@ -200,7 +204,7 @@ def test_kills_and_preemption_resume_to_the_uninterrupted_losses(tmp_path, corpu
     interrupted = Run(tmp_path, corpus_root, jax_cache)
     interrupted.wait_for(lambda: interrupted.steps_done() > stopped_at)
     interrupted.proc.send_signal(signal.SIGINT)
-    assert interrupted.finish(timeout=120) == 130, interrupted.describe()
+    assert interrupted.finish(timeout=limit(120)) == 130, interrupted.describe()
     assert _resumed_from(interrupted) == stopped_at  # SIGTERM lost nothing
     assert "KeyboardInterrupt" not in interrupted.stderr and "Traceback" not in interrupted.stderr
     assert "stopped by SIGINT after step" in interrupted.stderr, interrupted.describe()

@@ -16,6 +16,7 @@ from qkvflow.data.corpora import default_shared_dir
 from qkvflow.errors import UserError
 from qkvflow.training.tracking import metrics_file
 from tests import warm
+from tests.timescale import limit
 
 T_975_4 = 2.7764451051977987  # Student t, 97.5% quantile, 4 degrees of freedom (statistical tables)
 
@@ -235,7 +236,7 @@ def test_jobs_run_trainings_at_once_and_report_what_one_job_reports(study, monke
     of four parties is passed only if they are); the report equals the sequential study's."""
     import threading
 
-    gate, lock, started = threading.Barrier(4, timeout=20), threading.Lock(), []
+    gate, lock, started = threading.Barrier(4, timeout=limit(20)), threading.Lock(), []
 
     class Together(FakeRuns):
         def __call__(self, cmd, log_file, timeout, attention):
