@@ -32,6 +32,7 @@ def test_the_terminal_shows_progress_evaluations_and_the_summary_only(reference)
     _, proc = reference
     ours = re.compile(
         r"(preparing (corpus|the token cache) .*|token cache ready \(\d+ s\)|compiling the training step .*"
+        r"|still compiling after \d+ s .*"  # a loaded machine
         r"|step \d+/8  loss [\d.]+  ppl [\d.]+(  [\d,]+ tokens/s  ETA \d+m\d\ds)?|eval after step \d+: loss [\d.]+  ppl [\d.]+"
         r"|== qkvflow train: done ==| +\w+: .+|)$"
     )
