@@ -104,14 +104,14 @@ class Pool:
                 self._running.pop(name, None)
 
     def stop(self, signum: int = signal.SIGINT) -> list[str]:
-        """Start nothing more, and send `signum` once to each running process; the names of those runs."""
+        """Start nothing more, and send `signum` once to each running process; the names of those runs, sorted."""
         with self._ready:
             self._closed = True
             self._ready.notify_all()
             for proc in self._running.values():
                 with contextlib.suppress(ProcessLookupError):  # it has just ended
                     proc.send_signal(signum)
-            return list(self._running)
+            return sorted(self._running)
 
     def waiting(self) -> int:
         """Tasks submitted and not started."""
