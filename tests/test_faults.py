@@ -574,6 +574,7 @@ def test_ctrl_c_under_jax_distributed_is_forwarded_as_one_sigterm(monkeypatch):
     inside the call (or the default action ends the process). The forwarded SIGTERM must find the
     flag set: one stop requested, by SIGINT, and the process alive (else it exits 143, unsaved)."""
     from qkvflow.training import faults
+    from qkvflow.training import preemption as preemption_module
 
     died = []
 
@@ -585,7 +586,7 @@ def test_ctrl_c_under_jax_distributed_is_forwarded_as_one_sigterm(monkeypatch):
         else:
             handler(signum, None)
 
-    monkeypatch.setattr(faults, "_distributed_client", lambda: object())
+    monkeypatch.setattr(preemption_module, "_distributed_client", lambda: object())
     monkeypatch.setattr(faults.jax, "process_count", lambda: 2)
     monkeypatch.setattr(faults.os, "kill", deliver)
     before = signal.getsignal(signal.SIGTERM)
