@@ -125,6 +125,24 @@ LONGEST_FIRST = [
 def pytest_collection_modifyitems(session, config, items):
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
+    _per_test_timeouts(config, items)
+
+
+def _per_test_timeouts(config, items) -> None:
+    """pytest-timeout's limit on every test that sets none of its own: `timescale.PER_TEST` seconds times
+    QKVFLOW_TEST_TIME_SCALE (tests/timescale.py), so that a hang fails its test instead of freezing CI. A
+    limit the caller chose (`--timeout`, PYTEST_TIMEOUT or a `timeout` ini setting) wins; without the
+    plugin (not the `test` extra) nothing is added."""
+    from tests.timescale import PER_TEST, limit
+
+    if not config.pluginmanager.hasplugin("timeout"):
+        return
+    if config.getoption("timeout", None) is not None or os.environ.get("PYTEST_TIMEOUT") or config.getini("timeout"):
+        return
+    mark = pytest.mark.timeout(limit(PER_TEST))
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(mark)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -6,6 +6,10 @@ from pathlib import Path
 
 from tests import warm
 from tests.helpers import with_host_devices
+from tests.timescale import limit
+
+CLI_LIMIT = limit(900)
+"""Seconds a fine-tuning command line may take (tests/timescale.py)."""
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_TRAIN = str(ROOT / "tests" / "configs" / "tiny_train.yaml")
@@ -59,7 +63,7 @@ def url_data(data: Path, tokenizer: Path, cache: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def run_cli(verb: str, workdir: Path, *args: str, timeout=900):
+def run_cli(verb: str, workdir: Path, *args: str, timeout=CLI_LIMIT):
     """`python -m qkvflow VERB ARGS` in `workdir` (a new process, tests/warm.py)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", XLA_FLAGS=with_host_devices(1))
     return warm.run([verb, *args], env, cwd=workdir, timeout=timeout)

@@ -14,12 +14,17 @@ import jax
 import pytest
 
 from tests.test_launch import shellcheck
+from tests.timescale import limit
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "accelerator.sh"
 
 
-def script(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
+SCRIPT_LIMIT = limit(60)
+"""Seconds a quick invocation of the script may take (tests/timescale.py)."""
+
+
+def script(*args: str, timeout: float = SCRIPT_LIMIT, **env: str) -> subprocess.CompletedProcess:
     environ = {**os.environ, "PYTHON": sys.executable, **env}
     return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=environ, capture_output=True, text=True,
                           timeout=timeout)  # fmt: skip
@@ -44,7 +49,7 @@ def test_device_compare_refuses_before_it_starts_anything(tmp_path, args, env, m
     line and exits non-zero before it writes a log or starts a study."""
     environ = {k: v for k, v in {**os.environ, "OUT": str(tmp_path / "out"), **env}.items() if v is not None}
     proc = subprocess.run(["bash", "benchmarks/device_compare.sh", *args], cwd=ROOT, env=environ,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+                          capture_output=True, text=True, timeout=limit(60))  # fmt: skip
     assert proc.returncode != 0 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "out").exists()
 
@@ -60,7 +65,7 @@ def test_device_compare_passes_its_extra_options_to_bench_compare(tmp_path):
     env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
            "RECORD": str(tmp_path / "calls"), "STUDY_LOGS": str(tmp_path / "logs"), "PACK_EVERY": "0.2"}  # fmt: skip
     proc = subprocess.run(["bash", "benchmarks/device_compare.sh", "compare/depth_dial_rest.yaml", "--models", "ode,jitter"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit(60))  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     calls = (tmp_path / "calls").read_text().splitlines()
     study = [c for c in calls if c.startswith("-m|qkvflow|bench|compare|")]
@@ -124,7 +129,7 @@ def test_an_interpreter_without_qkvflows_dependencies_is_refused_in_one_line(tmp
     environ = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "VIRTUAL_ENV")}
     environ["PATH"] = f"{bare / 'bin'}:/usr/bin:/bin"
     proc = subprocess.run(["bash", str(SCRIPT), "--cpu-dry-run", "--steps", "summary", "--out", str(out)], cwd=ROOT,
-                          env=environ, capture_output=True, text=True, timeout=60)  # fmt: skip
+                          env=environ, capture_output=True, text=True, timeout=limit(60))  # fmt: skip
     if (ROOT / ".venv" / "bin" / "python").exists():  # a clone set up as the README says
         assert "cannot import" not in proc.stderr and (out / "summary.log").is_file(), proc.stderr
     else:
@@ -150,7 +155,7 @@ def test_the_cpu_dry_run_runs_every_step(tmp_path, corpus_root):
     """The whole dry run, its quickstart on the session's corpus (--corpora; a corpus of its own under
     --out is the default, and costs a tokenizer build)."""
     out = tmp_path / "results"
-    proc = script("--cpu-dry-run", "--out", str(out), "--corpora", str(corpus_root), timeout=900,
+    proc = script("--cpu-dry-run", "--out", str(out), "--corpora", str(corpus_root), timeout=limit(900),
                   QKVFLOW_GPU_TESTS_ON_CPU="0")  # fmt: skip
     log = proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.returncode == 0, log

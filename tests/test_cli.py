@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.timescale import limit
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -224,7 +226,7 @@ def test_an_old_config_is_refused_end_to_end(tmp_path):
     old = tmp_path / "old.yaml"
     old.write_text(OLD_FILE)
     proc = subprocess.run([sys.executable, "-m", "qkvflow", "train", "--config_path", str(old)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
+                          cwd=tmp_path, capture_output=True, text=True, timeout=limit(300))  # fmt: skip
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.splitlines() == [
         f"qkvflow train: error: {old}: trainer.fsdp_axis was removed in marin-levanter; use trainer.mesh.param_mapping "

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import Vocab, with_host_devices
+from tests.timescale import limit
 from tests.train_utils import losses, train_args
 
 FORCE_ON_CPU = os.environ.get("QKVFLOW_GPU_TESTS_ON_CPU") == "1"
@@ -65,12 +66,12 @@ def _device_env(platform: str, devices: int) -> dict:
 def _train(workdir: Path, corpus_root: Path, platform: str, devices: int) -> list[float]:
     env = _device_env(platform, devices)
     probe = [sys.executable, "-c", "import jax; print(jax.default_backend(), jax.device_count())"]
-    seen = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=300).stdout.split()
+    seen = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=limit(300)).stdout.split()
     assert seen == [platform, str(devices)], seen  # the environment really gives the run `devices` devices
     workdir.mkdir(parents=True)
     args = train_args(workdir, corpus_root, "--trainer.num_train_steps", "4")
     proc = subprocess.run(args, cwd=workdir, env=env, capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
+                          timeout=limit(900))  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return losses(workdir)
 

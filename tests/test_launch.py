@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.timescale import limit
+
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
 SCRIPTS = ["common.sh", "local_multi_gpu.sh", "slurm.sbatch", "tpu_pod.sh"]
@@ -22,7 +24,7 @@ def launch(script: str, *args: str, env=None):
     environ = {k: v for k, v in os.environ.items() if k not in ("RUN_ID", "DRY_RUN", "LOG_DIR", "PYTHON")}
     environ.update(env or {})
     return subprocess.run(
-        ["bash", str(LAUNCH / script), *args], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=60
+        ["bash", str(LAUNCH / script), *args], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=limit(60)
     )
 
 

@@ -152,3 +152,44 @@ def test_bench_speed_times_the_optimizer_state_a_new_run_has():
         stored = {jax.tree_util.keystr(p): m.dtype for p, m in _leaves(adam.mu)}
         assert {d for name, d in stored.items() if ".generator.projections[" in name} == {jnp.dtype(want)}
         assert {d for name, d in stored.items() if ".generator.projections[" not in name} == {jnp.dtype(jnp.float32)}
+
+
+def test_a_checkpoint_with_projection_moments_of_several_dtypes_is_refused_in_one_line(tmp_path):
+    """qkvflow stores every projection's first moment in one dtype; a checkpoint holding two decides no
+    dtype, whatever is asked for: refused, naming the checkpoint and both dtypes, not resumed in either."""
+    from qkvflow.training.moments import for_resume
+
+    mu = "opt_state/inner/inner_state/1/mu/generator/projections"
+    path = _checkpoint(tmp_path, {f"{mu}/w1": "bfloat16", f"{mu}/w2": "<f4"})
+    for value in ("auto", "bfloat16", "float32", None):
+        with pytest.raises(UserError) as error:
+            for_resume(value, path)
+        assert str(error.value) == (
+            f"checkpoint {path!r} holds the hypernetwork projections' first moments in several dtypes "
+            "['bfloat16', 'float32'], where qkvflow stores one: no hypernetwork_mu_dtype follows from it; start a "
+            "new run (a new trainer.id) or resume from a checkpoint qkvflow wrote"
+        )
+
+
+@pytest.mark.parametrize("stored", ["bfloat16", "float32"])
+def test_the_stored_dtype_is_read_from_the_zarr_v3_arrays_levanter_writes(tmp_path, stored):
+    """Levanter (marin) writes a checkpoint as one OCDBT store of zarr v3 arrays, whose metadata names the
+    dtype `data_type` (zarr v2's key was `dtype`). Arrays written here by tensorstore, as Levanter writes
+    them, metadata and all: the dtype is read from `data_type`."""
+    import tensorstore as ts
+    from levanter.tensorstore_serialization import build_kvstore_spec
+
+    from qkvflow.training.checkpoint_arrays import array_dtypes, is_ocdbt
+    from qkvflow.training.moments import for_resume
+
+    arrays = {
+        "model/generator/projections/w1": ts.float32,
+        "opt_state/inner/inner_state/1/mu/generator/projections/w1": getattr(ts, stored),
+        "opt_state/inner/inner_state/1/nu/generator/projections/w1": ts.float32,
+    }
+    for key, dtype in arrays.items():
+        store = {"driver": "ocdbt", "base": build_kvstore_spec(str(tmp_path)), "path": key + "/"}
+        ts.open({"driver": "zarr3", "kvstore": store}, create=True, dtype=dtype, shape=[8, 4]).result()
+    assert is_ocdbt(str(tmp_path))
+    assert array_dtypes(str(tmp_path)) == {key: dtype.name for key, dtype in arrays.items()}
+    assert for_resume("auto", str(tmp_path)) == stored

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from qkvflow.training.tracking import metrics_file, read_metrics
+from tests.timescale import limit
 from tests.train_utils import TINY, reference_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,7 +74,11 @@ def _logs(workdir: Path, run_id: str, processes: int) -> list[str]:
     return [(workdir / "logs" / run_id / f"host-{i}.log").read_text() for i in range(processes)]
 
 
-def _finish(proc, workdir, run_id, processes, timeout=900):
+FINISH_LIMIT = limit(900)
+"""Seconds a multi-process run may take (tests/timescale.py)."""
+
+
+def _finish(proc, workdir, run_id, processes, timeout=FINISH_LIMIT):
     out, _ = proc.communicate(timeout=timeout)
     logs = _logs(workdir, run_id, processes)
     assert proc.returncode == 0, out + "\n".join(log[-3000:] for log in logs)
@@ -123,7 +128,7 @@ def test_two_processes_stop_together_resume_and_match_one_device(tmp_path, tmp_p
     shutil.rmtree(train_cache)
     proc = _launch(tmp_path, fresh, "multi", processes=2, devices=2)
     host1 = tmp_path / "logs" / "multi" / "host-1.log"
-    deadline = time.monotonic() + 900
+    deadline = time.monotonic() + limit(900)
     while "step 2/8" not in (host1.read_text() if host1.exists() else ""):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
         time.sleep(0.2)

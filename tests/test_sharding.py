@@ -23,6 +23,7 @@ from qkvflow.training.sharding import (
     state_shapes,
 )
 from tests.helpers import parse_config, with_host_devices
+from tests.timescale import limit
 
 ROOT = Path(__file__).resolve().parents[1]
 MEDIUM = str(ROOT / "configs" / "models" / "medium_d144.yaml")
@@ -152,7 +153,7 @@ def test_prediction_matches_levanters_sharded_initialisation():
     from tests import warm
 
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=with_host_devices(8))
-    proc = warm.run([_REAL_MESH], env, cwd=ROOT, timeout=600, entry="tests.warm:exec_code")
+    proc = warm.run([_REAL_MESH], env, cwd=ROOT, timeout=limit(600), entry="tests.warm:exec_code")
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     for measured, predicted in json.loads(lines[0][len("RESULT ") :]):

@@ -165,3 +165,24 @@ def test_a_model_with_a_loss_of_its_own_refuses_the_block_in_one_line():
     with pytest.raises(UserError) as error:
         lm_loss(model, _example(adaptive), vocab_block=64)
     assert str(error.value) == expected
+
+
+def test_a_models_auxiliary_loss_is_added_on_the_block_path():
+    """Levanter's `activations` may return (activations, auxiliary loss) (a mixture of experts' balancing
+    term): its `compute_next_token_loss` adds that term, and so must the block path. A GPT-2 whose
+    activations carry a made-up auxiliary loss of 0.25: the block path gives the definition's
+    cross-entropy plus 0.25, and Levanter's own method's value at its default block."""
+    from levanter.models.gpt2 import Gpt2LMHeadModel
+
+    class WithAux(Gpt2LMHeadModel):
+        def activations(self, input_ids, attn_mask=None, *, key=None, pos_ids=None):
+            return super().activations(input_ids, attn_mask, key=key, pos_ids=pos_ids), jnp.float32(0.25)
+
+    plain = GPT2.build(Vocab, key=jrandom.PRNGKey(0))
+    model = WithAux(plain.transformer, plain.embeddings)
+    example = _example(GPT2)
+    reference = _reference(plain, example) + 0.25
+    for block in (7, 64):
+        assert _scalar(lm_loss(model, example, vocab_block=block)) == pytest.approx(reference, rel=1e-5), block
+    ours = levanter_loss_in_blocks(model, example, None)
+    assert np.array_equal(np.asarray(ours.array), np.asarray(model.compute_next_token_loss(example).array))

@@ -12,8 +12,11 @@ import time
 import pytest
 
 from tests import warm
+from tests.timescale import limit
 
 ENTRY = "tests.test_warm:report"
+NOT_A_LIMIT = 0.1
+"""Seconds of a wait that is meant to time out (the child outlives it): not scaled."""
 
 
 def report(argv: list[str]) -> int:
@@ -38,7 +41,7 @@ def report(argv: list[str]) -> int:
         raise ValueError("a bug")
     if action == "interrupt":
         raise KeyboardInterrupt
-    time.sleep(60)  # "wait": for a signal
+    time.sleep(limit(60))  # "wait": for a signal
     return 0
 
 
@@ -51,7 +54,7 @@ def _env(**extra) -> dict:
 
 def test_a_warm_child_is_its_own_process_with_its_environment_folder_and_outputs(tmp_path):
     proc = warm.run(["exit", "3"], _env(EQX_ON_ERROR="nan", TRANSFORMERS_VERBOSITY="error"), cwd=tmp_path,
-                    timeout=300, entry=ENTRY)  # fmt: skip
+                    timeout=limit(300), entry=ENTRY)  # fmt: skip
     assert proc.returncode == 3, proc.stderr
     seen = json.loads(proc.stdout.splitlines()[0])
     assert seen["pid"] != os.getpid() and seen["cwd"] == str(tmp_path)
@@ -63,33 +66,35 @@ def test_a_warm_child_is_its_own_process_with_its_environment_folder_and_outputs
     # neither set in the next child (pytest's own environment may hold them: an import in this process can
     # set TRANSFORMERS_VERBOSITY): the libraries' defaults, so nothing leaks from one child to another
     env = {k: v for k, v in _env().items() if k not in ("EQX_ON_ERROR", "TRANSFORMERS_VERBOSITY")}
-    seen = json.loads(warm.run(["exit", "0"], env, cwd=tmp_path, timeout=300, entry=ENTRY).stdout.splitlines()[0])
+    seen = json.loads(
+        warm.run(["exit", "0"], env, cwd=tmp_path, timeout=limit(300), entry=ENTRY).stdout.splitlines()[0]
+    )
     assert seen["checked"] == "raised" and seen["hf_level"] == 30  # transformers' default: logging.WARNING
 
 
 def test_exit_statuses_are_the_interpreters(tmp_path):
     """An exception: its traceback on stderr and status 1; an uncaught Ctrl-C ends by SIGINT (-2), as
     CPython does; a signal's status is minus its number, as subprocess reports it."""
-    proc = warm.run(["raise"], _env(), cwd=tmp_path, timeout=300, entry=ENTRY)
+    proc = warm.run(["raise"], _env(), cwd=tmp_path, timeout=limit(300), entry=ENTRY)
     assert proc.returncode == 1 and "ValueError: a bug" in proc.stderr
-    proc = warm.run(["interrupt"], _env(), cwd=tmp_path, timeout=300, entry=ENTRY)
+    proc = warm.run(["interrupt"], _env(), cwd=tmp_path, timeout=limit(300), entry=ENTRY)
     assert proc.returncode == -signal.SIGINT and "KeyboardInterrupt" in proc.stderr
     out, err = tmp_path / "out", tmp_path / "err"
     child = warm.popen(["wait"], _env(), tmp_path, out, err, entry=ENTRY)
     assert isinstance(child, warm.Process)
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + limit(300)
     while not out.read_text() and time.monotonic() < deadline:
         time.sleep(0.05)
     with pytest.raises(subprocess.TimeoutExpired):
-        child.wait(0.1)
+        child.wait(NOT_A_LIMIT)  # the child waits for a signal: this wait must end first
     child.send_signal(signal.SIGTERM)
-    assert child.wait(60) == -signal.SIGTERM and child.poll() == -signal.SIGTERM
+    assert child.wait(limit(60)) == -signal.SIGTERM and child.poll() == -signal.SIGTERM
 
 
 def test_a_variable_read_at_import_time_gets_a_new_interpreter(tmp_path):
     """JAX reads JAX_* variables when it is imported: a child that sets one of its own is a subprocess."""
-    proc = warm.run(["exit", "0"], _env(JAX_ENABLE_X64="1"), cwd=tmp_path, timeout=300, entry=ENTRY)
+    proc = warm.run(["exit", "0"], _env(JAX_ENABLE_X64="1"), cwd=tmp_path, timeout=limit(300), entry=ENTRY)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.splitlines()[0])["ppid"] == os.getpid()
     child = warm.popen(["exit", "0"], _env(JAX_ENABLE_X64="1"), tmp_path, tmp_path / "o", tmp_path / "e", entry=ENTRY)
-    assert isinstance(child, subprocess.Popen) and child.wait(300) == 0
+    assert isinstance(child, subprocess.Popen) and child.wait(limit(300)) == 0

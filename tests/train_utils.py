@@ -10,6 +10,7 @@ from pathlib import Path
 from qkvflow.training.tracking import metrics_file, read_metrics
 from tests import warm
 from tests.helpers import with_host_devices
+from tests.timescale import limit
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "tests" / "configs" / "tiny_train.yaml")
@@ -44,7 +45,13 @@ def train_env(devices: int = 1, **extra: str) -> dict:
     return env
 
 
-def train(workdir: Path, corpus_root: Path, *overrides: str, run_id: str = "tiny", devices: int = 1, timeout=600):
+TRAIN_LIMIT = limit(600)
+"""Seconds a tiny training run may take (tests/timescale.py)."""
+
+
+def train(
+    workdir: Path, corpus_root: Path, *overrides: str, run_id: str = "tiny", devices: int = 1, timeout=TRAIN_LIMIT
+):
     argv = train_args(workdir, corpus_root, *overrides, run_id=run_id)[3:]
     return warm.run(argv, train_env(devices), cwd=workdir, timeout=timeout)
 
@@ -80,7 +87,7 @@ def run_cases(argv: list[str]) -> int:
     return 0
 
 
-def cli_in_one_process(cases: dict, env: dict, cwd, timeout: float = 900) -> dict:
+def cli_in_one_process(cases: dict, env: dict, cwd, timeout: float = limit(900)) -> dict:
     """Run several `qkvflow` command lines (argv after `python -m qkvflow`) one after another in one new
     process (tests/warm.py) with `env`: {case: (exit code or None after an exception, stdout, stderr)}."""
     proc = warm.run([json.dumps(cases)], env, cwd=cwd, timeout=timeout, entry="tests.train_utils:run_cases")

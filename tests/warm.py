@@ -121,11 +121,12 @@ class Process:
     """The part of `subprocess.Popen` the tests use, for a child of the warm server (its stdout and
     stderr go to files: `stdout_path`, `stderr_path`)."""
 
-    def __init__(self, argv, env: dict, cwd, stdout_path, stderr_path, entry: str = MAIN):
+    def __init__(self, argv, env: dict, cwd, stdout_path, stderr_path, entry: str = MAIN, append: bool = False):
         self.args = [entry, *argv]
         self.stdout_path, self.stderr_path = Path(stdout_path), Path(stderr_path)
         for path in (self.stdout_path, self.stderr_path):
-            path.write_text("")
+            if not append:
+                path.write_text("")
         self._process = _context().Process(
             target=_child, args=(entry, list(argv), dict(env), str(cwd), str(stdout_path), str(stderr_path))
         )
@@ -196,10 +197,11 @@ def exec_code(argv) -> int:
 
 class Subprocess:
     """A stand-in for the `subprocess` module of code that runs `python -m qkvflow ...` as
-    `subprocess.run(cmd, cwd=..., env=..., stdout=LOG, stderr=subprocess.STDOUT, timeout=...)` with LOG an
-    open file (`qkvflow bench compare`'s trainings and evaluations): such a command line runs through
-    `run` (a warm child when its environment allows), its stdout then its stderr appended to LOG; any
-    other call goes to the real module. `verbs` lists the verbs it ran so."""
+    `subprocess.run(cmd, cwd=..., env=..., stdout=LOG, stderr=subprocess.STDOUT, timeout=...)` or
+    `subprocess.Popen(...)` alike, with LOG an open file (`qkvflow bench compare`'s trainings and
+    evaluations, through its task pool): such a command line runs through `run` or `popen` (a warm child when
+    its environment allows; it stays in the server's process group), its output appended to LOG; any other
+    call goes to the real module. `verbs` lists the verbs it ran so."""
 
     STDOUT, PIPE, DEVNULL, CompletedProcess, TimeoutExpired = (subprocess.STDOUT, subprocess.PIPE,
         subprocess.DEVNULL, subprocess.CompletedProcess, subprocess.TimeoutExpired)  # fmt: skip
@@ -216,3 +218,12 @@ class Subprocess:
         stdout.write(proc.stdout + proc.stderr)
         stdout.flush()
         return subprocess.CompletedProcess(list(cmd), proc.returncode)
+
+    def Popen(self, cmd, *, cwd=None, env=None, stdout=None, stderr=None, **kwargs):  # noqa: N802 (subprocess's name)
+        ours = list(cmd[:3]) == [sys.executable, "-m", "qkvflow"] and stderr == subprocess.STDOUT
+        env = dict(os.environ if env is None else env)
+        if not ours or not hasattr(stdout, "name") or not _forkable(env):
+            return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=stdout, stderr=stderr, **kwargs)
+        self.verbs.append(cmd[3])
+        stdout.flush()
+        return Process(list(cmd[3:]), env, cwd or os.getcwd(), stdout.name, stdout.name, append=True)

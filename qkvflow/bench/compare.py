@@ -47,6 +47,7 @@ import copy
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -58,7 +59,7 @@ import yaml
 from qkvflow import outputs
 from qkvflow.bench import depth_curves, halves, lr_grid, matching, run_configs, study_folder
 from qkvflow.bench.compare_report import markdown, report, write_report
-from qkvflow.bench.pool import Pool
+from qkvflow.bench.pool import Interrupted, Pool, current_pool, raising_on, stop_report
 from qkvflow.bench.study_folder import write_json as _write_json
 from qkvflow.errors import UserError
 from qkvflow.outputs import check_writable
@@ -288,22 +289,23 @@ def resolve(study: dict, workdir: Path, corpus_root: str) -> None:
 
 
 def _subprocess(cmd: list[str], log_file: Path, timeout: float, attention: str = "auto") -> None:
-    """`cmd` with its output to `log_file`; every run's attention kernel is `attention` (qkvflow.nn.attention,
-    for the configs that leave attn_backend unset: check_attention refuses any other)."""
+    """`cmd` with its output to `log_file` (`logs/<run>.out`), as a process of the calling task's pool (so
+    that a stop reaches it once, qkvflow.bench.pool); every run's attention kernel is `attention`
+    (qkvflow.nn.attention, for the configs that leave attn_backend unset: check_attention refuses any
+    other). A failure names the run, what it ran and how it ended."""
+    run, verb = log_file.stem, cmd[3]
+    options = dict(cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1", QKVFLOW_ATTENTION=attention))
     with open(log_file, "a") as log:
-        proc = subprocess.run(
-            cmd,
-            cwd=ROOT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1", QKVFLOW_ATTENTION=attention),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            timeout=timeout,
-        )
-    if proc.returncode != 0:
+        owner = current_pool()
+        if owner is None:  # not a task of a pool: nothing can stop it but the terminal
+            code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, **options).returncode
+        else:
+            code = owner.run(f"{verb} {run}", cmd, timeout, popen=subprocess.Popen, stdout=log,
+                             stderr=subprocess.STDOUT, **options)  # fmt: skip
+    if code != 0:
         tail = log_file.read_text().strip().splitlines()[-1:]
-        raise UserError(
-            f"bench compare: {' '.join(cmd[3:5])} failed (exit {proc.returncode}; log {log_file}): {' '.join(tail)}"
-        )
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
+        raise UserError(f"bench compare: run {run} ({verb}) failed ({how}; log {log_file}): {' '.join(tail)}")
 
 
 def _say(line: str) -> None:
@@ -465,6 +467,29 @@ def _joined(study: dict, workdir: Path) -> None:
     _say(f"bench compare: --models leaves out the baseline {base}: it joins them, and {how}")
 
 
+def _run_study(pool: Pool, study: dict, workdir: Path, args, runs: list, tests: dict, flops: dict, chosen: dict):
+    """Train every model's grid on `pool`, choose, and test the chosen runs, filling the four results."""
+    # with --jobs 1 a model's runs start only once the previous model is evaluated (as before --jobs)
+    trains = {}
+    if args.jobs > 1:
+        trains = {model: _submit_grid(pool, study, model, workdir, args) for model in study["models"]}
+    for model in study["models"]:
+        queued = trains.get(model) or _submit_grid(pool, study, model, workdir, args)
+        mine, chosen[model] = settle(pool, study, model, queued, workdir, args)
+        runs += mine
+        best = chosen[model]["learning_rate"]
+        evals = {seed: pool.submit(0, test_loss, study, model, best, seed, workdir, args) for seed in study["seeds"]}
+        tests[model] = {seed: f.result() for seed, f in evals.items()}
+        flops[model] = training_flops(
+            workdir / "configs" / f"{run_id(model, best, study['seeds'][0])}.yaml", study["iters"]
+        )
+        if not args.keep_checkpoints:
+            for r in mine:  # this study's own runs (study.json claimed the folder), all evaluated
+                shutil.rmtree(
+                    workdir / "checkpoints" / run_id(model, r["learning_rate"], r["seed"]), ignore_errors=True
+                )
+
+
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     study = load_study(args.study, args)
@@ -489,28 +514,15 @@ def main(argv: list[str]) -> int:
     runs, tests, flops, chosen = [], {}, {}, {}
     pool = Pool(args.jobs)
     try:
-        # with --jobs 1 a model's runs start only once the previous model is evaluated (as before --jobs)
-        trains = {}
-        if args.jobs > 1:
-            trains = {model: _submit_grid(pool, study, model, workdir, args) for model in study["models"]}
-        for model in study["models"]:
-            queued = trains.get(model) or _submit_grid(pool, study, model, workdir, args)
-            mine, chosen[model] = settle(pool, study, model, queued, workdir, args)
-            runs += mine
-            best = chosen[model]["learning_rate"]
-            evals = {
-                seed: pool.submit(0, test_loss, study, model, best, seed, workdir, args) for seed in study["seeds"]
-            }
-            tests[model] = {seed: f.result() for seed, f in evals.items()}
-            flops[model] = training_flops(
-                workdir / "configs" / f"{run_id(model, best, study['seeds'][0])}.yaml", study["iters"]
-            )
-            if not args.keep_checkpoints:
-                for r in mine:  # this study's own runs (study.json claimed the folder), all evaluated
-                    shutil.rmtree(
-                        workdir / "checkpoints" / run_id(model, r["learning_rate"], r["seed"]), ignore_errors=True
-                    )
-    finally:  # an error or Ctrl-C: runs not yet started are dropped, running ones finish (or stop) first
+        with raising_on():  # SIGTERM or a hang-up stops the runs as Ctrl-C does
+            _run_study(pool, study, workdir, args, runs, tests, flops, chosen)
+    except (KeyboardInterrupt, Interrupted) as e:  # each running run is stopped once; nothing new starts
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        waiting = pool.waiting()
+        stopped = pool.stop_and_wait(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
+        print(stop_report(signal.Signals(signum).name, stopped, waiting), file=sys.stderr, flush=True)
+        return 128 + signum
+    finally:  # an error: runs not yet started are dropped, running ones finish first
         pool.shutdown()
     result = report(study, runs, tests, flops, chosen)
     result["attention"] = args.attention

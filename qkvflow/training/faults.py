@@ -1,12 +1,6 @@
 """Preemption, interrupted checkpoint writes and non-finite steps: what `qkvflow train` does about them.
 
-* **Preemption and Ctrl-C** (`Preemption`): the first SIGTERM or SIGINT (Ctrl-C) asks the run to stop
-  after the step in progress; `qkvflow train` then saves a checkpoint, waits for the write and exits
-  0 after SIGTERM (a preemption is not a failure) or 130 after SIGINT (128 + SIGINT, as a shell reports
-  Ctrl-C, so that `qkvflow train && next` stops). A second signal of the same kind ends the process at
-  once. With several processes (`jax.distributed`), JAX's preemption notifier receives the SIGTERM
-  instead, and all processes stop after the same step (a notice to any one of them stops all of
-  them); a SIGINT is passed on to that notifier as a SIGTERM, so Ctrl-C stops them alike.
+* **Preemption and Ctrl-C** (`Preemption`): qkvflow.training.preemption.
 * **Interrupted checkpoint writes** (`remove_incomplete_checkpoints`): Levanter writes a checkpoint's
   arrays first and its `metadata.json` last (after every process has committed its shards), and only
   folders with a `metadata.json` count as checkpoints. A process killed during a write leaves a
@@ -36,7 +30,6 @@ import json
 import logging
 import os
 import re
-import signal
 import sys
 from typing import Any, Iterable, Iterator, NamedTuple, Optional
 
@@ -48,6 +41,7 @@ import numpy as np
 import optax
 
 from qkvflow.errors import UserError
+from qkvflow.training.preemption import Preemption  # noqa: F401 (part of this module's interface)
 
 logger = logging.getLogger("qkvflow.training.faults")
 
@@ -57,96 +51,6 @@ NONFINITE_MODES = ("stop", "skip")
 
 class NonFiniteError(RuntimeError):
     """A training step produced a non-finite loss or gradient and `nonfinite` is `stop`."""
-
-
-# --- preemption -----------------------------------------------------------------------------------
-
-
-class Preemption:
-    """SIGTERM and SIGINT handling: the first signal requests a stop after the current step; a second
-    one of the same kind ends the process at once (its default action: Ctrl-C twice quits)."""
-
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT), verb: str = "qkvflow train"):
-        self.signals = signals
-        self.verb = verb
-        self.requested = False
-        self.signal_name: Optional[str] = None
-        self._previous: dict[int, object] = {}
-        self._forwarded = False
-
-    def install(self) -> "Preemption":
-        for sig in self.signals:
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-    def __enter__(self):
-        return self.install()
-
-    def __exit__(self, *exc):
-        self.restore()
-
-    def _handle(self, signum, frame):
-        name = signal.Signals(signum).name
-        if signum == signal.SIGTERM and self._forwarded:  # our own SIGTERM for JAX's notifier: not a second signal
-            self._forwarded = False
-            return
-        if self.requested:  # second signal: stop waiting for the step and the checkpoint
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        self.requested, self.signal_name = True, name
-        again = "press Ctrl-C again" if signum == signal.SIGINT else f"send {name} again"
-        print(
-            f"{self.verb}: {name} received: finishing the current step, saving a checkpoint, then exiting "
-            f"({again} to exit at once, without saving)",
-            file=sys.stderr,
-            flush=True,
-        )
-        if signum != signal.SIGTERM and _distributed_client() is not None and jax.process_count() > 1:
-            # all processes must stop after the same step: JAX's preemption notifier (which owns
-            # SIGTERM under jax.distributed) makes them agree on it
-            self._forwarded = True
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    def should_stop(self, step: int) -> bool:
-        """Whether to stop before training step `step` (0-based), on every process alike.
-
-        One process: whether SIGTERM arrived. With `jax.distributed` (several processes, or a cluster
-        JAX recognises), JAX's own preemption notifier owns SIGTERM: any process's notice makes all of
-        them agree, in the background, on the same step to stop at (`reached_preemption_sync_point`),
-        without a collective per step. Must then be called at every step by every process."""
-        if _distributed_client() is not None:
-            from jax.experimental import multihost_utils
-
-            if multihost_utils.reached_preemption_sync_point(step):
-                if not self.requested:
-                    self.requested, self.signal_name = True, "SIGTERM (a preemption notice to one of the processes)"
-                return True
-            return self.requested and jax.process_count() == 1
-        return self.requested
-
-    def wrap(self, loader: Iterable, start: int = 0) -> Iterator:
-        """The batches of `loader` (the first one for step `start`) until a stop is requested."""
-        iterator = iter(loader)
-        step = start
-        while not self.should_stop(step):
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                return
-            yield batch
-            step += 1
-
-
-def _distributed_client():
-    from jax._src import distributed  # what jax.experimental.multihost_utils itself consults
-
-    return distributed.global_state.client
 
 
 # --- interrupted checkpoint writes ----------------------------------------------------------------

@@ -7,6 +7,9 @@
         guard.check(info)
     trainer.run_hooks(info, force=True); checkpointer.wait_until_finished()
 
+A SIGINT or SIGTERM before the first step (loading, compiling) ends the process at once, with one
+line: there is nothing to save (`faults.Preemption.exit_at_once_until_first_step`).
+
 Levanter's own `Trainer.train` is this loop without the guard and without waiting for the last
 checkpoint; its default hooks are added here in an order that puts the non-finite guard first
 (`qkvflow.training.faults.NonFiniteGuard`: nothing is saved for a bad step) and keeps the checkpointer
@@ -20,6 +23,7 @@ import itertools
 import logging
 import math
 import sys
+import threading
 import time
 from typing import Callable, Optional
 
@@ -48,6 +52,29 @@ def say(message: str) -> None:
     run: building the token cache and compiling take a minute or more before the first step line."""
     if jax.process_index() == 0:
         print(message, flush=True)
+
+
+SLOW_COMPILE_S = 90.0
+"""Seconds after which a run still compiling its first step says that XLA's banner may follow."""
+
+
+def slow_compile_note(delay: float = SLOW_COMPILE_S) -> threading.Timer:
+    """A started timer that prints one line if it is not cancelled within `delay` seconds (cancel it at the
+    first step). XLA logs a banner on stderr when one compile passes 2 minutes, "[Compiling module ...]
+    Very slow compile? If you want to file a bug, run with envvar XLA_FLAGS=--xla_dump_to=... "
+    (xla/service/slow_operation_alarm.cc, at ERROR level, so it cannot be silenced alone). It means only
+    that the compile is slow on this machine (a loaded CPU, a large model): the line says so beforehand."""
+    timer = threading.Timer(
+        delay,
+        say,
+        [
+            f"still compiling after {delay:.0f} s (a loaded machine or a large model). XLA may print a "
+            "'Very slow compile?' banner on stderr: it means only that, not an error; the run goes on"
+        ],
+    )
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def jsonl_tracker(trainer_config) -> Optional[JsonlTrackerConfig]:
@@ -192,6 +219,7 @@ def train_run(
     `session.start` built (`session.build_caches`; `tokens`: tokens of each split). Returns the summary and the final trainer
     state (None if no state exists, e.g. stopped before the first step)."""
     config = run.config
+    preemption.exit_at_once_until_first_step()  # loading and compiling: nothing to save if stopped
     trainer, optimizer_config = make_trainer(config, loss_fn, inject)
     t, optimizer = trainer.config, trainer.optimizer
     guard = faults.NonFiniteGuard(optimizer, config.nonfinite, t.num_train_steps, verb=run.verb)
@@ -278,9 +306,11 @@ def train_run(
         batches = itertools.islice(loader.iter_from_step(start), max(0, last - start))
         batches = faults.poison_loss(preemption.wrap(batches, start), start, inject)
         say("compiling the training step (the first step takes longest) ...")
-        info = None
+        info, note = None, slow_compile_note()
         try:
             for info in trainer.training_steps(state, batches):
+                note.cancel()
+                preemption.first_step_done()  # from here on a signal stops after the step, with a checkpoint
                 guard.check(info)
                 step_info(info)
                 progress(info)
@@ -289,6 +319,8 @@ def train_run(
         except faults.NonFiniteError:
             checkpointer.wait_until_finished()  # writes already started hold finite states
             raise
+        finally:
+            note.cancel()
         if info is None:
             if preemption.requested:
                 print(

@@ -48,7 +48,11 @@ def resolve(value: Optional[str]):
 
 def stored_dtype(checkpoint: str) -> Optional[str]:
     """The dtype of the projections' first moment in a checkpoint's optimizer state (read from the arrays'
-    metadata), or None if it holds none (no hypernetwork, or no optimizer state)."""
+    metadata), or None if it holds none (no hypernetwork, or no optimizer state).
+
+    qkvflow stores every projection's first moment in one dtype (`with_hypernetwork_mu_dtype`); a checkpoint
+    holding several was not written by this rule, and no dtype to resume with follows from it: it is
+    refused in one line naming the checkpoint and the dtypes, rather than resumed in one picked from them."""
     from qkvflow.training.checkpoint_arrays import array_dtypes
 
     found = {
@@ -57,7 +61,11 @@ def stored_dtype(checkpoint: str) -> Optional[str]:
         if key.startswith("opt_state/") and "/mu/" in key and "/projections/" in key
     }
     if len(found) > 1:
-        raise UserError(f"checkpoint {checkpoint!r} holds first moments of several dtypes {sorted(found)}")
+        raise UserError(
+            f"checkpoint {checkpoint!r} holds the hypernetwork projections' first moments in several dtypes "
+            f"{sorted(found)}, where qkvflow stores one: no hypernetwork_mu_dtype follows from it; start a new run "
+            "(a new trainer.id) or resume from a checkpoint qkvflow wrote"
+        )
     return found.pop() if found else None
 
 

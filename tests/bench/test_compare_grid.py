@@ -113,6 +113,18 @@ def test_extend_grid_stops_once_the_choice_is_interior(study, monkeypatch):
         _main(study, monkeypatch, FakeRuns(), "--extend_grid", "0")
 
 
+def test_a_choice_that_becomes_interior_with_the_last_rate_allowed_is_not_at_the_limit(study, monkeypatch):
+    """--extend_grid 1 and ode's minimum at 2e-3: 2e-3 is the highest of [1e-3, 2e-3], so 4e-3 is added (the
+    one rate allowed) and 2e-3 is then interior. The limit was used up but did not stop the search at an
+    edge: ode is not marked. gpt2 (rising) is still at its lowest edge after its one added rate: marked."""
+    assert _main(study, monkeypatch, Falling(best=2e-3), "--extend_grid", "1", "--models", "ode") == 0
+    ode, gpt2 = _result(study)["models"]["ode"], _result(study)["models"]["gpt2"]
+    assert (ode["best_learning_rate"], ode["edge"], ode["added_learning_rates"]) == (2e-3, None, [4e-3])
+    assert ode["extend_limit_reached"] is False
+    assert (gpt2["edge"], gpt2["added_learning_rates"], gpt2["extend_limit_reached"]) == ("lowest", [5e-4], True)
+    assert "Stopped at the limit, still at the edge: gpt2." in (study / "out" / "study.md").read_text()
+
+
 def test_a_subset_without_the_baseline_trains_it_in_a_new_work_folder(study, monkeypatch, capsys):
     fake = FakeRuns()
     assert _main(study, monkeypatch, fake, "--models", "ode") == 0
@@ -195,8 +207,7 @@ def test_a_typo_in_a_models_config_leaves_the_work_folder_unclaimed(study, monke
 def test_a_model_that_has_not_run_may_change_and_one_that_has_may_not(study, monkeypatch):
     """Issue 56 item 5: the whole study is claimed, then interrupted before ode's first run (gpt2's 4 trainings
     and 1 of its 2 tests done); ode's definition changes, and the study continues with it."""
-    with pytest.raises(KeyboardInterrupt):
-        _main(study, monkeypatch, FakeRuns(stop_before=6))
+    assert _main(study, monkeypatch, FakeRuns(stop_before=6)) == 130  # stopped as by Ctrl-C
     assert set(json.loads((study / "work" / "study.json").read_text())["models"]) == {"gpt2", "ode"}
     spec = yaml.safe_load((study / "study.yaml").read_text())
     spec["models"]["ode"]["model"]["time_embed_dim"] = 8  # ode has no run in the folder yet

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.timescale import limit
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # A program that makes 30,000 two-object cycles (only the collector frees them) and prints the thresholds
@@ -25,7 +27,7 @@ def _run(tmp_path, *args):
     (tmp_path / "cycles.py").write_text(CYCLES)
     return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gc_time.py"), *args, "-m", "cycles"],
                           cwd=tmp_path, env={"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin"},
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+                          capture_output=True, text=True, timeout=limit(120))  # fmt: skip
 
 
 def _counts(stderr: str) -> list[int]:

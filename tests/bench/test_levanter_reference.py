@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.timescale import limit
+
 ROOT = Path(__file__).resolve().parents[2]
 
 WRITE = """
@@ -20,7 +22,7 @@ print(json.dumps(sorted({"transformers", "torch"} & set(sys.modules))))
 def test_the_tokenizer_maps_each_word_to_its_number_in_levanter_and_transformers(tmp_path):
     folder = tmp_path / "tokenizer"
     proc = subprocess.run([sys.executable, "-c", WRITE, str(ROOT / "benchmarks"), str(folder)],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+                          capture_output=True, text=True, timeout=limit(120))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.splitlines()[-1]) == []  # the script's ~5 s import of transformers and torch
     files = ["special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]

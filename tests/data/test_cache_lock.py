@@ -5,6 +5,7 @@ import time
 
 from qkvflow.data import cache_lock
 from qkvflow.training import session
+from tests.timescale import limit
 
 
 class Data:
@@ -30,7 +31,7 @@ def test_a_run_waits_while_another_process_builds_the_same_cache(tmp_path):
         assert other.started.is_set()
         time.sleep(1.0)
         assert not waiting.started.is_set()  # still waiting for the lock
-    thread.join(timeout=30)
+    thread.join(timeout=limit(30))
     assert waiting.started.is_set() and not thread.is_alive()
     assert (tmp_path / "cache" / cache_lock.LOCK_FILE).is_file()
 

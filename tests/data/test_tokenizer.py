@@ -21,6 +21,7 @@ from transformers import AutoTokenizer  # noqa: E402
 from qkvflow.cli import main as cli_main  # noqa: E402
 from qkvflow.data.tokenizer import build_tokenizer_folder  # noqa: E402
 from qkvflow.outputs import MARKER  # noqa: E402
+from tests.timescale import limit  # noqa: E402
 from tests.train_utils import ROOT, cli_in_one_process, train_env  # noqa: E402
 
 EOS = "<|endoftext|>"  # pinned: the bundled corpora, the export and Levanter's framing all use it
@@ -350,7 +351,7 @@ def test_own_text_trains_offline_end_to_end(sample: dict, tmp_path: Path) -> Non
                       "--chunk_chars", str(CHUNK), "--validation_fraction", str(FRACTION), "--output", "cache/own_text"],
         "train": ["train", "--config_path", str(ROOT / "configs" / "own_text.yaml"), *tiny],
     }  # fmt: skip
-    results = cli_in_one_process(cases, env, cwd=tmp_path, timeout=600)
+    results = cli_in_one_process(cases, env, cwd=tmp_path, timeout=limit(600))
     code, stdout, stderr = results["tokenizer"]
     assert code == 0, stderr
     assert stdout.splitlines()[-1] == "next: qkvflow train --config_path configs/own_text.yaml"

@@ -16,6 +16,7 @@ from qkvflow.cli import main as cli_main
 from qkvflow.errors import UserError
 from tests.finetune_utils import TINY_TRAIN, shared_setup
 from tests.helpers import with_host_devices
+from tests.timescale import limit
 
 EPS32 = float(np.finfo(np.float32).eps)
 
@@ -92,7 +93,7 @@ def test_on_two_devices_eval_equals_the_runs_own_eval_loss(shared, tmp_path):
     proc = warm.run(
         ["eval", "--config_path", TINY_TRAIN, "--corpus.root", str(corpora), "--checkpoint", str(pretrained),
          "--trainer.per_device_eval_parallelism", "4", "--output", str(out)],
-        env, cwd=tmp_path, timeout=600,
+        env, cwd=tmp_path, timeout=limit(600),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = read_metrics(metrics_file(str(pretrained.parent.parent / "runs"), "tiny"))

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import logit_tolerance
+from tests.timescale import limit
 
 ROOT = Path(__file__).resolve().parents[2]
 N = 4  # ode.num_steps of the tiny models
@@ -306,7 +307,9 @@ def test_exported_folder_loads_with_qkvflow_unimportable(exported, tmp_path):
         f"m = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True)\n"
         "print(type(m).__name__)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=limit(300)
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "QkvflowParallelLlamaForCausalLM" in proc.stdout
 

@@ -22,6 +22,7 @@ from qkvflow.models.diffeqformer import DiffEqFormerConfig, DiffEqFormerGpt2Conf
 from qkvflow.models.discrete.model import ParallelConfig
 from qkvflow.models.flavour import GPT2, LLAMA
 from tests.helpers import Vocab, random_tokens, tiny_model
+from tests.timescale import limit
 
 # A discrete variant with a new flavour: Llama blocks, but learned absolute positions instead of rotary.
 LEARNED_LLAMA = LLAMA.replace(name="llama_learned", learned_positions=True, rotary=False)
@@ -176,7 +177,7 @@ def test_a_parse_imports_only_the_levanter_model_types_it_names(tmp_path):
 
     (tmp_path / "mistral.yaml").write_text("model:\n  type: mistral\n")
     proc = subprocess.run([sys.executable, "-c", _SEARCH, TINY, str(tmp_path / "mistral.yaml")],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+                          capture_output=True, text=True, timeout=limit(300))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["tiny"] == ["DiffEqFormerGpt2Config", [], False]

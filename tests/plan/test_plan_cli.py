@@ -16,6 +16,7 @@ import jax
 import pytest
 
 from tests.helpers import with_host_devices
+from tests.timescale import limit
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "tests/configs/plan_tiny.yaml")
@@ -108,7 +109,7 @@ def test_the_verb_prints_the_plan_as_text_or_json(capsys, monkeypatch, plan):
 def test_fsdp_over_two_devices_halves_the_state_and_gathers_it():
     env = {**os.environ, "XLA_FLAGS": with_host_devices(2)}
     cmd = [sys.executable, "-m", "qkvflow", "plan", "--config_path", TINY, "--target", "cpu:2", "--json"]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=limit(600))
     assert done.returncode == 0, done.stderr[-2000:]
     plan = json.loads(done.stdout)
     assert plan["mesh"]["data"] == 2 and plan["batch"]["per_device"] == 2
