@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from qkvflow.cli import early
+from tests.timescale import limit
 
 ROOT = Path(__file__).resolve().parents[1]
 Q = "configs/quickstart.yaml"
@@ -34,7 +35,7 @@ HEAVY = (
     "draccus",
 )
 """Top-level packages that the seam must not import."""
-LIMIT = 600
+LIMIT = limit(600)
 """Seconds a subprocess may take before it counts as hung (generous: the suite runs on loaded machines)."""
 
 

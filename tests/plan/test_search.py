@@ -20,6 +20,7 @@ from qkvflow.plan import search, targets
 from qkvflow.plan.config import PlanConfig
 from qkvflow.training.sharding import mesh_shape
 from tests.helpers import with_host_devices
+from tests.timescale import limit
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "tests/configs/plan_tiny.yaml")
@@ -294,7 +295,7 @@ def test_the_verb_searches_on_two_cpu_devices_with_real_compiles():
     env = {**os.environ, "XLA_FLAGS": with_host_devices(2)}
     cmd = [sys.executable, "-m", "qkvflow", "plan", "--config_path", TINY, "--target", "cpu:2", "--search"]
     cmd += ["--search_model", "1", "--search_remat", "true", "--search_max_compiles", "1", "--json"]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=limit(900))
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout)
     assert out["compiles"] == 1 and done.stderr.count("search: compile 1/1: ") == 1
