@@ -1,0 +1,190 @@
+"""A run's identity (qkvflow.training.run_record): a resumed id whose model, data, optimizer or batch
+differs from what its run recorded is refused in one line; the keys that may change are pinned; older
+runs are compared with the first hyperparameters their metrics.jsonl holds. In-process, on fake run
+folders (a `step-N` folder with the metadata Levanter writes last); the end-to-end checks are in
+tests/test_train.py."""
+
+import json
+
+import pytest
+
+from qkvflow.errors import UserError
+from qkvflow.training import run_record
+from tests.helpers import parse_config
+from tests.train_utils import TINY
+
+# the keys docs/checkpoints.md says a resume may change (and every key under them)
+PINNED = (
+    "trainer.num_train_steps", "stop_after", "epochs",
+    "trainer.steps_per_eval", "eval_before", "log_every", "verbose", "loss_curve", "trainer.tracker", "trainer.wandb",
+    "trainer.log_dir", "trainer.watch", "trainer.profiler", "trainer.log_jaxprs", "trainer.log_xla_hlo",
+    "trainer.checkpointer", "trainer.load_checkpoint", "trainer.load_checkpoint_path", "trainer.initialize_from",
+    "trainer.allow_partial_checkpoint",
+    "trainer.mesh", "trainer.use_explicit_mesh_axes", "trainer.per_device_parallelism",
+    "trainer.per_device_eval_parallelism", "trainer.distributed", "trainer.jax_config",
+    "trainer.jax_compilation_cache_dir", "trainer.require_accelerator", "trainer.shutdown_at_exit",
+    "loss_vocab_block", "model.cross_entropy_block_size",
+    "nonfinite", "trainer.crash_on_nan", "trainer.crash_on_inf",
+    "hypernetwork_mu_dtype",
+    "corpus.root", "data.cache_dir", "data.components.*.cache_dir", "data.cache_options", "data.auto_build_caches",
+    "export", "sweep",
+)  # fmt: skip
+
+
+def _config(tmp_path, *args):
+    return parse_config(
+        TINY,
+        args=[
+            "--trainer.checkpointer.base_path", str(tmp_path / "checkpoints"),
+            "--trainer.tracker", f"{{type: jsonl, path: {tmp_path / 'runs'}}}",
+            "--trainer.log_dir", str(tmp_path / "logs"),
+            *args,
+        ],
+    )  # fmt: skip
+
+
+def _checkpoint(tmp_path, step: int, run_id: str = "tiny"):
+    """A complete checkpoint of `step` as far as resuming goes: Levanter writes metadata.json last."""
+    folder = tmp_path / "checkpoints" / run_id / f"step-{step}"
+    folder.mkdir(parents=True)
+    (folder / "manifest.ocdbt").write_bytes(b"\0" * 32)
+    (folder / "metadata.json").write_text(json.dumps({"step": step, "timestamp": "2026-11-29T00:00:00"}))
+
+
+@pytest.fixture
+def started(tmp_path):
+    """A run of the tiny config that recorded its config at its first start and has a checkpoint of step 4."""
+    pending = run_record.check(_config(tmp_path))
+    assert pending is not None  # a new run: recorded at its start
+    run_record.write(pending)
+    _checkpoint(tmp_path, 4)
+    return tmp_path
+
+
+def test_the_keys_that_may_change_on_resume_are_pinned_and_documented():
+    assert run_record.MAY_CHANGE == PINNED
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "checkpoints.md").read_text()
+    section = docs.split("## What a resume may change", 1)[1].split("\n## ", 1)[0]
+    missing = [key for key in PINNED if f"`{key}`" not in section]
+    assert not missing, missing
+
+
+def test_the_record_is_the_config_as_parsed_and_is_written_atomically(started):
+    folder = started / "checkpoints" / "tiny"
+    assert sorted(p.name for p in folder.iterdir()) == ["run_config.json", "step-4"]  # no temporary file left
+    record = json.loads((folder / "run_config.json").read_text())["config"]
+    assert record["model"]["type"] == "diffeqformer_gpt2" and record["model"]["ode"]["num_steps"] == 2
+    assert record["trainer"]["train_batch_size"] == 8 and record["optimizer"]["learning_rate"] == 0.01
+    assert run_record.flatten(record) == run_record.snapshot(_config(started))
+
+
+REFUSED = {
+    "model": (["--model.ode.num_steps", "4"], "model.ode.num_steps 2 -> 4"),
+    "batch": (["--trainer.train_batch_size", "16"], "trainer.train_batch_size 8 -> 16"),
+    "optimizer": (["--optimizer.learning_rate", "0.001"], "optimizer.learning_rate 0.01 -> 0.001"),
+    "seed": (["--trainer.seed", "1"], "trainer.seed 0 -> 1"),
+    "data seed": (["--data_seed", "3"], "data_seed null -> 3"),
+    "data": (["--data.shuffle", "true"], "data.shuffle false -> true"),
+    "tokenizer": (["--corpus.vocab_size", "600"], "corpus.vocab_size null -> 600"),
+    "precision": (["--trainer.mp", "p=f32,c=bf16"], "trainer.mp compute=float32,params=float32,output=float32 -> "),
+    "eval set": (["--trainer.max_eval_batches", "4"], "trainer.max_eval_batches 1 -> 4"),
+    "z-loss": (["--z_loss_weight", "0.001"], "z_loss_weight 0.0 -> 0.001"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_a_resume_that_changes_the_run_is_refused_in_one_line(started, case):
+    args, change = REFUSED[case]
+    with pytest.raises(UserError) as refused:
+        run_record.check(_config(started, *args))
+    message = str(refused.value)
+    assert "\n" not in message and change in message, message
+    assert message.startswith("run 'tiny' was started with another config (recorded in ")
+    assert "--trainer.id NEW" in message
+
+
+def test_another_model_type_is_refused(started):
+    import dataclasses
+
+    from levanter.models.gpt2 import Gpt2Config
+
+    config = _config(started)
+    gpt2 = dataclasses.replace(config, model=Gpt2Config(max_seq_len=32, hidden_dim=32, num_heads=2, num_layers=2))
+    with pytest.raises(UserError, match="model.type diffeqformer_gpt2 -> gpt2, "):
+        run_record.check(gpt2)
+
+
+def test_the_refusal_names_every_changed_key_up_to_four():
+    changes = [(f"model.k{i}", i, i + 1) for i in range(6)]
+    message = run_record.refusal("r", "x", changes)
+    assert "model.k0 0 -> 1, model.k1 1 -> 2, model.k2 2 -> 3, model.k3 3 -> 4 and 2 more;" in message
+
+
+ALLOWED = {
+    "length": ["--trainer.num_train_steps", "20", "--stop_after", "10", "--epochs", "3"],
+    "cadence": ["--trainer.steps_per_eval", "2", "--log_every", "5", "--verbose", "true", "--loss_curve", "null"],
+    "trackers": ["--trainer.tracker", "[{type: jsonl, path: elsewhere}, {type: tensorboard}]"],
+    "checkpoints": ["--trainer.checkpointer.save_interval", "2m", "--trainer.checkpointer.keep", "[{every: 2}]"],
+    "devices": ["--trainer.mesh.axes", "{data: 2, replica: 1, model: 2}", "--trainer.per_device_parallelism", "2"],
+    "vocabulary block": ["--loss_vocab_block", "64"],
+    "non-finite policy": ["--nonfinite", "skip"],
+    "locations": ["--corpus.root", "/elsewhere/corpora", "--data.cache_dir", "/elsewhere/cache"],
+}
+
+
+@pytest.mark.parametrize("case", list(ALLOWED))
+def test_the_keys_that_may_change_pass(started, case):
+    assert run_record.check(_config(started, *ALLOWED[case])) is None  # compared, and the record kept
+
+
+def test_a_run_without_a_complete_checkpoint_starts_again_and_is_recorded_anew(tmp_path):
+    run_record.write(run_record.check(_config(tmp_path)))
+    (tmp_path / "checkpoints" / "tiny" / "step-3").mkdir()  # a write a kill interrupted: no metadata.json
+    changed = _config(tmp_path, "--trainer.train_batch_size", "16")
+    pending = run_record.check(changed)
+    assert pending is not None and pending.config["trainer.train_batch_size"] == 16
+    run_record.write(pending)
+    record = json.loads((tmp_path / "checkpoints" / "tiny" / "run_config.json").read_text())
+    assert record["config"]["trainer"]["train_batch_size"] == 16
+
+
+def test_a_run_begun_before_the_record_is_compared_with_its_first_hyperparameters(tmp_path):
+    """Levanter's tracker logged the config of each start to metrics.jsonl; the first one stands in for the
+    record (written here by qkvflow's jsonl tracker from Levanter's own `hparams_to_dict`)."""
+    from levanter.tracker.helpers import hparams_to_dict
+
+    from qkvflow.training.tracking import JsonlTracker
+
+    no_corpus = ["--corpus", "null"]  # `data` as Levanter logged it, without building the corpus
+    first, later = _config(tmp_path, *no_corpus), _config(tmp_path, *no_corpus, "--model.ode.num_steps", "8")
+    tracker = JsonlTracker(str(tmp_path / "runs" / "tiny" / "metrics.jsonl"))
+    tracker.log_hyperparameters(hparams_to_dict(first))
+    tracker.log_hyperparameters(hparams_to_dict(later))  # a later start's: not what the run began with
+    _checkpoint(tmp_path, 4)
+    with pytest.raises(UserError, match=r"its first start's hyperparameters in .*metrics.jsonl\): model.ode.num_steps 2 -> 8"):
+        run_record.check(later)
+    pending = run_record.check(_config(tmp_path, *no_corpus, "--trainer.steps_per_eval", "3"))
+    assert pending is not None  # the same run: recorded from now on
+
+
+def test_a_run_with_no_record_at_all_is_taken_as_it_is_and_recorded(tmp_path, capsys):
+    _checkpoint(tmp_path, 4)
+    pending = run_record.check(_config(tmp_path, "--model.ode.num_steps", "8"))
+    assert pending is not None
+    assert "run 'tiny' has no record of the config it was started with" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args,finished",
+    [([], 8), (["--stop_after", "5"], 8), (["--trainer.num_train_steps", "9"], None), (["--stop_after", "9"], 8)],
+)
+def test_a_run_at_its_target_has_nothing_to_train(tmp_path, args, finished):
+    _checkpoint(tmp_path, 4)
+    _checkpoint(tmp_path, 8)
+    config = _config(tmp_path, *args)
+    assert run_record.finished(config) == finished
+    # a run that loads another folder's checkpoint goes through the trainer, which finds out itself
+    other = _config(tmp_path, *args, "--trainer.load_checkpoint_path", str(tmp_path / "checkpoints/tiny/step-4"))
+    assert run_record.finished(other) is None
