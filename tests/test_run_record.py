@@ -177,14 +177,20 @@ def test_a_run_with_no_record_at_all_is_taken_as_it_is_and_recorded(tmp_path, ca
 
 
 @pytest.mark.parametrize(
-    "args,finished",
-    [([], 8), (["--stop_after", "5"], 8), (["--trainer.num_train_steps", "9"], None), (["--stop_after", "9"], 8)],
+    "newest,args,finished",
+    [
+        (8, [], 8),
+        (4, ["--stop_after", "4"], 4),  # an invocation's target is stop_after when smaller
+        (4, ["--stop_after", "5"], None),
+        (8, ["--trainer.num_train_steps", "9"], None),
+        (8, ["--stop_after", "9"], 8),
+    ],
 )
-def test_a_run_at_its_target_has_nothing_to_train(tmp_path, args, finished):
-    _checkpoint(tmp_path, 4)
-    _checkpoint(tmp_path, 8)
+def test_a_run_at_its_target_has_nothing_to_train(tmp_path, newest, args, finished):
+    for step in sorted({2, newest}):
+        _checkpoint(tmp_path, step)
     config = _config(tmp_path, *args)
     assert run_record.finished(config) == finished
     # a run that loads another folder's checkpoint goes through the trainer, which finds out itself
-    other = _config(tmp_path, *args, "--trainer.load_checkpoint_path", str(tmp_path / "checkpoints/tiny/step-4"))
+    other = _config(tmp_path, *args, "--trainer.load_checkpoint_path", str(tmp_path / "checkpoints/tiny/step-2"))
     assert run_record.finished(other) is None
