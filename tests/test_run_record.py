@@ -163,17 +163,39 @@ def test_a_run_begun_before_the_record_is_compared_with_its_first_hyperparameter
     tracker.log_hyperparameters(hparams_to_dict(first))
     tracker.log_hyperparameters(hparams_to_dict(later))  # a later start's: not what the run began with
     _checkpoint(tmp_path, 4)
-    with pytest.raises(UserError, match=r"its first start's hyperparameters in .*metrics.jsonl\): model.ode.num_steps 2 -> 8"):
+    with pytest.raises(
+        UserError, match=r"its first start's hyperparameters in .*metrics.jsonl\): model.ode.num_steps 2 -> 8"
+    ):
         run_record.check(later)
     pending = run_record.check(_config(tmp_path, *no_corpus, "--trainer.steps_per_eval", "3"))
     assert pending is not None  # the same run: recorded from now on
 
 
 def test_a_run_with_no_record_at_all_is_taken_as_it_is_and_recorded(tmp_path, capsys):
+    """Nothing to compare with: the start goes on, and says so when it records its config (after the checks
+    that may still refuse it, which print one line only)."""
     _checkpoint(tmp_path, 4)
     pending = run_record.check(_config(tmp_path, "--model.ode.num_steps", "8"))
-    assert pending is not None
-    assert "run 'tiny' has no record of the config it was started with" in capsys.readouterr().err
+    assert pending is not None and capsys.readouterr().err == ""
+    run_record.write(pending)
+    assert capsys.readouterr().err == (
+        f"run 'tiny' had no record of the config it was started with (begun before qkvflow kept one): "
+        f"this start's config is recorded in {tmp_path / 'checkpoints' / 'tiny' / 'run_config.json'}\n"
+    )
+    assert run_record.check(_config(tmp_path, "--model.ode.num_steps", "8")) is None  # recorded: compared now
+
+
+def test_the_newest_checkpoint_is_found_without_levanter_logging_to_the_terminal(tmp_path, capfd):
+    folder = tmp_path / "checkpoints" / "tiny"
+    (folder / "step-3").mkdir(parents=True)  # a write a kill interrupted
+    assert run_record.newest_step(str(folder)) is None
+    _checkpoint(tmp_path, 10)
+    _checkpoint(tmp_path, 9)
+    (folder / "step-11").mkdir()
+    (folder / "step-11" / "metadata.json").write_text("{not json")  # the start-up names it (faults)
+    assert run_record.newest_step(str(folder)) == 10
+    assert run_record.newest_step(str(tmp_path / "none")) is None
+    assert capfd.readouterr().err == ""
 
 
 @pytest.mark.parametrize(

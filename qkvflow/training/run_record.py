@@ -28,6 +28,7 @@ import dataclasses
 import fnmatch
 import json
 import os
+import re
 import sys
 from typing import Any, Optional
 
@@ -170,22 +171,26 @@ def run_folder(trainer_config) -> Optional[str]:
 
 
 def newest_step(folder: str) -> Optional[int]:
-    """The step of the newest complete checkpoint in the run folder `folder` (Levanter's choice on
-    resume), from its `metadata.json`; None if there is none."""
+    """The step of the newest complete checkpoint in the run folder `folder`, the one a resume loads: the
+    largest `step` of a `step-N` folder's `metadata.json` (Levanter writes it last). None if there is none.
+    Read directly rather than with Levanter's `discover_latest_checkpoint`, which logs (to the terminal,
+    before logging is set up) when it finds none; an unreadable metadata.json is the run's own start-up's
+    to name (qkvflow.training.faults)."""
     import fsspec
-    import levanter.checkpoint
 
     fs, root = fsspec.core.url_to_fs(folder)
     if not fs.isdir(root):
         return None
-    latest = levanter.checkpoint.discover_latest_checkpoint(folder)
-    if latest is None:
-        return None
-    try:
-        with fsspec.open(os.path.join(str(latest), "metadata.json")) as f:
-            return int(json.load(f)["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # unreadable: the run's own start-up names it (qkvflow.training.faults)
+    steps = []
+    for entry in fs.ls(root, detail=False):
+        if not re.fullmatch(r"step-\d+", os.path.basename(entry.rstrip("/"))):
+            continue
+        try:
+            with fs.open(os.path.join(entry, "metadata.json")) as f:
+                steps.append(int(json.load(f)["step"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # an interrupted write (no metadata.json yet), or one the start-up refuses
+    return max(steps, default=None)
 
 
 def _read_json(path: str) -> Optional[dict]:
@@ -228,6 +233,8 @@ class Pending:
 
     folder: str
     config: dict
+    note: Optional[str] = None
+    """A line to print when the record is written."""
 
 
 def check(config) -> Optional[Pending]:
@@ -251,13 +258,11 @@ def check(config) -> Optional[Pending]:
         return None
     older = _first_hparams(t)
     if older is None:
-        print(
-            f"run {t.id!r} has no record of the config it was started with (begun before qkvflow kept one): "
-            f"this start's config is recorded in {path}",
-            file=sys.stderr,
-            flush=True,
+        note = (
+            f"run {t.id!r} had no record of the config it was started with (begun before qkvflow kept one): "
+            f"this start's config is recorded in {path}"
         )
-        return pending
+        return dataclasses.replace(pending, note=note)
     file, hparams = older
     from qkvflow.training.session import with_corpus  # Levanter logged the config with `data` from the corpus
 
@@ -273,6 +278,9 @@ def write(pending: Optional[Pending]) -> None:
     if pending is None:
         return
     import fsspec
+
+    if pending.note:
+        print(pending.note, file=sys.stderr, flush=True)
 
     path = os.path.join(pending.folder, RECORD_FILE)
     text = json.dumps({"config": _unflatten(pending.config)}, indent=1, sort_keys=True) + "\n"
