@@ -216,3 +216,21 @@ def test_a_run_at_its_target_has_nothing_to_train(tmp_path, newest, args, finish
     # a run that loads another folder's checkpoint goes through the trainer, which finds out itself
     other = _config(tmp_path, *args, "--trainer.load_checkpoint_path", str(tmp_path / "checkpoints/tiny/step-2"))
     assert run_record.finished(other) is None
+
+
+def test_a_finished_run_says_so_in_one_line_after_the_value_and_identity_checks(tmp_path, capsys):
+    """`session.nothing_to_train`, what `qkvflow train` runs first: a bad value or a changed run is refused
+    as it would be on an unfinished run; the same run prints one line and returns its summary."""
+    from qkvflow.training import session
+
+    run_record.write(run_record.check(_config(tmp_path)))
+    _checkpoint(tmp_path, 8)
+    capsys.readouterr()
+    with pytest.raises(UserError, match="log_every=0 is invalid"):
+        session.nothing_to_train(_config(tmp_path, "--log_every", "0"))
+    with pytest.raises(UserError, match="model.ode.num_steps 2 -> 3"):
+        session.nothing_to_train(_config(tmp_path, "--model.ode.num_steps", "3"))
+    assert session.nothing_to_train(_config(tmp_path, "--trainer.num_train_steps", "9")) is None
+    summary = session.nothing_to_train(_config(tmp_path, "--trainer.steps_per_eval", "2"))
+    assert summary == {"run_id": "tiny", "steps": 8, "nothing_to_train": True}
+    assert capsys.readouterr().out == "run tiny is already at step 8 (target 8): nothing to train\n"

@@ -260,6 +260,7 @@ def nothing_to_train(config: TrainConfig) -> Optional[dict]:
     step = run_record.finished(config)
     if step is None:
         return None
+    preflight.check_values(config)  # a bad value is refused, finished run or not
     run_record.check(config)
     t = config.trainer
     target = min(t.num_train_steps, config.stop_after or t.num_train_steps)
