@@ -80,6 +80,23 @@ def test_the_record_is_the_config_as_parsed_and_is_written_atomically(started):
     assert run_record.flatten(record) == run_record.snapshot(_config(started))
 
 
+def test_a_start_writes_its_record_only_once_its_state_is_restored(tmp_path):
+    """`session.start` holds the record; the run loop writes it after the restore, so a start refused there
+    (tests/test_bad_input.py::test_end_to_end_in_a_subprocess) leaves the checkpoint folder as it was."""
+    config = _config(tmp_path)
+    folder = run_record.run_folder(config.trainer)
+    run_record.hold(folder, run_record.check(config))
+    assert not (tmp_path / "checkpoints" / "tiny" / "run_config.json").exists()
+    run_record.write_held(folder)
+    assert (tmp_path / "checkpoints" / "tiny" / "run_config.json").is_file()
+    (tmp_path / "checkpoints" / "tiny" / "run_config.json").unlink()
+    run_record.write_held(folder)  # written once
+    run_record.hold(folder, run_record.check(config))
+    run_record.hold(folder, None)  # a later start of the folder in the same process, with nothing to record
+    run_record.write_held(folder)
+    assert not (tmp_path / "checkpoints" / "tiny" / "run_config.json").exists()
+
+
 REFUSED = {
     "model": (["--model.ode.num_steps", "4"], "model.ode.num_steps 2 -> 4"),
     "batch": (["--trainer.train_batch_size", "16"], "trainer.train_batch_size 8 -> 16"),
@@ -103,6 +120,17 @@ def test_a_resume_that_changes_the_run_is_refused_in_one_line(started, case):
     assert "\n" not in message and change in message, message
     assert message.startswith("run 'tiny' was started with another config (recorded in ")
     assert "--trainer.id NEW" in message
+
+
+def test_a_section_replaced_by_null_or_by_another_shape_is_refused(started):
+    """Keys only one side has are not compared (a field added since), except where one side holds a whole
+    section and the other a single value in its place: the corpus dropped for other data is another run."""
+    url = ["--corpus", "null", "--data.components", "{web: {source: {type: url, train_urls: [a.jsonl]}}}"]
+    with pytest.raises(UserError) as refused:
+        run_record.check(_config(started, *url))
+    message = str(refused.value)
+    assert "corpus {" in message and '"name": "pydoc"' in message and "-> null" in message, message
+    assert "data.components {} -> {" in message, message
 
 
 def test_another_model_type_is_refused(started):

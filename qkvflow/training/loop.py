@@ -36,7 +36,7 @@ from levanter.utils.jax_utils import parameter_count
 from levanter.utils.tree_utils import inference_mode
 
 from qkvflow.errors import UserError
-from qkvflow.training import faults, moments, weight_decay
+from qkvflow.training import faults, moments, run_record, weight_decay
 from qkvflow.training.checkpoints import restore_error
 from qkvflow.training.tracking import JsonlTrackerConfig, drop_steps_from, metrics_file
 
@@ -227,6 +227,8 @@ def train_run(
         print(f"run {run_id} is already at step {start} (target {target}): nothing to train", flush=True)
         summary.update(steps=start, nothing_to_train=True)
         return summary, state
+    if jax.process_index() == 0:  # the state restored (or built): the config a first start records
+        run_record.write_held(t.checkpointer.expanded_path(run_id))
     drop_replayed_metrics(t, run_id, start)
     logger.info(
         f"weight decay on {decayed:,} of {trainable:,} trainable parameters (mask: {optimizer_config.weight_decay_modules!r})"

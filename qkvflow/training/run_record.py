@@ -6,7 +6,8 @@ and append its losses to the run's metrics.jsonl and loss curve as if they were 
 
 * at its first start a run records its config in `<checkpoints>/<id>/run_config.json` (draccus's
   encoding of the config as parsed, before a `corpus:` is built; written to a temporary file and
-  renamed into place, by process 0, once the run lock is held): `write`;
+  renamed into place, by process 0, once the run holds its lock and has restored or built its state,
+  before the first step): `hold`, `write_held`;
 * every later start under that id compares its own config with the record, before the corpus, the
   tokenizer or JAX start (`check`): a key outside MAY_CHANGE that differs is refused in one line naming
   each key (old -> new) and how to start a new run instead. Keys that only one side has (a field added
@@ -135,12 +136,29 @@ def _hparams_view(config) -> dict[str, Any]:
 
 
 def changed(recorded: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(key, recorded value, current value) of each key outside MAY_CHANGE that both hold, with another value."""
-    return [
-        (key, recorded[key], current[key])
-        for key in sorted(recorded.keys() & current.keys())
-        if recorded[key] != current[key] and not may_change(key)
+    """(key, recorded value, current value) of each key outside MAY_CHANGE whose value differs. A key that
+    only one side has is a field added or removed since, and not compared, unless the other side holds a
+    section there (keys under it): a section replaced by a single value, such as `corpus: null` for a
+    corpus, or `data.components: {}` for components, is a change of that key."""
+    found = [
+        (key, recorded[key], current[key]) for key in recorded.keys() & current.keys() if recorded[key] != current[key]
     ]
+    for key in recorded.keys() - current.keys():
+        if _has_section(current, key):
+            found.append((key, recorded[key], _section(current, key)))
+    for key in current.keys() - recorded.keys():
+        if _has_section(recorded, key):
+            found.append((key, _section(recorded, key), current[key]))
+    return sorted((c for c in found if not may_change(c[0])), key=lambda c: c[0])
+
+
+def _has_section(flat: dict[str, Any], key: str) -> bool:
+    return any(k.startswith(key + ".") for k in flat)
+
+
+def _section(flat: dict[str, Any], key: str) -> dict:
+    """The nested mapping of the keys under `key`."""
+    return _unflatten({k[len(key) + 1 :]: v for k, v in flat.items() if k.startswith(key + ".")})
 
 
 SHOWN = 4
@@ -270,6 +288,24 @@ def check(config) -> Optional[Pending]:
     if changes:
         raise UserError(refusal(t.id, f"its first start's hyperparameters in {file}", changes))
     return pending
+
+
+_held: dict[str, Optional[Pending]] = {}
+"""The record each run folder's start will write (`hold`, `write_held`)."""
+
+
+def hold(folder: Optional[str], pending: Optional[Pending]) -> None:
+    """Keep the record `check` returned for the run folder `folder` until the run has restored its state
+    (`write_held`): a start refused at the restore (a checkpoint with missing or damaged arrays) writes
+    nothing into the checkpoint folder. Called by `session.start`; kept here rather than passed along
+    because the verbs' run loop (`loop.train_run`) sees the config after the corpus and the verb changed it."""
+    if folder is not None:
+        _held[folder] = pending
+
+
+def write_held(folder: str) -> None:
+    """Write the record held for `folder`, if any (process 0, holding the run lock, before the first step)."""
+    write(_held.pop(str(folder), None))
 
 
 def write(pending: Optional[Pending]) -> None:

@@ -272,8 +272,8 @@ def start(config: TrainConfig, cleanup: contextlib.ExitStack, prepare: Optional[
     """What every training verb does after its own checks and before building a model: compare the config
     with the one the run was started with (qkvflow.training.run_record), prepare the corpus, run the config
     checks, load the tokenizer, read the fault-injection spec, initialise (processes, Levanter, the run lock
-    held until `cleanup` closes), record the run's config at its first start, and, for a run in its own
-    folder, drop the checkpoint writes a kill interrupted.
+    held until `cleanup` closes), hold the run's config to record at its first start (written by
+    `loop.train_run`), and, for a run in its own folder, drop the checkpoint writes a kill interrupted.
 
     Between connecting the processes and the first write of the run (its lock file, Levanter's trackers),
     `prepare(config, tokenizer, Vocab)` runs the verb's own checks that need devices (a checkpoint that does not fit,
@@ -312,8 +312,7 @@ def start(config: TrainConfig, cleanup: contextlib.ExitStack, prepare: Optional[
     initialize(config, cleanup, before_writes)
     if not named and t.id is not None:  # an id Levanter chose: a new run, recorded under it
         record = run_record.Pending(run_record.run_folder(t), run_record.snapshot(parsed))
-    if jax.process_index() == 0:  # holding the run lock
-        run_record.write(record)
+    run_record.hold(run_record.run_folder(t), record)  # written by the run loop once the state is restored
     if t.load_checkpoint_path is None:  # this run's own folder: drop writes a kill interrupted
         checkpointer = t.checkpointer
         faults.remove_incomplete_checkpoints(checkpointer.expanded_path(t.id), checkpointer.delete_old_temp_checkpoints)
