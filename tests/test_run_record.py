@@ -144,6 +144,15 @@ def test_another_model_type_is_refused(started):
         run_record.check(gpt2)
 
 
+@pytest.mark.parametrize("text", ["[1, 2]", '{"model": {}}', "{not json"])
+def test_a_record_that_is_not_one_is_refused_in_one_line(started, text):
+    record = started / "checkpoints" / "tiny" / "run_config.json"
+    record.write_text(text)
+    with pytest.raises(UserError) as refused:
+        run_record.check(_config(started))
+    assert str(record) in str(refused.value) and "\n" not in str(refused.value)
+
+
 def test_the_refusal_names_every_changed_key_up_to_four():
     changes = [(f"model.k{i}", i, i + 1) for i in range(6)]
     message = run_record.refusal("r", "x", changes)

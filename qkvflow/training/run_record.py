@@ -247,7 +247,7 @@ def _first_hparams(trainer_config) -> Optional[tuple[str, dict]]:
 
 @dataclasses.dataclass(frozen=True)
 class Pending:
-    """A record to write once the run holds its lock (`write`)."""
+    """A record to write once the run has restored its state (`hold`, `write_held`)."""
 
     folder: str
     config: dict
@@ -270,7 +270,9 @@ def check(config) -> Optional[Pending]:
     path = os.path.join(folder, RECORD_FILE)
     record = _read_json(path)
     if record is not None:
-        changes = changed(flatten(record.get("config", {})), current)
+        if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
+            raise UserError(f"{path} is not a record of a run's config (expected a JSON object with a config mapping)")
+        changes = changed(flatten(record["config"]), current)
         if changes:
             raise UserError(refusal(t.id, f"recorded in {path}", changes))
         return None
