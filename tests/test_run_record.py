@@ -208,6 +208,26 @@ def test_a_run_begun_before_the_record_is_compared_with_its_first_hyperparameter
     assert pending is not None  # the same run: recorded from now on
 
 
+def test_an_older_run_on_a_corpus_is_compared_with_data_as_levanter_logged_it(tmp_path, corpus_root):
+    """Levanter logged the config after `data` was pointed at the corpus (session.with_corpus): the same
+    run's config passes, and a changed one is refused."""
+    from levanter.tracker.helpers import hparams_to_dict
+
+    from qkvflow.training.session import with_corpus
+    from qkvflow.training.tracking import JsonlTracker
+
+    first = _config(tmp_path, "--corpus.root", str(corpus_root))
+    JsonlTracker(str(tmp_path / "runs" / "tiny" / "metrics.jsonl")).log_hyperparameters(
+        hparams_to_dict(with_corpus(first))
+    )
+    _checkpoint(tmp_path, 4)
+    assert run_record.check(first, with_corpus) is not None  # the same run, recorded from now on
+    with pytest.raises(UserError, match="trainer.train_batch_size 8 -> 4"):
+        run_record.check(
+            _config(tmp_path, "--corpus.root", str(corpus_root), "--trainer.train_batch_size", "4"), with_corpus
+        )
+
+
 def test_a_run_with_no_record_at_all_is_taken_as_it_is_and_recorded(tmp_path, capsys):
     """Nothing to compare with: the start goes on, and says so when it records its config (after the checks
     that may still refuse it, which print one line only)."""

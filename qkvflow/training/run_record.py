@@ -31,7 +31,7 @@ import json
 import os
 import re
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from qkvflow.errors import UserError
 
@@ -255,10 +255,13 @@ class Pending:
     """A line to print when the record is written."""
 
 
-def check(config) -> Optional[Pending]:
+def check(config, with_corpus: Callable = lambda config: config) -> Optional[Pending]:
     """Refuse (UserError, one line) a start whose config differs from the one its run was started with
     in a key outside MAY_CHANGE. Reads the run's record (or, for older runs, its first `hparams`) and the
-    newest checkpoint's metadata only. Returns the record to write at this start (`write`), or None."""
+    newest checkpoint's metadata only. Returns the record to write at this start (`hold`), or None.
+
+    `with_corpus` points `data` at a `corpus:` (`session.with_corpus`, which the caller passes): Levanter
+    logged an older run's config after it, so that run's `hparams` are compared with the config after it."""
     t = config.trainer
     folder = run_folder(t)
     if folder is None:
@@ -284,8 +287,6 @@ def check(config) -> Optional[Pending]:
         )
         return dataclasses.replace(pending, note=note)
     file, hparams = older
-    from qkvflow.training.session import with_corpus  # Levanter logged the config with `data` from the corpus
-
     changes = changed(flatten(_plain(hparams)), _hparams_view(with_corpus(config)))
     if changes:
         raise UserError(refusal(t.id, f"its first start's hyperparameters in {file}", changes))

@@ -261,7 +261,7 @@ def nothing_to_train(config: TrainConfig) -> Optional[dict]:
     if step is None:
         return None
     preflight.check_values(config)  # a bad value is refused, finished run or not
-    run_record.check(config)
+    run_record.check(config, with_corpus)
     t = config.trainer
     target = min(t.num_train_steps, config.stop_after or t.num_train_steps)
     print(f"run {t.id} is already at step {step} (target {target}): nothing to train", flush=True)
@@ -284,7 +284,7 @@ def start(config: TrainConfig, cleanup: contextlib.ExitStack, prepare: Optional[
 
     from qkvflow.training import faults
 
-    record = run_record.check(config)  # another model, data, optimizer or batch under a resumed id: refused
+    record = run_record.check(config, with_corpus)  # another model, data, optimizer or batch under a resumed id: refused
     parsed = config
     announce_corpus(config)
     config = with_corpus(config)
