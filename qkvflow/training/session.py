@@ -284,7 +284,7 @@ def start(config: TrainConfig, cleanup: contextlib.ExitStack, prepare: Optional[
 
     from qkvflow.training import faults
 
-    record = run_record.check(config, with_corpus)  # another model, data, optimizer or batch under a resumed id: refused
+    record = run_record.check(config, with_corpus)  # a resumed id with another model, data, optimizer: refused
     parsed = config
     announce_corpus(config)
     config = with_corpus(config)
