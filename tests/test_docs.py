@@ -355,3 +355,32 @@ def test_the_documentation_site_builds_strict(tmp_path):
     assert 'src="repo/benchmarks/results/depth_at_inference.png"' in (site / "evaluate.html").read_text()
     assert (site / "repo/benchmarks/results/depth_at_inference.png").is_file()
     assert "qkvflow.nn.time_dependent.TimeDependentWeight" in (site / "api/nn.html").read_text()
+
+
+def test_no_documented_train_command_changes_the_run_of_its_config(monkeypatch):
+    """A documented `qkvflow train` that sets a key a resume may not change (qkvflow.training.run_record)
+    names a `trainer.id` of its own. Run after its config's own command (README command 1 for the
+    quickstart), it would otherwise be refused, or, before runs recorded their config, have trained or
+    evaluated another model under that run's id (issue 62: docs/training.md's first example did)."""
+    from qkvflow import configfile
+    from qkvflow.training import run_record
+    from qkvflow.training.config import TrainConfig
+
+    monkeypatch.chdir(ROOT)
+    own, runs = {}, {}
+    for where, command in documented_commands():
+        argv = completed(as_argv(command))
+        if argv[0] != "train" or {"--help", "--help-all", "-h"} & set(argv):
+            continue
+        config = configfile.parse(TrainConfig, argv[1:], "train")
+        path = next(a.partition("=")[2] or argv[i + 1] for i, a in enumerate(argv) if a.startswith("--config_path"))
+        if path not in runs:
+            runs[path] = configfile.parse(TrainConfig, ["--config_path", path], "train")
+        base = runs[path]
+        own[where] = config.trainer.id != base.trainer.id
+        if not own[where]:
+            changes = run_record.changed(run_record.snapshot(base), run_record.snapshot(config))
+            assert not changes, f"{where}: `qkvflow {command}` changes run {base.trainer.id!r} of {path}: {changes}"
+    first = min((w for w in own if w.startswith("docs/training.md:")), key=lambda w: int(w.split(":")[1]))
+    assert own[first]  # training.md's first example: another model and batch, under an id of its own
+    assert sum(not o for o in own.values()) >= 5, own  # commands that resume or extend their config's own run

@@ -173,6 +173,14 @@ def test_full_fine_tune_resumes_and_exports_the_fine_tuned_model(tmp_path, share
 
     records = [json.loads(line) for line in (tmp_path / "runs" / "tiny-ft" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["event"] == "log" and "train/loss" in r["metrics"]] == [0, 1]
+    # run again when finished: nothing trained, and no step, evaluation or summary record appended (only
+    # Levanter's record of the start's hyperparameters); the summary is the finished run's
+    again = finetune(_parse(tmp_path, corpora, pretrained, *args))
+    assert again["nothing_to_train"] and again["eval_loss"] == summary["eval_loss"]
+    kept = [json.loads(line) for line in (tmp_path / "runs" / "tiny-ft" / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in kept if r["event"] in ("log", "summary")] == [
+        r for r in records if r["event"] in ("log", "summary")
+    ]
 
     hf = tmp_path / "hf" / "tiny-ft"
     assert summary["hf_dir"] == str(hf) and (hf / "model.safetensors").is_file()

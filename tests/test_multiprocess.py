@@ -150,7 +150,7 @@ def test_two_processes_stop_together_resume_and_match_one_device(tmp_path, tmp_p
     assert sorted(step for event, step, names in records if "train/loss" in names) == list(range(8))
     run = tmp_path / "checkpoints" / "multi"
     assert "step-8" in {p.name for p in run.iterdir()}  # the final save, after step 8
-    for step in run.iterdir():
+    for step in run.glob("step-*"):
         assert json.loads((step / "metadata.json").read_text())["step"] == int(step.name.split("-")[1])
 
 

@@ -85,7 +85,8 @@ NO_EVAL = ["--trainer.max_eval_batches", "0", "--loss_curve", "null"]
 
 def test_stop_and_resume_reproduces_uninterrupted_losses(four_device_runs):
     """`--stop_after 4` stops after step 4 with a checkpoint of it, named step-4 like the printed step, and
-    `qkvflow train` again resumes there ("after step 4": the state's own step count) and finishes. Run in the 4-device process on the default (FSDP) mesh, so the
+    `qkvflow train` again (with other evaluation and checkpoint cadences, which a resume may change) resumes
+    there ("after step 4": the state's own step count) and finishes. Run in the 4-device process on the default (FSDP) mesh, so the
     uninterrupted run to compare with is the "fsdp" case beside it: same mesh, same programs, so the losses
     must be equal bit for bit (same data order, same state, same arithmetic). test_faults resumes on one
     device after signals."""
@@ -138,6 +139,74 @@ def test_a_new_run_stores_the_projections_first_moments_in_bfloat16(four_device_
     assert {v for k, v in mu.items() if "/projections/" in k} == {"bfloat16"}
     assert {v for k, v in mu.items() if "/projections/" not in k} == {"float32"}  # e.g. the time MLPs
     assert {v for k, v in stored.items() if "/nu/" in k} == {"float32"}
+
+
+@pytest.fixture(scope="module")
+def reruns(tmp_path_factory, reference):
+    """Two copies of the finished reference run, each in a work folder of its own, and in one process: the
+    same command again and one with another model and batch on the first ("again", "changed"), and the
+    same command with `trainer.num_train_steps` 9 on the second ("extend"). {case: (work folder, exit
+    code, stdout, stderr)}, and the bytes of the first copy's metrics.jsonl and loss curve before."""
+    import shutil
+
+    from tests.train_utils import train_args, train_env
+
+    corpora, ref, _ = reference_run(tmp_path_factory)
+    folders = {}
+    for name in ("finished", "extended"):
+        folders[name] = tmp_path_factory.mktemp(f"rerun-{name}")
+        for part in ("checkpoints", "runs"):
+            shutil.copytree(ref / part, folders[name] / part)
+    run = folders["finished"] / "runs" / "tiny"
+    before = {f: (run / f).read_bytes() for f in ("metrics.jsonl", "loss_curve.png")}
+    same = ["--trainer.steps_per_eval", "4"]  # the reference run's own command
+    cases = {
+        "again": train_args(folders["finished"], corpora, *same)[3:],
+        "changed": train_args(
+            folders["finished"], corpora, *same, "--model.ode.num_steps", "4", "--trainer.train_batch_size", "16"
+        )[3:],
+        "extend": train_args(folders["extended"], corpora, *same, "--trainer.num_train_steps", "9")[3:],
+    }
+    results = cli_in_one_process(cases, train_env(1), cwd=tmp_path_factory.getbasetemp())
+    workdir = {"again": folders["finished"], "changed": folders["finished"], "extend": folders["extended"]}
+    return {case: (workdir[case], *results[case]) for case in cases}, before
+
+
+def test_a_finished_run_run_again_writes_nothing(reruns):
+    """The same command on a finished run says so in one line and exits 0 before anything starts: no
+    evaluation appended to metrics.jsonl (each step once), the loss curve not redrawn, no checkpoint."""
+    results, before = reruns
+    workdir, code, stdout, stderr = results["again"]
+    assert code == 0, stderr[-3000:]
+    assert stdout.strip() == "run tiny is already at step 8 (target 8): nothing to train" and stderr == ""
+    run = workdir / "runs" / "tiny"
+    assert {f: (run / f).read_bytes() for f in before} == before
+    assert sorted(p.name for p in (workdir / "checkpoints" / "tiny").iterdir()) == ["run_config.json", "step-8"]
+
+
+def test_a_changed_model_under_a_used_id_is_refused_in_one_line(reruns):
+    """docs/training.md's first example did this to the quickstart run: another model and batch under a
+    finished run's id. Exit 2, one line naming each changed key and how to start a new run; nothing written."""
+    results, before = reruns
+    workdir, code, stdout, stderr = results["changed"]
+    assert code == 2, stderr[-3000:]
+    err = stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("qkvflow train: error: run 'tiny' was started with another config"), err
+    assert "model.ode.num_steps 2 -> 4, trainer.train_batch_size 8 -> 16;" in err[0] and "--trainer.id NEW" in err[0]
+    run = workdir / "runs" / "tiny"
+    assert {f: (run / f).read_bytes() for f in before} == before
+
+
+def test_a_finished_run_extended_by_num_train_steps_trains_on(reruns, reference):
+    """`trainer.num_train_steps` may change on resume (Levanter's trainer allows it): the finished 8-step run
+    trains step 9 from its checkpoint; its first 8 losses stay the reference run's, each step once."""
+    results, _ = reruns
+    workdir, code, stdout, stderr = results["extend"]
+    assert code == 0, stderr[-3000:]
+    assert "resuming run tiny after step 8" in stdout and "step 9/9" in stdout and "step 8/9" not in stdout
+    extended = losses(workdir)
+    assert len(extended) == 9 and extended[:8] == losses(reference[0])
+    assert (workdir / "checkpoints" / "tiny" / "step-9" / "metadata.json").is_file()
 
 
 @pytest.mark.parametrize(
@@ -227,7 +296,9 @@ def four_device_runs(tmp_path_factory, corpus_root):
     stopped = tmp_path_factory.mktemp("four-stop-resume")
     before["stop"] = before["resume"] = (stopped, None)
     cases["stop"] = train_args(stopped, corpus_root, "--stop_after", "4", *NO_EVAL)[3:]
-    cases["resume"] = train_args(stopped, corpus_root, *NO_EVAL)[3:]  # runs after "stop" (dicts keep order)
+    # runs after "stop" (dicts keep order), with other cadences: keys a resume may change (run_record.MAY_CHANGE)
+    cadences = ["--trainer.steps_per_eval", "500", "--trainer.checkpointer.save_interval", "2h"]
+    cases["resume"] = train_args(stopped, corpus_root, *NO_EVAL, *cadences)[3:]
     # a run begun with float32 first moments (the default before bfloat16), uninterrupted and stopped; its
     # resume with an explicit bfloat16 is refused, with the default `auto` it continues in float32
     f32, whole, stopped_f32 = (

@@ -44,6 +44,9 @@ def train(config: TrainConfig) -> dict:
 
 def _train(config: TrainConfig, preemption: faults.Preemption, cleanup: contextlib.ExitStack) -> dict:
     preflight.check_outputs(config)  # before the corpus, the tokenizer and Levanter start
+    finished = session.nothing_to_train(config)  # a finished run run again: one line, nothing written
+    if finished is not None:
+        return finished
 
     def prepare(config, tokenizer, Vocab):  # before the run writes anything (session.start)
         # a JAX computation, so after jax.distributed is started (session.start calls this after it)
@@ -99,6 +102,8 @@ def headline(summary: dict, config: TrainConfig) -> str:
 
 
 def print_summary(summary: dict, config: TrainConfig) -> None:
+    if summary.get("nothing_to_train"):
+        return  # its one line is said
     print(f"\n== qkvflow train: {headline(summary, config)} ==")
     for key in ("run_id", "steps", "skipped_steps", "train_loss", "train_perplexity", "eval_loss", "eval_perplexity"):
         if key in summary:

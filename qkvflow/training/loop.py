@@ -40,7 +40,7 @@ from levanter.utils.jax_utils import parameter_count
 from levanter.utils.tree_utils import inference_mode
 
 from qkvflow.errors import UserError
-from qkvflow.training import faults, moments, weight_decay
+from qkvflow.training import faults, moments, run_record, weight_decay
 from qkvflow.training.checkpoints import restore_error
 from qkvflow.training.tracking import JsonlTrackerConfig, drop_steps_from, metrics_file
 
@@ -245,26 +245,25 @@ def train_run(
     run_id = trainer.run_id
     if start > 0:
         print(f"resuming run {run_id} after step {start}", flush=True)  # every process: where each one starts
-    drop_replayed_metrics(t, run_id, start)
     total, trainable = parameter_count(state.model), parameter_count(state.trainable_model)
     decayed = weight_decay.decayed_parameter_count(optimizer_config, state.trainable_model)
+    summary.update(run_id=run_id, checkpoints=t.checkpointer.expanded_path(run_id), parameter_count=total)
+    summary["decayed_parameter_count"] = decayed
+    if trainable != total:
+        summary["trainable_parameter_count"] = trainable
+    if start >= target:  # logs nothing: its steps, evaluations and summary are in the run's metrics already
+        print(f"run {run_id} is already at step {start} (target {target}): nothing to train", flush=True)
+        summary.update(steps=start, nothing_to_train=True)
+        return summary, state
+    if jax.process_index() == 0:  # the state restored (or built): the config a first start records
+        run_record.write_held(t.checkpointer.expanded_path(run_id))
+    drop_replayed_metrics(t, run_id, start)
     logger.info(
         f"weight decay on {decayed:,} of {trainable:,} trainable parameters (mask: {optimizer_config.weight_decay_modules!r})"
     )
     levanter.tracker.log_summary(
         {"parameter_count": total, "trainable_parameter_count": trainable, "decayed_parameter_count": decayed}
     )
-    summary.update(run_id=run_id, checkpoints=t.checkpointer.expanded_path(run_id), parameter_count=total)
-    summary["decayed_parameter_count"] = decayed
-    if trainable != total:
-        summary["trainable_parameter_count"] = trainable
-    if start >= target:
-        print(f"run {run_id} is already at step {start} (target {target}): nothing to train", flush=True)
-        summary.update(steps=start, nothing_to_train=True)
-        if start > 0 and evaluator is not None:  # the final model's validation loss
-            with trainer:
-                evaluate(evaluator, state.eval_model, start - 1, summary)
-        return summary, state
 
     with trainer:
         if start == 0 and evaluator is not None and run.eval_before:

@@ -22,7 +22,7 @@ import levanter
 from haliax import Axis
 
 from qkvflow.errors import UserError
-from qkvflow.training import data_checks, distributed, preflight
+from qkvflow.training import data_checks, distributed, preflight, run_record
 from qkvflow.training.config import TrainConfig
 from qkvflow.training.runlock import RunLock, RunLocks
 
@@ -252,11 +252,28 @@ def build_caches(data) -> dict:
     return tokens
 
 
+def nothing_to_train(config: TrainConfig) -> Optional[dict]:
+    """For a run whose newest checkpoint is at this invocation's target already (run_record.finished):
+    the run's config checked against its record (run_record.check), one line saying so, and the summary;
+    None for a run with steps to train. Runs before the corpus, the tokenizer and JAX start, and writes
+    nothing: a finished run run again leaves its metrics.jsonl and loss curve as they were."""
+    step = run_record.finished(config)
+    if step is None:
+        return None
+    preflight.check_values(config)  # a bad value is refused, finished run or not
+    run_record.check(config, with_corpus)
+    t = config.trainer
+    target = min(t.num_train_steps, config.stop_after or t.num_train_steps)
+    print(f"run {t.id} is already at step {step} (target {target}): nothing to train", flush=True)
+    return {"run_id": t.id, "steps": step, "nothing_to_train": True}
+
+
 def start(config: TrainConfig, cleanup: contextlib.ExitStack, prepare: Optional[Callable] = None) -> Started:
-    """What every training verb does after its own checks and before building a model: prepare the corpus,
-    run the config checks, load the tokenizer, read the fault-injection spec, initialise (processes, Levanter,
-    the run lock held until `cleanup` closes), and, for a run in its own folder, drop the checkpoint writes a
-    kill interrupted.
+    """What every training verb does after its own checks and before building a model: compare the config
+    with the one the run was started with (qkvflow.training.run_record), prepare the corpus, run the config
+    checks, load the tokenizer, read the fault-injection spec, initialise (processes, Levanter, the run lock
+    held until `cleanup` closes), hold the run's config to record at its first start (written by
+    `loop.train_run`), and, for a run in its own folder, drop the checkpoint writes a kill interrupted.
 
     Between connecting the processes and the first write of the run (its lock file, Levanter's trackers),
     `prepare(config, tokenizer, Vocab)` runs the verb's own checks that need devices (a checkpoint that does not fit,
@@ -267,6 +284,8 @@ def start(config: TrainConfig, cleanup: contextlib.ExitStack, prepare: Optional[
 
     from qkvflow.training import faults
 
+    record = run_record.check(config, with_corpus)  # a resumed id with another model, data, optimizer: refused
+    parsed = config
     announce_corpus(config)
     config = with_corpus(config)
     preflight.check(config)
@@ -289,7 +308,11 @@ def start(config: TrainConfig, cleanup: contextlib.ExitStack, prepare: Optional[
         found["tokens"] = build_caches(config.data)
         data_checks.check_data_size(found["tokens"], Pos.size)
 
+    named = t.id is not None
     initialize(config, cleanup, before_writes)
+    if not named and t.id is not None:  # an id Levanter chose: a new run, recorded under it
+        record = run_record.Pending(run_record.run_folder(t), run_record.snapshot(parsed))
+    run_record.hold(run_record.run_folder(t), record)  # written by the run loop once the state is restored
     if t.load_checkpoint_path is None:  # this run's own folder: drop writes a kill interrupted
         checkpointer = t.checkpointer
         faults.remove_incomplete_checkpoints(checkpointer.expanded_path(t.id), checkpointer.delete_old_temp_checkpoints)
