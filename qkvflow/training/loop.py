@@ -219,8 +219,8 @@ def train_run(
     `session.start` built (`session.build_caches`; `tokens`: tokens of each split). Returns the summary and the final trainer
     state (None if no state exists, e.g. stopped before the first step)."""
     config = run.config
+    trainer, optimizer_config = make_trainer(config, loss_fn, inject)  # builds objects only: no compile
     preemption.exit_at_once_until_first_step()  # loading and compiling: nothing to save if stopped
-    trainer, optimizer_config = make_trainer(config, loss_fn, inject)
     t, optimizer = trainer.config, trainer.optimizer
     guard = faults.NonFiniteGuard(optimizer, config.nonfinite, t.num_train_steps, verb=run.verb)
     summary: dict = {}
