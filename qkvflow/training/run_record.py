@@ -74,6 +74,10 @@ MAY_CHANGE: tuple[str, ...] = (
     "trainer.jax_compilation_cache_dir",
     "trainer.require_accelerator",
     "trainer.shutdown_at_exit",
+    # rematerialisation: the same gradients, recomputed in the backward pass instead of stored (the
+    # choices `qkvflow plan --search` ranks)
+    "model.ode.checkpoints",
+    "model.gradient_checkpointing",
     # the same cross-entropy, summed over other vocabulary blocks
     "loss_vocab_block",
     "model.cross_entropy_block_size",
