@@ -213,6 +213,24 @@ def writing_file(path, key: str, *, overwrite: bool = False, protect: Pairs = ()
             os.remove(tmp)
 
 
+def replace_whole(path: str, data: bytes) -> None:
+    """`data` written to `path`, a file in a folder that is already the caller's (a run's record or metrics):
+    into a temporary file beside it, flushed to disk and renamed onto it, so that a kill leaves the old file
+    or the new one, never a part; on an error the temporary file is removed. No output rules apply: the
+    folder is the run's, not a user's (`writing_file` is for those)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    temporary = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(temporary, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    finally:
+        if os.path.lexists(temporary):
+            os.remove(temporary)
+
+
 def write_file(path, key: str, data: str | bytes, **rules) -> None:
     """`data` written to the output file `path` through `writing_file` (`rules`: its keyword arguments)."""
     with (

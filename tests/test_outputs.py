@@ -385,3 +385,22 @@ def test_the_rules_import_without_the_heavy_stack():
     code = f"import sys, qkvflow.outputs; print([m for m in {heavy!r} if m in sys.modules])"
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert found.strip() == "[]"
+
+
+def test_a_run_file_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    """`replace_whole` (a run's record, its metrics rewrite): the new bytes renamed onto the old file (a hard
+    link to the old one keeps the old bytes); a rename that fails leaves the old bytes and no temporary file."""
+    path = tmp_path / "run" / "metrics.jsonl"
+    path.parent.mkdir()
+    path.write_bytes(b"old\n")
+    os.link(path, tmp_path / "old")
+    outputs.replace_whole(str(path), b"new\n")
+    assert path.read_bytes() == b"new\n" and (tmp_path / "old").read_bytes() == b"old\n"
+
+    def fails(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", fails)
+    with pytest.raises(OSError, match="disk full"):
+        outputs.replace_whole(str(path), b"newer\n")
+    assert path.read_bytes() == b"new\n" and sorted(p.name for p in path.parent.iterdir()) == ["metrics.jsonl"]

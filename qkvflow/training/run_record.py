@@ -33,6 +33,7 @@ import re
 import sys
 from typing import Any, Callable, Optional
 
+from qkvflow import outputs
 from qkvflow.errors import UserError
 
 RECORD_FILE = "run_config.json"
@@ -331,14 +332,7 @@ def write(pending: Optional[Pending]) -> None:
         with fsspec.open(path, "w") as f:
             f.write(text)
         return
-    path = path.removeprefix("file://")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    temporary = f"{path}.{os.getpid()}.tmp"
-    with open(temporary, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
+    outputs.replace_whole(path.removeprefix("file://"), text.encode())
 
 
 def _unflatten(flat: dict[str, Any]) -> dict:

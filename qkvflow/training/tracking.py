@@ -18,6 +18,8 @@ from levanter.tracker import Tracker
 from levanter.tracker.json_logger import _to_jsonable
 from levanter.tracker.tracker import TrackerConfig
 
+from qkvflow import outputs
+
 
 class JsonlTracker(Tracker):
     """A Levanter tracker that appends one JSON record per line to `file`: offline, readable, and
@@ -104,8 +106,7 @@ def read_metrics(file: str) -> dict[int, dict[str, float]]:
 def drop_steps_from(file: str, start: int) -> int:
     """Remove the "log" records of steps >= `start` (0-based, as logged) from `file`, and lines cut
     short by a kill; keep everything else (hparams, summaries, artifacts). Called by a run that
-    resumes at step `start`, before it logs again. The file is rewritten atomically (a temporary
-    file beside it, then os.replace), so a kill during the rewrite leaves the old or the new file.
+    resumes at step `start`, before it logs again. The file is rewritten atomically (`qkvflow.outputs.replace_whole`), so a kill during the rewrite leaves the old or the new file.
     Returns the number of lines dropped."""
     if not os.path.exists(file):
         return 0
@@ -123,10 +124,5 @@ def drop_steps_from(file: str, start: int) -> int:
                 continue
             kept.append(line if line.endswith(b"\n") else line + b"\n")
     if dropped:
-        temporary = f"{file}.{os.getpid()}.tmp"
-        with open(temporary, "wb") as f:
-            f.writelines(kept)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, file)
+        outputs.replace_whole(file, b"".join(kept))
     return dropped
