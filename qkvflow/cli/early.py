@@ -149,7 +149,8 @@ def check_outputs(command: str, argv: list[str]) -> None:
     """The output rules (docs/checkpoints.md, "Where outputs go") that need no config: the verb applies
     them again with what only it knows (the run folder, the checkpoint it reads)."""
     overwrite = any(
-        a == "--overwrite" or a.split("=", 1)[-1].lower() in ("true", "1") for a in argv if a.startswith("--overwrite")
+        a == "--overwrite" or (a.startswith("--overwrite=") and a.split("=", 1)[1].lower() in ("true", "1"))
+        for a in argv
     )
     for option in OUTPUT_FILES.get(command, ()):
         for value in values(argv, option):
