@@ -104,8 +104,8 @@ def load(config_path: Path, checkpoint: str, Vocab):
     import levanter.checkpoint
     from levanter.trainer_state import make_floating_point_trainable_filter
 
+    from qkvflow.runs.config import TrainConfig
     from qkvflow.training import halting_phase
-    from qkvflow.training.config import TrainConfig
 
     config = draccus.parse(TrainConfig, config_path=str(config_path), args=[])
     _, model, is_trainable = halting_phase.prepare(config, Vocab, jrandom.PRNGKey(0))
@@ -126,7 +126,7 @@ def test_batches(config_path: Path):
     import jax.numpy as jnp
 
     from qkvflow.evaluation import perplexity
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs.config import TrainConfig
     from qkvflow.training.session import with_corpus
 
     config = with_corpus(

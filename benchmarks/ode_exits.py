@@ -84,10 +84,10 @@ def eval_batches(config, Pos, max_sequences: int, batch_size: int = 64):
 
 
 def evaluate_run(config_path: Path, checkpoint: Path, taus, max_sequences: int) -> dict:
-    from qkvflow.configfile import parse
     from qkvflow.evaluation import ode_halting
-    from qkvflow.training.config import TrainConfig
-    from qkvflow.training.run_model import load_model
+    from qkvflow.runs.config import TrainConfig
+    from qkvflow.runs.configfile import parse
+    from qkvflow.runs.model import load_model
     from qkvflow.training.session import with_corpus
 
     out = {}

@@ -26,9 +26,9 @@ import sys
 from qkvflow.analysis.spectra import analyze_spectra
 from qkvflow.bench import stats
 from qkvflow.bench.compare import run_id
-from qkvflow.configfile import CONFIG_PATH, parse
-from qkvflow.training.config import TrainConfig
-from qkvflow.training.run_model import load_model
+from qkvflow.runs.config import TrainConfig
+from qkvflow.runs.configfile import CONFIG_PATH, parse
+from qkvflow.runs.model import load_model
 
 FINE = 61  # evenly spaced times that include 0, 1/3, 2/3 and 1
 

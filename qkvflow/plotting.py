@@ -1,6 +1,6 @@
 """Figures of a run: the loss curve (train and eval loss against step)."""
 
-from qkvflow.training.tracking import read_metrics
+from qkvflow.runs.tracking import read_metrics
 
 
 def plot_loss_curve(metrics_jsonl: str, out_png: str, title: str = "") -> str:

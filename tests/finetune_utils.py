@@ -28,7 +28,7 @@ def save_fresh_checkpoint(
     import numpy as np
     from haliax import Axis
 
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs.config import TrainConfig
     from qkvflow.training.session import with_corpus
     from tests.helpers import parse_config
 

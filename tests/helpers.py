@@ -48,7 +48,7 @@ def config_class(path):
     import yaml
 
     from qkvflow.plan.config import PlanConfig
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs.config import TrainConfig
     from qkvflow.training.finetune import FinetuneConfig
 
     with open(path) as f:
@@ -60,11 +60,11 @@ def config_class(path):
 
 def parse_config(path, cls=None, args=()):
     """The config file `path` with the overrides `args`, read as the verb that takes `cls` (default
-    TrainConfig) reads it: `qkvflow.configfile.parse`, which imports only the model types the file names
+    TrainConfig) reads it: `qkvflow.runs.configfile.parse`, which imports only the model types the file names
     and reuses its parser (a first `draccus.parse` in a process searches every Levanter model, ~12 s)."""
-    from qkvflow import configfile
     from qkvflow.cli.describe import DescribeConfig
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs import configfile
+    from qkvflow.runs.config import TrainConfig
     from qkvflow.training.finetune import FinetuneConfig
 
     cls = TrainConfig if cls is None else cls

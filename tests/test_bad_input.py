@@ -582,7 +582,7 @@ def test_data_shorter_than_one_sequence_is_refused_after_tokenizing(corpus_root,
 def test_each_split_needs_one_sequence(tokens, refused):
     """Levanter cuts each split into sequences of exactly max_seq_len tokens: max_seq_len tokens make one."""
     from qkvflow.errors import UserError
-    from qkvflow.training import data_checks
+    from qkvflow.runs import data_checks
 
     if refused is None:
         data_checks.check_data_size(tokens, 32)
@@ -618,7 +618,7 @@ def _remove_the_generator(step: Path) -> str:
     """Delete every key of the hypernetwork's arrays (metadata and chunks) from the store."""
     import tensorstore as ts
 
-    from qkvflow.training.checkpoint_arrays import array_shapes
+    from qkvflow.runs.checkpoint_arrays import array_shapes
 
     n = sum(key.startswith("model/generator/") for key in array_shapes(str(step)))
     assert n > 3
@@ -634,12 +634,12 @@ def _remove_the_generator(step: Path) -> str:
     "damage", [_truncate_a_data_file, _remove_the_generator], ids=["truncated-data-file", "missing-arrays"]
 )
 def test_damaged_checkpoint_is_named_in_one_short_line(world, corpus_root, tmp_path, damage):
-    """Reading a damaged checkpoint back (qkvflow.training.run_model.load_model, as export and analyze do):
+    """Reading a damaged checkpoint back (qkvflow.runs.model.load_model, as export and analyze do):
     one line naming the checkpoint and the damaged file or the missing arrays (at most three names, not
     Levanter's list)."""
     from qkvflow.errors import UserError
-    from qkvflow.training.config import TrainConfig
-    from qkvflow.training.run_model import load_model
+    from qkvflow.runs.config import TrainConfig
+    from qkvflow.runs.model import load_model
     from tests.helpers import parse_config
 
     run, intact = tmp_path / "tiny", tmp_path / "intact" / "tiny"

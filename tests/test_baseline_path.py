@@ -33,8 +33,8 @@ from levanter.optim import AdamConfig
 from levanter.tracker.tracker import NoopConfig
 from levanter.trainer import Trainer, TrainerConfig
 
+from qkvflow.runs.config import TrainConfig
 from qkvflow.training import faults, loop
-from qkvflow.training.config import TrainConfig
 from qkvflow.training.loss import train_loss
 from tests.helpers import Vocab
 

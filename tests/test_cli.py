@@ -118,7 +118,7 @@ def test_the_overview_lists_every_bench_mode(capsys):
     assert rc == 0 and all(f" {mode} " in line or f" {mode}:" in line for mode in MODES), line
 
 
-# --- Levanter 1.2 keys: refused by every verb before it runs (qkvflow.training.compat, from qkvflow.cli.main) ------
+# --- Levanter 1.2 keys: refused by every verb before it runs (qkvflow.runs.compat, from qkvflow.cli.main) ------
 
 
 OLD_FILE = "trainer:\n  id: old\n  fsdp_axis: embed\nmodel:\n  seq_len: 64\n"
@@ -366,7 +366,7 @@ def test_every_config_verb_parses_through_cli_parse(capsys, monkeypatch, tmp_pat
 
 def test_parse_reads_the_config_path_in_both_forms_and_applies_the_overrides(tmp_path):
     from qkvflow.cli import parse
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs.config import TrainConfig
 
     path = str(ROOT / "configs/quickstart.yaml")
     forms = (["--config_path", path], [f"--config_path={path}"], ["--config_path", path[: -len(".yaml")]],
@@ -388,7 +388,7 @@ def test_parse_reads_the_config_path_in_both_forms_and_applies_the_overrides(tmp
 def test_parse_refuses_a_config_path_without_value_or_twice(argv, message):
     from qkvflow.cli import parse
     from qkvflow.errors import UserError
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs.config import TrainConfig
 
     with pytest.raises(UserError, match=message):
         parse(TrainConfig, argv, "train")

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from qkvflow.errors import UserError
-from qkvflow.training.compat import OLD_KEYS, check_config, check_old_keys, check_old_overrides
+from qkvflow.runs.compat import OLD_KEYS, check_config, check_old_keys, check_old_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted(p for d in ("configs", "tests/configs", "benchmarks/configs") for p in (ROOT / d).rglob("*.yaml"))

@@ -1,4 +1,4 @@
-"""qkvflow.configfile: what the one config reader adds to draccus (field comments memoised for help and
+"""qkvflow.runs.configfile: what the one config reader adds to draccus (field comments memoised for help and
 skipped by a parse, one parser per config class and registry state)."""
 
 import dataclasses
@@ -13,8 +13,8 @@ def test_a_parse_looks_up_no_field_comment_and_gives_what_a_parser_with_comments
     draccus stops calling the lookup through its module (then the lookups are not skipped)."""
     from draccus.wrappers import docstring
 
-    from qkvflow import configfile
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs import configfile
+    from qkvflow.runs.config import TrainConfig
 
     monkeypatch.setattr(configfile, "_PARSERS", {})  # this test builds the parser
     configfile.memoise_field_docstrings()  # as `parse` does first; it then keeps the spy (already memoised)
@@ -38,11 +38,11 @@ def test_memoised_comments_are_draccus_own():
     from draccus.wrappers import docstring
     from levanter.trainer import TrainerConfig
 
-    from qkvflow.configfile import memoise_field_docstrings
     from qkvflow.integrate.config import OdeConfig
     from qkvflow.models.depth_dial import DepthDialConfig
     from qkvflow.models.diffeqformer import DiffEqFormerConfig
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs.config import TrainConfig
+    from qkvflow.runs.configfile import memoise_field_docstrings
 
     memoise_field_docstrings()
     lookup = docstring.get_attribute_docstring
@@ -57,8 +57,8 @@ def _fresh(cls, path, args):
     """What draccus gives for `path` and `args` from a parser built for this parse alone."""
     import draccus
 
-    from qkvflow.configfile import model_types
     from qkvflow.models.registry import only_named_types
+    from qkvflow.runs.configfile import model_types
 
     with only_named_types(model_types(path, args)):
         return draccus.parse(cls, config_path=path, args=args)
@@ -67,8 +67,8 @@ def _fresh(cls, path, args):
 def test_a_reused_parser_reads_each_parse_own_file_and_overrides():
     """Parses of one class share one parser: the second, of another file with other overrides, builds
     none and gives what a parser of its own gives, and the first parse's file and overrides do not leak."""
-    from qkvflow import configfile
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs import configfile
+    from qkvflow.runs.config import TrainConfig
 
     quickstart = str(Path(TINY).parents[2] / "configs" / "quickstart.yaml")
     first = configfile.parse(TrainConfig, ["--config_path", TINY, "--model.num_heads", "4"], "train")
@@ -89,9 +89,9 @@ def test_a_model_type_registered_after_a_parse_gets_a_parser_that_knows_its_fiel
     that registers one) gets a parser with its fields, not the stale one that would refuse them."""
     from levanter.models.lm_model import LmConfig
 
-    from qkvflow import configfile
     from qkvflow.models.diffeqformer import DiffEqFormerGpt2Config
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs import configfile
+    from qkvflow.runs.config import TrainConfig
 
     configfile.parse(TrainConfig, ["--config_path", TINY], "train")
     name = "qkvflow_test_registered_later"
@@ -118,9 +118,9 @@ def test_help_comes_from_a_parser_no_parse_has_used(capsys):
     from draccus.argparsing import ArgumentParser
     from levanter.models.lm_model import LmConfig
 
-    from qkvflow import configfile
     from qkvflow.models.registry import only_named_types
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs import configfile
+    from qkvflow.runs.config import TrainConfig
 
     LmConfig.get_known_choices()  # the search for every type, which a help parse would start
     configfile.parse(TrainConfig, ["--config_path", TINY], "train")

@@ -18,7 +18,7 @@ from qkvflow.cli.describe import DescribeConfig, describe
 from qkvflow.cli.describe import main as describe_main
 from qkvflow.data.heldout import HeldOutHfDatasetSourceConfig
 from qkvflow.models.diffeqformer import DiffEqFormerGpt2Config, DiffEqFormerLlamaConfig
-from qkvflow.training.config import TrainConfig
+from qkvflow.runs.config import TrainConfig
 from qkvflow.training.finetune import FinetuneConfig
 from qkvflow.training.weight_decay import with_decay_mask
 from tests.helpers import config_class, parse_config
@@ -161,7 +161,7 @@ def test_small_ode_model_is_larger_than_its_baseline(setting: str) -> None:
 def test_command_line_overrides_apply() -> None:
     args = ["--trainer.id", "run7", "--data.components.owt.source.validation_fraction", "0.001",
             "--trainer.mesh.axes", "{data: -1, replica: 1, model: 2}", "--model.max_seq_len", "512"]  # fmt: skip
-    # draccus reads the dict data.components only whole: qkvflow.configfile.overrides rewrites a key inside it
+    # draccus reads the dict data.components only whole: qkvflow.runs.configfile.overrides rewrites a key inside it
     config = parse(PAPER / "owt_small_ode.yaml", args=args)
     owt = config.data.components["owt"]
     assert config.trainer.id == "run7" and owt.source.validation_fraction == 0.001

@@ -9,7 +9,7 @@ QUIET = ["--trainer.max_eval_batches", "0", "--loss_curve", "null"]
 
 
 def test_drawn_grids_reproduce_and_resume_bit_exactly(tmp_path_factory, corpus_root):
-    from qkvflow.training.tracking import metrics_file, read_metrics
+    from qkvflow.runs.tracking import metrics_file, read_metrics
 
     whole, stopped = (tmp_path_factory.mktemp(n) for n in ("dial-whole", "dial-stop"))
     cases = {

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from qkvflow.errors import UserError
-from qkvflow.export.discretise import discretise, step_times
 from qkvflow.models.diffeqformer import SharedOdeLlamaConfig
+from qkvflow.models.discretise import discretise, step_times
 from tests.analysis.builders import filled
 from tests.helpers import Vocab, random_tokens, tiny_config
 

@@ -358,13 +358,12 @@ def test_the_documentation_site_builds_strict(tmp_path):
 
 
 def test_no_documented_train_command_changes_the_run_of_its_config(monkeypatch):
-    """A documented `qkvflow train` that sets a key a resume may not change (qkvflow.training.run_record)
+    """A documented `qkvflow train` that sets a key a resume may not change (qkvflow.runs.run_record)
     names a `trainer.id` of its own. Run after its config's own command (README command 1 for the
     quickstart), it would otherwise be refused, or, before runs recorded their config, have trained or
     evaluated another model under that run's id (issue 62: docs/training.md's first example did)."""
-    from qkvflow import configfile
-    from qkvflow.training import run_record
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs import configfile, run_record
+    from qkvflow.runs.config import TrainConfig
 
     monkeypatch.chdir(ROOT)
     own, runs = {}, {}

@@ -603,7 +603,7 @@ def test_a_resume_drops_the_metrics_of_the_steps_it_trains_again(tmp_path):
     """The file a SIGKILL leaves after step 5 (checkpoint after step 3, a line cut short): resuming at
     step 3 (0-based) keeps hparams, summaries and steps 0-2; Levanter's rerun of the hooks after the
     last step writes nothing twice."""
-    from qkvflow.training.tracking import JsonlTracker, drop_steps_from
+    from qkvflow.runs.tracking import JsonlTracker, drop_steps_from
 
     file = tmp_path / "runs" / "tiny" / "metrics.jsonl"
     tracker = JsonlTracker(str(file))

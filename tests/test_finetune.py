@@ -83,8 +83,8 @@ def test_lora_freezes_the_base_bit_for_bit_and_trains_the_adapters(lora_run, sha
     import jax.numpy as jnp
     from levanter.adaptor.lora import partition_lora_params
 
-    from qkvflow.training.finetune_config import load_pretrained_config
-    from qkvflow.training.run_model import add_lora, load_base
+    from qkvflow.runs.finetune_config import load_pretrained_config
+    from qkvflow.runs.model import add_lora, load_base
 
     _, config, summary = lora_run
     from qkvflow.training.session import with_corpus
@@ -110,7 +110,7 @@ def test_lora_freezes_the_base_bit_for_bit_and_trains_the_adapters(lora_run, sha
     # export.merged: the adapters merged into the base compute the fine-tuned model
     import haliax as hax
 
-    from qkvflow.training.run_model import merged_model
+    from qkvflow.runs.model import merged_model
 
     merged = merged_model(summary["model"], base, config.lora, config.lora_seed)
     tokens = hax.named(jnp.arange(32, dtype=jnp.int32) % 97, "position")
@@ -304,9 +304,9 @@ def test_a_baseline_is_fine_tuned_as_it_is_at_its_own_depth(tmp_path, shared, ba
     import jax.numpy as jnp
     from levanter.adaptor.lora import partition_lora_params
 
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs.config import TrainConfig
+    from qkvflow.runs.model import load_model
     from qkvflow.training.finetune import FinetuneConfig, finetune
-    from qkvflow.training.run_model import load_model
     from tests.helpers import parse_config
 
     corpora, _ = shared

@@ -102,7 +102,7 @@ def _tokens(config, batch: int = 2):
 def test_the_ode_and_its_n_layer_discretisation_give_the_same_logits(flavour):
     import jax
 
-    from qkvflow.export.discretise import discretise
+    from qkvflow.models.discretise import discretise
     from tests.analysis.builders import filled
     from tests.helpers import tiny_config
 
@@ -126,8 +126,8 @@ def test_exported_hf_logits_match_the_accelerators(tmp_path, flavour):
     import jax
     from transformers import AutoModelForCausalLM
 
-    from qkvflow.export.discretise import discretise
     from qkvflow.export.hf_folder import save_hf_folder
+    from qkvflow.models.discretise import discretise
     from tests.analysis.builders import filled
     from tests.helpers import tiny_config
 

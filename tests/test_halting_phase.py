@@ -23,8 +23,8 @@ from levanter.trainer_state import TrainerState
 from qkvflow.errors import UserError
 from qkvflow.models.related.adaptive import AdaptiveGpt2Config
 from qkvflow.models.related.halting import HaltingConfig, HaltingGpt2Config, HaltingLMHeadModel
+from qkvflow.runs.config import TrainConfig
 from qkvflow.training import halting_phase
-from qkvflow.training.config import TrainConfig
 from tests.analysis.builders import filled
 from tests.helpers import Batch, Vocab
 from tests.models.test_halting import geometric_q_reference, smoothed_reference

@@ -80,7 +80,7 @@ def test_mu_of_exactly_the_projections_is_bfloat16_and_follows_optax_rule():
 
 
 def test_bfloat16_for_new_runs_by_default_and_bad_values_get_one_line():
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs.config import TrainConfig
     from qkvflow.training.moments import resolve
 
     assert TrainConfig().hypernetwork_mu_dtype == "auto"
@@ -179,7 +179,7 @@ def test_the_stored_dtype_is_read_from_the_zarr_v3_arrays_levanter_writes(tmp_pa
     import tensorstore as ts
     from levanter.tensorstore_serialization import build_kvstore_spec
 
-    from qkvflow.training.checkpoint_arrays import array_dtypes, is_ocdbt
+    from qkvflow.runs.checkpoint_arrays import array_dtypes, is_ocdbt
     from qkvflow.training.moments import for_resume
 
     arrays = {

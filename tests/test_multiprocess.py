@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from qkvflow.training.tracking import metrics_file, read_metrics
+from qkvflow.runs.tracking import metrics_file, read_metrics
 from tests.timescale import limit
 from tests.train_utils import TINY, reference_run
 

@@ -3,7 +3,7 @@
 tests/fixtures/levanter_1_2 holds `step-1` of a tiny DiffEqFormer run trained by the old version
 and the logits that version computed from its model (README.md there). Here the new stack reads it:
 
-* the model, through qkvflow's own loading path (`qkvflow.training.run_model.load_model`, as `qkvflow export`,
+* the model, through qkvflow's own loading path (`qkvflow.runs.model.load_model`, as `qkvflow export`,
   `analyze` and the benchmarks read checkpoints), computes the same logits (the old version stored one
   hypernetwork per weight; loading stacks them, `qkvflow.models.layout`);
 * the whole trainer state (model, Adam state, step) restores with Levanter's `load_checkpoint` into
@@ -40,7 +40,7 @@ def _train_config(model=None):
     """The fixture run's config as far as loading needs it: its model section and its tokenizer."""
     from levanter.data.text import LmDataConfig
 
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs.config import TrainConfig
 
     data = LmDataConfig(tokenizer=str(FIXTURE / "tokenizer"))
     return TrainConfig(data=data, corpus=None, model=model or _model_config())
@@ -48,7 +48,7 @@ def _train_config(model=None):
 
 @pytest.fixture(scope="module")
 def loaded():
-    from qkvflow.training.run_model import load_model
+    from qkvflow.runs.model import load_model
 
     return load_model(_train_config(), str(STEP))
 
@@ -91,7 +91,7 @@ def test_the_old_model_computes_the_old_logits(loaded, expected):
 
 
 def test_a_run_folder_loads_its_newest_step(loaded, expected):
-    from qkvflow.training.run_model import load_model
+    from qkvflow.runs.model import load_model
 
     model, _ = load_model(_train_config(), str(FIXTURE))  # the folder that holds step-1
     for a, b in zip(jax.tree_util.tree_leaves(model), jax.tree_util.tree_leaves(loaded[0]), strict=True):
@@ -152,7 +152,7 @@ def test_the_whole_trainer_state_restores_into_a_fresh_states_shapes(loaded):
 def test_a_config_that_does_not_describe_it_gets_one_line(model, vocab, says):
     from qkvflow.errors import UserError
     from qkvflow.models.diffeqformer import DiffEqFormerLlamaConfig
-    from qkvflow.training.run_model import load_model
+    from qkvflow.runs.model import load_model
 
     if model == "llama":
         fields = dict(max_seq_len=32, hidden_dim=16, num_heads=2, time_embed_dim=4, num_frequencies=4)
@@ -176,8 +176,8 @@ def test_damage_to_an_old_checkpoint_is_named_in_one_line(tmp_path):
     from levanter.trainer_state import TrainerState
 
     from qkvflow.errors import UserError
-    from qkvflow.training.checkpoints import restore_error
-    from qkvflow.training.run_model import load_model
+    from qkvflow.runs.checkpoints import restore_error
+    from qkvflow.runs.model import load_model
 
     cut = tmp_path / "cut" / "step-1"
     shutil.copytree(STEP, cut)
@@ -287,8 +287,8 @@ def test_a_checkpoint_of_the_per_weight_layout_loads_stacked_and_refuses_to_resu
     from qkvflow.models.generator import HyperGenerator
     from qkvflow.models.layout import per_weight_model
     from qkvflow.models.per_weight import PerWeightGenerator
+    from qkvflow.runs.model import load_model
     from qkvflow.training.preflight import check_resume
-    from qkvflow.training.run_model import load_model
 
     config = _model_config(time_embed_norm=True)
     model = config.build(Axis("vocab", VOCAB), key=jrandom.PRNGKey(7))

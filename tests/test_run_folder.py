@@ -1,4 +1,4 @@
-"""`run_folder` (qkvflow.training.run_model): the run folder a `--checkpoint` argument belongs to, which eval,
+"""`run_folder` (qkvflow.runs.model): the run folder a `--checkpoint` argument belongs to, which eval,
 generate and export write nothing into. A step folder stands for its run: the run folder is its parent."""
 
 import json
@@ -6,8 +6,8 @@ import json
 import pytest
 
 from qkvflow.errors import UserError
-from qkvflow.outputs import check_outside
-from qkvflow.training.run_model import run_folder
+from qkvflow.runs.model import run_folder
+from qkvflow.runs.outputs import check_outside
 
 
 def _run(tmp_path):

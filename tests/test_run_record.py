@@ -1,4 +1,4 @@
-"""A run's identity (qkvflow.training.run_record): a resumed id whose model, data, optimizer or batch
+"""A run's identity (qkvflow.runs.run_record): a resumed id whose model, data, optimizer or batch
 differs from what its run recorded is refused in one line; the keys that may change are pinned; older
 runs are compared with the first hyperparameters their metrics.jsonl holds. In-process, on fake run
 folders (a `step-N` folder with the metadata Levanter writes last); the end-to-end checks are in
@@ -9,7 +9,7 @@ import json
 import pytest
 
 from qkvflow.errors import UserError
-from qkvflow.training import run_record
+from qkvflow.runs import run_record
 from tests.helpers import parse_config
 from tests.train_utils import TINY
 
@@ -194,7 +194,7 @@ def test_a_run_begun_before_the_record_is_compared_with_its_first_hyperparameter
     record (written here by qkvflow's jsonl tracker from Levanter's own `hparams_to_dict`)."""
     from levanter.tracker.helpers import hparams_to_dict
 
-    from qkvflow.training.tracking import JsonlTracker
+    from qkvflow.runs.tracking import JsonlTracker
 
     no_corpus = ["--corpus", "null"]  # `data` as Levanter logged it, without building the corpus
     first, later = _config(tmp_path, *no_corpus), _config(tmp_path, *no_corpus, "--model.ode.num_steps", "8")
@@ -215,8 +215,8 @@ def test_an_older_run_on_a_corpus_is_compared_with_data_as_levanter_logged_it(tm
     run's config passes, and a changed one is refused."""
     from levanter.tracker.helpers import hparams_to_dict
 
+    from qkvflow.runs.tracking import JsonlTracker
     from qkvflow.training.session import with_corpus
-    from qkvflow.training.tracking import JsonlTracker
 
     first = _config(tmp_path, "--corpus.root", str(corpus_root))
     JsonlTracker(str(tmp_path / "runs" / "tiny" / "metrics.jsonl")).log_hyperparameters(

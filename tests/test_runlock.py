@@ -1,4 +1,4 @@
-"""qkvflow.training.runlock: a local run folder is locked whichever way its path is written.
+"""qkvflow.runs.runlock: a local run folder is locked whichever way its path is written.
 
 flock conflicts between two open file descriptions of one file even within one process, so a second
 `RunLock` here stands for a second `qkvflow train` (tests/test_train.py runs two real processes)."""
@@ -9,7 +9,7 @@ import os
 import pytest
 
 from qkvflow.errors import UserError
-from qkvflow.training.runlock import LOCK_FILE, RunLock, RunLocks
+from qkvflow.runs.runlock import LOCK_FILE, RunLock, RunLocks
 
 
 @pytest.mark.parametrize("first, second", [("file://", ""), ("", "file://"), ("file://", "file://")])

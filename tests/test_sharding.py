@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from qkvflow.training.config import TrainConfig
+from qkvflow.runs.config import TrainConfig
 from qkvflow.training.sharding import (
     abstract_mesh,
     array_bytes,

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from qkvflow.training.tracking import metrics_file, read_metrics
+from qkvflow.runs.tracking import metrics_file, read_metrics
 from tests.timescale import limit
 from tests.train_utils import cli_in_one_process, losses, reference_run
 
@@ -108,7 +108,7 @@ def test_a_run_begun_with_float32_moments_resumes_in_float32(four_device_runs):
     """`hypernetwork_mu_dtype: auto` (the default) keeps the dtype the checkpoint stores: a run begun with
     float32 first moments resumes bit for bit as the uninterrupted float32 run, and its next checkpoint
     still stores float32; asking for bfloat16 on resume is refused in one line, before anything is written."""
-    from qkvflow.training.checkpoint_arrays import array_dtypes
+    from qkvflow.runs.checkpoint_arrays import array_dtypes
 
     workdir, code, _, stderr, _ = four_device_runs["f32-as-bf16"]
     assert code == 2, stderr[-2000:]
@@ -131,7 +131,7 @@ def test_a_run_begun_with_float32_moments_resumes_in_float32(four_device_runs):
 
 
 def test_a_new_run_stores_the_projections_first_moments_in_bfloat16(four_device_runs):
-    from qkvflow.training.checkpoint_arrays import array_dtypes
+    from qkvflow.runs.checkpoint_arrays import array_dtypes
 
     workdir = four_device_runs["resume"][0]
     stored = array_dtypes(str(workdir / "checkpoints/tiny/step-8"))
@@ -226,7 +226,7 @@ def test_the_summary_says_how_the_run_ended(summary, stop_after, line):
     import dataclasses
 
     from qkvflow.cli.train import headline
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs.config import TrainConfig
 
     config = TrainConfig()
     trainer = dataclasses.replace(config.trainer, num_train_steps=8)
@@ -341,7 +341,7 @@ def four_device_runs(tmp_path_factory, corpus_root):
         shared, corpus_root, "--trainer.checkpointer.base_path", str(shared / "other")
     )[3:]
     hold = (
-        "import sys\nfrom qkvflow.training.runlock import RunLock\n[RunLock(p).acquire() for p in sys.argv[1:]]\n"
+        "import sys\nfrom qkvflow.runs.runlock import RunLock\n[RunLock(p).acquire() for p in sys.argv[1:]]\n"
         "print('held', flush=True)\nsys.stdin.read()\n"
     )
     holder = subprocess.Popen([sys.executable, "-c", hold, str(locked / "checkpoints" / "tiny"), str(shared / "runs" / "tiny")],
@@ -372,8 +372,8 @@ def test_load_model_reads_the_trained_weights(reference, corpus_root):
     from haliax import Axis
 
     from qkvflow.errors import UserError
-    from qkvflow.training.config import TrainConfig
-    from qkvflow.training.run_model import load_model
+    from qkvflow.runs.config import TrainConfig
+    from qkvflow.runs.model import load_model
     from tests.helpers import parse_config
     from tests.train_utils import TINY
 
@@ -394,7 +394,7 @@ def test_run_lock_refuses_a_second_holder_and_recovers_a_stale_one(tmp_path):
     import socket
 
     from qkvflow.errors import UserError
-    from qkvflow.training.runlock import LOCK_FILE, RunLock
+    from qkvflow.runs.runlock import LOCK_FILE, RunLock
 
     run = tmp_path / "checkpoints" / "tiny"
     with RunLock(str(run)):
@@ -424,7 +424,7 @@ def test_run_lock_taken_on_a_file_its_holder_just_removed_is_taken_again(tmp_pat
     import json
 
     from qkvflow.errors import UserError
-    from qkvflow.training.runlock import LOCK_FILE, RunLock
+    from qkvflow.runs.runlock import LOCK_FILE, RunLock
 
     run = tmp_path / "checkpoints" / "tiny"
     holder = RunLock(str(run)).acquire()
@@ -481,9 +481,9 @@ def test_the_run_locks_cover_checkpoints_tracker_folders_and_the_log_file(tmp_pa
     """`session.run_locks` of a run: its checkpoint folder, each jsonl tracker's folder, its log file; a
     second holder of any one is refused, and a refused acquisition releases what it had taken."""
     from qkvflow.errors import UserError
+    from qkvflow.runs.config import TrainConfig
+    from qkvflow.runs.runlock import RunLock
     from qkvflow.training import session
-    from qkvflow.training.config import TrainConfig
-    from qkvflow.training.runlock import RunLock
     from tests.helpers import parse_config
     from tests.train_utils import TINY
 

@@ -78,7 +78,7 @@ def test_the_block_path_is_levanters_own_loss_for_its_models():
 def test_the_option_reaches_the_compiled_loss_of_both_models():
     """`train_loss(config)` binds `loss_vocab_block` (train, plan), and the block changes the program: one
     block covering the vocabulary leaves no loop over vocabulary blocks in the loss's jaxpr."""
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs.config import TrainConfig
 
     config = dataclasses.replace(TrainConfig(), loss_vocab_block=64)
     assert train_loss(config).keywords == {"z_loss_weight": 0.0, "vocab_block": 64}
@@ -93,7 +93,7 @@ def test_the_option_reaches_the_compiled_loss_of_both_models():
 
 @pytest.mark.parametrize("value", [0, -4])
 def test_a_block_that_is_not_positive_is_refused_in_one_line(value):
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs.config import TrainConfig
     from qkvflow.training.preflight import check_values
 
     config = dataclasses.replace(TrainConfig(), loss_vocab_block=value)
@@ -149,7 +149,7 @@ def test_a_model_with_a_loss_of_its_own_refuses_the_block_in_one_line():
     """The Depth-Adaptive Transformer overrides `compute_next_token_loss` (its exits' losses): the block
     would bypass it, so the key is refused before training and by the loss itself."""
     from qkvflow.models.related.adaptive import AdaptiveGpt2Config
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs.config import TrainConfig
     from qkvflow.training.preflight import check_values
 
     adaptive = AdaptiveGpt2Config(max_seq_len=12, hidden_dim=32, num_heads=4, num_layers=2)

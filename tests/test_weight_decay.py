@@ -155,8 +155,8 @@ def test_the_optimizer_that_trains_decays_exactly_the_mask(monkeypatch):
     parameter `should_decay` names by decoupled decay, p <- p - lr * wd * p, and leaves the rest exactly."""
     import jax.numpy as jnp
 
+    from qkvflow.runs.config import TrainConfig
     from qkvflow.training import loop
-    from qkvflow.training.config import TrainConfig
     from tests.analysis.builders import filled
     from tests.helpers import parse_config
     from tests.train_utils import TINY

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from qkvflow.training.tracking import metrics_file, read_metrics
+from qkvflow.runs.tracking import metrics_file, read_metrics
 from tests import warm
 from tests.helpers import with_host_devices
 from tests.timescale import limit

@@ -13,7 +13,7 @@
            the work folder (study_folder), the data halves of a user's corpus (halves), the run pool
            (pool) and the report (compare_report). docs/compare.md is its guide.
 
-Their output files follow qkvflow.outputs (an existing file is replaced only with --overwrite, and none
+Their output files follow qkvflow.runs.outputs (an existing file is replaced only with --overwrite, and none
 is written into the repository's tracked folders); `OUT_DIR` is the default folder of scaling, quality
 and exits.
 """

@@ -23,7 +23,7 @@ one grid does not fit every model, its own `learning_rates` (`--learning_rates` 
 The report is <name>.json, a markdown table <name>.md and a figure <name>.png (each model's test loss
 per seed, and mean +- sd; qkvflow.bench.compare_report), written into the work folder's `report/`, or
 into `--out_dir`: a folder for this report alone, checked and replaced as every qkvflow output is
-(qkvflow.outputs: absent, empty, or an earlier report; never the work folder or a folder holding it,
+(qkvflow.runs.outputs: absent, empty, or an earlier report; never the work folder or a folder holding it,
 never inside the repository's shipped folders). The paths written are printed. The base config and every
 model's run config (parsed as `qkvflow train` parses it: qkvflow.bench.run_configs) are checked, and the
 matched widths solved, before the work folder is claimed.
@@ -56,14 +56,14 @@ from typing import Optional
 
 import yaml
 
-from qkvflow import outputs
 from qkvflow.bench import depth_curves, halves, lr_grid, matching, run_configs, study_folder
 from qkvflow.bench.compare_report import markdown, report, write_report
 from qkvflow.bench.pool import Interrupted, Pool, current_pool, raising_on, stop_report
 from qkvflow.bench.study_folder import write_json as _write_json
 from qkvflow.errors import UserError
-from qkvflow.outputs import check_writable
-from qkvflow.training.tracking import metrics_file, read_metrics
+from qkvflow.runs import outputs
+from qkvflow.runs.outputs import check_writable
+from qkvflow.runs.tracking import metrics_file, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 STUDY_KEYS = {"base", "baseline", "iters", "learning_rates", "seeds", "models", "title", "depth"}
@@ -405,8 +405,8 @@ def depth_report(study: dict, tests: dict, workdir: Path) -> dict:
 def training_flops(config_path: Path, iters: int) -> Optional[float]:
     """3 x forward FLOPs of the run whose config is `config_path` (read as `qkvflow train` reads it), for
     `iters` steps (`run_configs.training_flops`)."""
-    from qkvflow.configfile import parse
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs.config import TrainConfig
+    from qkvflow.runs.configfile import parse
 
     return run_configs.training_flops(parse(TrainConfig, ["--config_path", str(config_path)], "train"), iters)
 

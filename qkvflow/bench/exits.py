@@ -25,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from qkvflow import outputs
 from qkvflow.bench import OUT_DIR
 from qkvflow.errors import UserError
+from qkvflow.runs import outputs
 
 TAUS = "0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,0.95,0.99"
 
@@ -46,8 +46,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _runs(workdir: Path) -> list[dict]:
     """Each finished run of the folder that kept its checkpoint: its id, config path, model config and seed."""
-    from qkvflow.configfile import parse
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs.config import TrainConfig
+    from qkvflow.runs.configfile import parse
 
     runs = []
     for path in sorted((workdir / "configs").glob("*.yaml")):
@@ -66,10 +66,10 @@ def _batches(config_path: str, split: str):
     import haliax as hax
     import jax.numpy as jnp
 
-    from qkvflow.configfile import parse
     from qkvflow.data import cache_lock
     from qkvflow.evaluation import perplexity
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs.config import TrainConfig
+    from qkvflow.runs.configfile import parse
     from qkvflow.training.session import with_corpus
 
     config = with_corpus(parse(TrainConfig, ["--config_path", config_path, "--corpus.eval_split", split], "train"))
@@ -85,9 +85,9 @@ def _batches(config_path: str, split: str):
 
 
 def _load(config_path: str, checkpoint: str):
-    from qkvflow.configfile import parse
-    from qkvflow.training.config import TrainConfig
-    from qkvflow.training.run_model import load_model
+    from qkvflow.runs.config import TrainConfig
+    from qkvflow.runs.configfile import parse
+    from qkvflow.runs.model import load_model
 
     model, _ = load_model(parse(TrainConfig, ["--config_path", config_path], "train"), checkpoint)
     return model

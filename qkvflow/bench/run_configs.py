@@ -24,9 +24,10 @@ def parsed(config: dict, where: str):
     a UserError in one line starting with `where` (e.g. "bench compare: model gpt2") when it is refused."""
     import draccus.utils
 
-    from qkvflow.configfile import _user_cause, parse
-    from qkvflow.training import compat, preflight
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs import compat
+    from qkvflow.runs.config import TrainConfig
+    from qkvflow.runs.configfile import _user_cause, parse
+    from qkvflow.training import preflight
 
     fd, path = tempfile.mkstemp(prefix="qkvflow-study-", suffix=".yaml")
     try:
@@ -54,7 +55,7 @@ def vocab_size(config) -> int:
     """The number of tokens the runs of `config` (a `TrainConfig`) train with: a bundled corpus's
     (`corpus_vocab_size`, nothing built), or the length of the `data:` section's tokenizer."""
     from qkvflow.data.corpora import corpus_vocab_size
-    from qkvflow.training import data_checks
+    from qkvflow.runs import data_checks
 
     if config.corpus is not None:
         try:

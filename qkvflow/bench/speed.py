@@ -37,11 +37,11 @@ import jmp
 import numpy as np
 import yaml
 
-from qkvflow import outputs
 from qkvflow.bench.memory import device_peak_bytes, process_peak, xla_memory
 from qkvflow.bench.peak import matmul_peak
 from qkvflow.errors import UserError
 from qkvflow.nn import attention
+from qkvflow.runs import outputs
 
 CORPUS_VOCAB = {"tinyshakespeare": 66, "pydoc": 2048}
 DTYPES = {"f32": "p=f32,c=f32", "bf16": "p=f32,c=bfloat16"}
@@ -76,7 +76,7 @@ def parser(prog="qkvflow bench speed") -> argparse.ArgumentParser:
         help="the cross-entropy's vocabulary block for both models (loss_vocab_block; at least the vocabulary: "
         "one product; default: each model's own)",
     )
-    p.add_argument("--json_out", default=None, help="also write the result to this JSON file (qkvflow.outputs)")
+    p.add_argument("--json_out", default=None, help="also write the result to this JSON file (qkvflow.runs.outputs)")
     p.add_argument("--overwrite", action="store_true", help=outputs.OVERWRITE_HELP)
     p.add_argument("--only", choices=("both", "ode", "baseline"), default="both")
     p.add_argument("--no_peak", action="store_true", help="skip the matmul-peak measurement")
@@ -115,7 +115,7 @@ def parser(prog="qkvflow bench speed") -> argparse.ArgumentParser:
 def load_config(path: str) -> tuple:
     """(DiffEqFormer config, defaults from the file: batch, vocab_size)."""
     from qkvflow.models import registry
-    from qkvflow.training.compat import check_config
+    from qkvflow.runs.compat import check_config
 
     file = Path(path)
     if not file.is_file():

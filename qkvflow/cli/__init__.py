@@ -3,7 +3,7 @@
 Bad input (unknown or mistyped config keys, unreadable YAML, missing files, invalid values) ends
 with one line naming the problem and exit status 2, not a traceback. Every verb goes through `main`,
 which first runs `qkvflow.cli.early.check`: `--help`, the --config_path file, Levanter 1.2 keys
-(qkvflow.training.compat), model types, paths and grids, answered or refused before JAX, Levanter or
+(qkvflow.runs.compat), model types, paths and grids, answered or refused before JAX, Levanter or
 draccus is imported. Only then does it import the verb's module. Each verb reads its config with `parse`
 (the --config_path file and the overrides, two kinds of which draccus cannot read are rewritten by
 `overrides`), and nothing else. Ctrl-C ends every verb with one line and exit status 130
@@ -21,7 +21,8 @@ import yaml
 from qkvflow import __version__
 from qkvflow.cli import early, interrupt
 from qkvflow.cli.bench import MODES as BENCH_MODES
-from qkvflow.configfile import (  # noqa: F401  (re-exported: `qkvflow.cli.parse` is how verbs read configs)
+from qkvflow.errors import UserError
+from qkvflow.runs.configfile import (  # noqa: F401  (re-exported: `qkvflow.cli.parse` is how verbs read configs)
     COMPONENTS,
     CONFIG_PATH,
     FLAG_VERBS,
@@ -32,7 +33,6 @@ from qkvflow.configfile import (  # noqa: F401  (re-exported: `qkvflow.cli.parse
     parse,
     split_config_path,
 )
-from qkvflow.errors import UserError
 
 VERBS = {
     "train": ("qkvflow.cli.train", "train a model with Levanter (--config_path CFG [--key value ...])"),
@@ -169,7 +169,7 @@ def _verb(verb: str, rest: list[str]) -> int:
             return 0
     except UserError as e:
         return _refused(verb, str(e))
-    except yaml.YAMLError as e:  # an override's value (qkvflow.configfile.overrides reads some as YAML)
+    except yaml.YAMLError as e:  # an override's value (qkvflow.runs.configfile.overrides reads some as YAML)
         return _refused(verb, _not_yaml(e, rest, where))
 
     import draccus.utils  # the stack: only now (qkvflow.cli.early)

@@ -7,7 +7,7 @@
 Further `--dotted.key value` arguments override the config as in `qkvflow train` (for example
 `--corpus.root`). Each analysis writes PNG figures (and for lyapunov an HTML page) under --output
 and prints a JSON summary with the numbers and the paths written. --output follows the rules of
-every other verb's output folder (qkvflow.outputs): it is written whole and swapped in at the end,
+every other verb's output folder (qkvflow.runs.outputs): it is written whole and swapped in at the end,
 and only an absent or empty folder or (with --overwrite) an earlier output of the same analysis is
 replaced. Bad input raises UserError, which the CLI prints as one line.
 """
@@ -16,9 +16,9 @@ import argparse
 import json
 import os
 
-from qkvflow import outputs
 from qkvflow.cli import quiet_checkpoint_warnings, usage
 from qkvflow.errors import UserError
+from qkvflow.runs import outputs
 
 DEFAULT_OUTPUT = "runs/analysis/{analysis}"
 
@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _train_config(path: str, overrides: list[str]):
     from qkvflow import cli
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs.config import TrainConfig
 
     return cli.parse(TrainConfig, [cli.CONFIG_PATH, path, *overrides], "analyze")
 
@@ -70,7 +70,7 @@ def _require_ode_model(config, analysis: str, path: str) -> None:
 
 def spectra(args, overrides: list[str]) -> dict:
     from qkvflow.analysis.spectra import analyze_spectra
-    from qkvflow.training.run_model import load_model
+    from qkvflow.runs.model import load_model
 
     if args.num_times < 2:
         raise UserError(f"spectra: --num_times {args.num_times} is invalid: expected an integer >= 2")
@@ -80,7 +80,7 @@ def spectra(args, overrides: list[str]) -> dict:
 
 def lyapunov(args, overrides: list[str]) -> dict:
     from qkvflow.analysis.lyapunov import analyze_lyapunov, encode_prompt
-    from qkvflow.training.run_model import load_model
+    from qkvflow.runs.model import load_model
     from qkvflow.training.session import with_corpus
 
     config = _train_config(args.config_path, overrides)

@@ -12,7 +12,7 @@ from typing import Optional
 
 from qkvflow.data.vocabulary import GPT2_VOCAB, vocabulary  # noqa: F401  (GPT2_VOCAB: re-exported)
 from qkvflow.models import accounting, registry
-from qkvflow.training.config import TrainConfig
+from qkvflow.runs.config import TrainConfig
 
 
 @dataclass

@@ -5,7 +5,7 @@ or written.
 runs `qkvflow.cli.main` with the two seams every verb reads its arguments through stopped right after
 they return:
 
-* `qkvflow.configfile.parse` (re-exported as `qkvflow.cli.parse`), how every config-driven verb reads
+* `qkvflow.runs.configfile.parse` (re-exported as `qkvflow.cli.parse`), how every config-driven verb reads
   its config file and `--dotted.key value` overrides with draccus;
 * the verb's own `argparse` parser (`prog="qkvflow VERB ..."`: export, analyze, plan, every `bench`
   mode). When it leaves arguments over (`parse_known_args`), they are the overrides of a config read
@@ -33,7 +33,7 @@ LEFTOVER_CONFIG = {"plan": ("qkvflow.plan.config", "PlanConfig")}
 def _leftover_config(verb: str) -> type:
     import importlib
 
-    module, name = LEFTOVER_CONFIG.get(verb, ("qkvflow.training.config", "TrainConfig"))
+    module, name = LEFTOVER_CONFIG.get(verb, ("qkvflow.runs.config", "TrainConfig"))
     return getattr(importlib.import_module(module), name)
 
 
@@ -71,8 +71,9 @@ def parse_only(argv: list[str]):
 
 @contextlib.contextmanager
 def _stopped_seams(verb: str):
-    from qkvflow import cli, configfile
+    from qkvflow import cli
     from qkvflow.cli import early
+    from qkvflow.runs import configfile
 
     real_parse = configfile.parse
     real_exists = early.check_exists

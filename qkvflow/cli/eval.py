@@ -24,7 +24,7 @@ With a corpus, `--auto_split selection` makes that choice on the selection half 
 every grid on corpus.eval_split (e.g. `--corpus.eval_split test`). `qkvflow generate --steps auto`
 decodes on the grid chosen that way. The table is printed; with
 --output it is also written as depth.md and depth.json, with the plot depth.png (perplexity against
-vector-field evaluations), into DIR (qkvflow.outputs: an absent or empty folder, or an earlier
+vector-field evaluations), into DIR (qkvflow.runs.outputs: an absent or empty folder, or an earlier
 `qkvflow eval` output with --overwrite). --tasks runs lm-evaluation-harness tasks through Levanter's
 harness (qkvflow.evaluation.harness; `pip install 'qkvflow[eval]'`) on the model of every row: at
 each grid of --steps/--solver/--tolerances, printed as a second table with one row per grid, task and
@@ -40,8 +40,8 @@ from typing import Optional
 
 from qkvflow.errors import UserError
 from qkvflow.evaluation import auto_steps
-from qkvflow.training.config import TrainConfig
-from qkvflow.training.finetune_config import FinetuneConfig, is_finetune_config
+from qkvflow.runs.config import TrainConfig
+from qkvflow.runs.finetune_config import FinetuneConfig, is_finetune_config
 
 TRAINING_ONLY = ("epochs", "stop_after", "log_every", "z_loss_weight", "nonfinite", "data_seed", "loss_curve")
 """TrainConfig options that evaluation does not read (hidden from --help)."""

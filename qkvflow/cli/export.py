@@ -2,14 +2,14 @@
 
     qkvflow export --checkpoint DIR --config_path CFG [--steps M] --output OUT [--overwrite] [--solver euler] [--ode]
 
-Discretises the ODE model into M parallel blocks (`qkvflow.export.discretise`; M defaults to the config's
+Discretises the ODE model into M parallel blocks (`qkvflow.models.discretise`; M defaults to the config's
 ode.num_steps N, where the export computes exactly the model's Euler solve; `--steps` takes an integer or,
 as `qkvflow eval` does, a multiple of N such as 2N or N/2) and writes OUT as a
 transformers folder (`qkvflow.export.hf_folder`) with the run's tokenizer. `--ode` also writes the full
 ODE model to OUT/ode (`qkvflow.export.ode`). Further `--dotted.key value` arguments override the
 config as in `qkvflow train` (e.g. `--corpus.root`). Prints a JSON summary. See docs/export.md.
 
-OUT is written into a temporary sibling and swapped in when complete (`qkvflow.outputs`); it must
+OUT is written into a temporary sibling and swapped in when complete (`qkvflow.runs.outputs`); it must
 be absent, empty, or (with --overwrite) an earlier export holding only the files that export listed
 in its `qkvflow_output.json`. The current folder, its ancestors, the home folder and any folder
 holding the checkpoint or the config are never replaced, and nothing is written inside the
@@ -20,10 +20,10 @@ import argparse
 import json
 import os
 
-from qkvflow import outputs
 from qkvflow.cli import quiet_checkpoint_warnings, usage
 from qkvflow.errors import UserError
 from qkvflow.evaluation.grids import ONE_DEPTH
+from qkvflow.runs import outputs
 
 KIND = "hf_export"
 
@@ -50,9 +50,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _output_rules(args) -> dict:
-    """How --output may be replaced (qkvflow.outputs): never the checkpoint or the config it reads, and
+    """How --output may be replaced (qkvflow.runs.outputs): never the checkpoint or the config it reads, and
     never inside the checkpoint's run folder."""
-    from qkvflow.training.run_model import run_folder
+    from qkvflow.runs.model import run_folder
 
     protect = [("--checkpoint", args.checkpoint), ("--config_path", args.config_path)]
     outside = [("the run folder of --checkpoint", run_folder(args.checkpoint))]
@@ -68,7 +68,7 @@ def check_output(args) -> None:
 def _train_config(path: str, overrides: list[str]):
     from qkvflow import cli
     from qkvflow.models import registry
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs.config import TrainConfig
 
     config = cli.parse(TrainConfig, [cli.CONFIG_PATH, path, *overrides], "export")
     if not registry.is_ode(config.model):
@@ -98,7 +98,7 @@ def layers(text, trained: int) -> int:
 
 
 def export(args, overrides: list[str]) -> dict:
-    from qkvflow.export.discretise import SOLVERS, discretise
+    from qkvflow.models.discretise import SOLVERS, discretise
 
     if args.solver not in SOLVERS:
         raise UserError(f"export: --solver {args.solver} is invalid: expected one of {list(SOLVERS)}")
@@ -108,7 +108,7 @@ def export(args, overrides: list[str]) -> dict:
 
     from qkvflow.export.hf_folder import save_hf_folder
     from qkvflow.export.ode import save_ode_export
-    from qkvflow.training.run_model import load_model
+    from qkvflow.runs.model import load_model
 
     quiet_checkpoint_warnings()
     model, tokenizer = load_model(config, args.checkpoint)

@@ -5,8 +5,8 @@ and say what each device needs (qkvflow.plan; docs/plan.md)."""
 import argparse
 import json
 
-from qkvflow import outputs
 from qkvflow.plan import targets
+from qkvflow.runs import outputs
 
 USAGE = "qkvflow plan --config_path CFG --target NAME [--devices N] [--max_batch] [--json] [--dotted.key value ...]"
 

@@ -125,9 +125,9 @@ def reference() -> str:
     from levanter.trainer import TrainerConfig
 
     from qkvflow.models import registry
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs.config import TrainConfig
+    from qkvflow.runs.tracking import JsonlTrackerConfig
     from qkvflow.training.finetune import FinetuneConfig
-    from qkvflow.training.tracking import JsonlTrackerConfig
 
     sections = {"data", "trainer", "model", "optimizer"}
     top = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in sections]
@@ -158,7 +158,7 @@ def _verb_options() -> list[str]:
     """The options each of eval, generate, describe and tokenizer adds to its config."""
     import importlib
 
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs.config import TrainConfig
 
     out = []
     for verb, module, name in (

@@ -6,7 +6,7 @@ train/validation jsonl, ready for `qkvflow train --config_path configs/own_text.
 
 What is read, how documents are split and what `vocab_size` means for each kind: `qkvflow.data.tokenizer`.
 DIR must be absent, empty, or (with --overwrite) an earlier output of this command holding nothing else;
-it is written into a temporary sibling and swapped in when complete (`qkvflow.outputs`).
+it is written into a temporary sibling and swapped in when complete (`qkvflow.runs.outputs`).
 """
 
 from dataclasses import dataclass, field

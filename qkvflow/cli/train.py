@@ -27,10 +27,10 @@ import levanter
 import levanter.tracker
 
 from qkvflow.plotting import plot_loss_curve
+from qkvflow.runs.config import TrainConfig
+from qkvflow.runs.tracking import metrics_file
 from qkvflow.training import faults, halting_phase, loop, moments, preflight, session
-from qkvflow.training.config import TrainConfig
 from qkvflow.training.loss import train_loss
-from qkvflow.training.tracking import metrics_file
 
 logger = logging.getLogger("qkvflow.cli.train")
 

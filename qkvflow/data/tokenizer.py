@@ -9,7 +9,7 @@ into train and validation, trains a tokenizer on them and writes ``output`` as o
 * ``train.jsonl``, ``validation.jsonl``: one ``{"text": ...}`` document per line, what Levanter's ``url``
   data source reads (it does not read ``.txt``);
 * ``sources.json``: the files read (with their sha256), the settings and the counts; and the
-  ``qkvflow_output.json`` marker (``qkvflow.outputs``) that makes the folder replaceable by a later run.
+  ``qkvflow_output.json`` marker (``qkvflow.runs.outputs``) that makes the folder replaceable by a later run.
 
 Documents. A ``.jsonl`` line is one JSON object whose ``text_key`` field (a string) is one document. A ``.txt``
 file is one document, cut after the first line end past every ``chunk_chars`` characters (``chunk``; joined
@@ -307,7 +307,7 @@ def check_output(output: str, *, overwrite: bool) -> None:
     """``output`` may be written: absent, empty, or an earlier output of this command (with
     ``overwrite``) that holds nothing else, Levanter's token cache included (it was made with the old
     tokenizer: the user removes it, qkvflow never does)."""
-    from qkvflow import outputs
+    from qkvflow.runs import outputs
 
     cache = os.path.join(str(output), LEVANTER_CACHE)
     if os.path.isdir(cache) and outputs.read_marker(str(output)) is not None:
@@ -334,8 +334,8 @@ def build_tokenizer_folder(
 ) -> Built:
     """Read ``files``, split, train and write ``output`` (see the module docstring). Every check on the
     arguments, the output folder and the files runs before anything is written; ``output`` is written
-    into a temporary sibling and swapped in when complete (``qkvflow.outputs.replacing``)."""
-    from qkvflow import outputs
+    into a temporary sibling and swapped in when complete (``qkvflow.runs.outputs.replacing``)."""
+    from qkvflow.runs import outputs
 
     check_vocab_size(kind, vocab_size)
     if isinstance(chunk_chars, bool) or not isinstance(chunk_chars, int) or chunk_chars < 0:

@@ -7,7 +7,7 @@ evaluation computes it (`qkvflow.evaluation.perplexity`), with lm-evaluation-har
     points(config)                       the grids of --steps/--solver/--tolerances (or --auto_grids)
     evaluate(config, config_path)        the table's rows (and lm-eval's results) as a dict
     score_grids(config, model, grid, ..) the rows: one model, every grid (also what `generate --steps auto` scores)
-    write(result, config, config_path)   depth.md, depth.json and depth.png into --output (qkvflow.outputs)
+    write(result, config, config_path)   depth.md, depth.json and depth.png into --output (qkvflow.runs.outputs)
 """
 
 from __future__ import annotations
@@ -16,18 +16,18 @@ import json
 import os
 from typing import Optional
 
-from qkvflow import outputs
 from qkvflow.errors import UserError
 from qkvflow.evaluation import auto_steps
 from qkvflow.evaluation.auto_steps import check_auto, is_auto, mark_auto, on_auto_split
-from qkvflow.training.finetune_config import FinetuneConfig
+from qkvflow.runs import outputs
+from qkvflow.runs.finetune_config import FinetuneConfig
 
 KIND = "eval_table"
 FILES = ("depth.md", "depth.json", "depth.png")
 
 
 def _output_rules(config, config_path: Optional[str]) -> dict:
-    from qkvflow.training.run_model import run_folder
+    from qkvflow.runs.model import run_folder
 
     protect = [("--checkpoint", config.checkpoint), ("--config_path", config_path)]
     outside = [("the run folder of --checkpoint", run_folder(config.checkpoint))]
@@ -39,7 +39,7 @@ def _output_rules(config, config_path: Optional[str]) -> dict:
 
 def check(config, config_path: Optional[str]) -> None:
     """Bad options and outputs, before any work."""
-    from qkvflow.training.run_model import newest_step
+    from qkvflow.runs.model import newest_step
 
     if not config.checkpoint:
         raise UserError("--checkpoint is missing: expected the run's checkpoint folder (checkpoints/<run_id>)")
@@ -96,7 +96,7 @@ def points(config):
 
 def evaluate(config, config_path: Optional[str] = None) -> dict:
     """The rows of the table (and lm-eval's results with --tasks) as a dict."""
-    from qkvflow.training.run_model import load_run_model
+    from qkvflow.runs.model import load_run_model
     from qkvflow.training.session import announce_corpus, with_corpus
 
     check(config, config_path)

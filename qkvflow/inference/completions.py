@@ -1,5 +1,5 @@
 """What `qkvflow generate` runs (the command and its options are in qkvflow.cli.generate): prompts read
-and checked, the decoding grid chosen, the run's model loaded (`qkvflow.training.run_model`), the
+and checked, the decoding grid chosen, the run's model loaded (`qkvflow.runs.model`), the
 completions decoded on Levanter's engine (`qkvflow.inference.generate`) and written.
 
     run(config)                      the completions of `config`'s prompts (and --output_jsonl written)
@@ -14,11 +14,11 @@ import json
 import os
 import sys
 
-from qkvflow import outputs
 from qkvflow.errors import UserError
 from qkvflow.evaluation import auto_steps
 from qkvflow.evaluation.grids import ONE_GRID
-from qkvflow.training.finetune_config import FinetuneConfig
+from qkvflow.runs import outputs
+from qkvflow.runs.finetune_config import FinetuneConfig
 
 
 def _unescape(text: str) -> str:
@@ -106,14 +106,14 @@ def choose_steps(config, model, tokenizer) -> int:
 
 def load(config):
     """(model, tokenizer) of the checkpoint: the trained model, or the fine-tuned one with LoRA merged."""
-    from qkvflow.training.run_model import load_run_model
+    from qkvflow.runs.model import load_run_model
 
     return load_run_model(config, config.checkpoint)
 
 
 def tokenizer_of(config):
     """The run's tokenizer (Hugging Face API), read before the model so that prompts are checked first."""
-    from qkvflow.training import data_checks
+    from qkvflow.runs import data_checks
     from qkvflow.training.session import with_corpus
 
     tokenizer = data_checks.load_tokenizer(with_corpus(config).data)
@@ -122,9 +122,9 @@ def tokenizer_of(config):
 
 def check_output(config, config_path=None) -> dict:
     """--output_jsonl: a file that can be written, not a file generate reads, not inside the checkpoint's run
-    folder, an existing file only with --overwrite (`qkvflow.outputs.check_file`); checked before any work,
-    as `qkvflow export` checks --output. Returns the rules for `qkvflow.outputs.writing_file`."""
-    from qkvflow.training.run_model import run_folder
+    folder, an existing file only with --overwrite (`qkvflow.runs.outputs.check_file`); checked before any work,
+    as `qkvflow export` checks --output. Returns the rules for `qkvflow.runs.outputs.writing_file`."""
+    from qkvflow.runs.model import run_folder
 
     if config.output_jsonl is None:
         return {}

@@ -15,7 +15,7 @@ as data), and records a `Family`. What the rest of qkvflow asks about a model go
 * ODE or discrete (`is_ode`): the CLI's checks, evaluation grids, analyses, parameter/FLOP accounting;
 * the flavour: fields, discrete blocks, accounting (`glu`), HF export names, benchmark baselines;
 * the discretisation rule (`discrete_family`): the parallel config an Euler solve becomes
-  (`qkvflow.export.discretise`).
+  (`qkvflow.models.discretise`).
 
 The model class is the config's `model_type`, as in Levanter. Configs that qkvflow does not declare
 (Levanter's own `gpt2`, `llama`) have no family: `family_of` gives None and `is_ode` False.

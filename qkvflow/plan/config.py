@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 from typing import Optional
 
-from qkvflow.training.config import TrainConfig
+from qkvflow.runs.config import TrainConfig
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 A DiffEqFormer trained with N ODE steps defines weights W(t) for every t in [0, 1]. Evaluating them
 at M step times (dt = 1/M folded into the output projections) gives an ordinary parallel-block
-transformer with M layers (`qkvflow.export.discretise`), for any M (the paper's Fig. 6: pretrain 18 steps,
+transformer with M layers (`qkvflow.models.discretise`), for any M (the paper's Fig. 6: pretrain 18 steps,
 fine-tune at 9, 12, 18, 24 layers). This verb loads the ODE checkpoint, discretises it at
 `steps: M`, and trains the result with Levanter's trainer on the configured data:
 
@@ -23,7 +23,7 @@ At the end, `export:` optionally writes the model in Hugging Face format (`hf_di
 model, or with `merged: false` the un-fine-tuned discretised base) and the adapter in PEFT format
 (`peft_dir`, LoRA only), each into `<dir>/<run_id>`; and `finetune_summary.json` beside the
 checkpoints, which `qkvflow sweep` reads. The exports replace only earlier exports of qkvflow
-(`qkvflow.outputs`: written into a temporary sibling and swapped in; a folder without qkvflow's marker,
+(`qkvflow.runs.outputs`: written into a temporary sibling and swapped in; a folder without qkvflow's marker,
 or holding the pretrained checkpoint, its config or this run's checkpoints, is refused before training).
 """
 
@@ -41,11 +41,10 @@ import jax
 import levanter
 import levanter.tracker
 
-from qkvflow import outputs
 from qkvflow.errors import UserError
 from qkvflow.plotting import plot_loss_curve
-from qkvflow.training import faults, loop, preflight
-from qkvflow.training.finetune_config import (  # the config and its checks; also what `qkvflow sweep` imports here
+from qkvflow.runs import outputs
+from qkvflow.runs.finetune_config import (  # the config and its checks; also what `qkvflow sweep` imports here
     METHODS,
     SOLVERS,
     ExportConfig,
@@ -59,9 +58,10 @@ from qkvflow.training.finetune_config import (  # the config and its checks; als
     load_pretrained_config,
     pretrained_depth,
 )
+from qkvflow.runs.model import add_lora, frozen_base, load_base, lora_modules, merged_model
+from qkvflow.runs.tracking import metrics_file
+from qkvflow.training import faults, loop, preflight
 from qkvflow.training.loss import train_loss
-from qkvflow.training.run_model import add_lora, frozen_base, load_base, lora_modules, merged_model
-from qkvflow.training.tracking import metrics_file
 
 __all__ = [
     "METHODS",
@@ -113,7 +113,7 @@ def _carry_over(summary: dict, previous: dict, jsonl) -> None:
         if key not in summary and key in previous:
             summary[key] = previous[key]
     if "train_loss" not in summary and jsonl is not None:  # no summary written before (e.g. a crash): the metrics
-        from qkvflow.training.tracking import read_metrics
+        from qkvflow.runs.tracking import read_metrics
 
         steps = read_metrics(metrics_file(jsonl.path, summary["run_id"]))
         losses = [steps[s]["train/loss"] for s in sorted(steps) if "train/loss" in steps[s]]
@@ -256,7 +256,7 @@ def _protected(config: FinetuneConfig, run_id: str) -> list[tuple[str, str]]:
 
 def check_exports(config: FinetuneConfig) -> None:
     """Before training: each export folder can be written and, if it exists, is an earlier export of
-    qkvflow (`qkvflow.outputs.check_replaceable`), so that hours of fine-tuning never end in a refusal."""
+    qkvflow (`qkvflow.runs.outputs.check_replaceable`), so that hours of fine-tuning never end in a refusal."""
     e = config.export
     run_id = config.trainer.id
     if run_id is None:  # Levanter picks one at start-up: only the parent folders are known
@@ -273,7 +273,7 @@ def export(config: FinetuneConfig, model, base, tokenizer, run_id: str, summary:
 
     e = config.export
     # Levanter loads a MarinTokenizer; the transformers folder and the PEFT adapter are saved with the
-    # Hugging Face tokenizer it wraps (as qkvflow.training.run_model.load_model hands to `qkvflow export`).
+    # Hugging Face tokenizer it wraps (as qkvflow.runs.model.load_model hands to `qkvflow export`).
     if hasattr(tokenizer, "as_hf_tokenizer"):
         tokenizer = tokenizer.as_hf_tokenizer()
     ode_steps = summary.get("pretrained_steps_N")

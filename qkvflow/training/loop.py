@@ -40,9 +40,10 @@ from levanter.utils.jax_utils import parameter_count
 from levanter.utils.tree_utils import inference_mode
 
 from qkvflow.errors import UserError
-from qkvflow.training import faults, moments, run_record, weight_decay
-from qkvflow.training.checkpoints import restore_error
-from qkvflow.training.tracking import JsonlTrackerConfig, drop_steps_from, metrics_file
+from qkvflow.runs import run_record
+from qkvflow.runs.checkpoints import restore_error
+from qkvflow.runs.tracking import JsonlTrackerConfig, drop_steps_from, metrics_file
+from qkvflow.training import faults, moments, weight_decay
 
 logger = logging.getLogger("qkvflow.training")
 

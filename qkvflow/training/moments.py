@@ -53,7 +53,7 @@ def stored_dtype(checkpoint: str) -> Optional[str]:
     qkvflow stores every projection's first moment in one dtype (`with_hypernetwork_mu_dtype`); a checkpoint
     holding several was not written by this rule, and no dtype to resume with follows from it: it is
     refused in one line naming the checkpoint and the dtypes, rather than resumed in one picked from them."""
-    from qkvflow.training.checkpoint_arrays import array_dtypes
+    from qkvflow.runs.checkpoint_arrays import array_dtypes
 
     found = {
         dtype

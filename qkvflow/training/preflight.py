@@ -5,7 +5,7 @@ so a failed start never touches an existing checkpoint.
 
 * `check_outputs` runs before anything else: every folder the run writes to (checkpoints, tracker,
   logs) gets a probe file created and removed, so an unwritable location fails now, not at the first save.
-* `check` runs next and needs no accelerator: values, the data files (`qkvflow.training.data_checks`),
+* `check` runs next and needs no accelerator: values, the data files (`qkvflow.runs.data_checks`),
   the checkpoint path. Nothing here may
   start JAX's backend, which must stay untouched until `jax.distributed.initialize` (multi-process).
 * `check_devices` runs after Levanter's initialisation: sizes that depend on the device count.
@@ -16,9 +16,9 @@ so a failed start never touches an existing checkpoint.
 
 import levanter.checkpoint
 
-from qkvflow.configfile import check_config_file  # noqa: F401  (moved: the CLI checks it before heavy imports)
 from qkvflow.errors import UserError
-from qkvflow.training.data_checks import check_data
+from qkvflow.runs.configfile import check_config_file  # noqa: F401  (moved: the CLI checks it before heavy imports)
+from qkvflow.runs.data_checks import check_data
 
 
 def _positive(key: str, value, *, allow_none=False, minimum=1) -> None:
@@ -135,7 +135,7 @@ def check_resume(config, Vocab):
     from haliax import NamedArray
     from levanter.utils.jax_utils import leaf_key_paths
 
-    from qkvflow.training.checkpoint_arrays import array_shapes, is_ocdbt
+    from qkvflow.runs.checkpoint_arrays import array_shapes, is_ocdbt
 
     t = config.trainer
     if t.load_checkpoint is False:
@@ -233,13 +233,13 @@ def _trackers(trainer_config) -> list:
 
 
 def check_outputs(config) -> None:
-    """Probe (`qkvflow.outputs.check_writable`) every local folder the run will write to:
+    """Probe (`qkvflow.runs.outputs.check_writable`) every local folder the run will write to:
     `trainer.checkpointer.base_path`, the jsonl tracker's `path`, a tensorboard tracker's `logdir` and
     `trainer.log_dir`. Runs before the corpus, the tokenizer and Levanter's initialisation."""
     from levanter.tracker.tensorboard import TensorboardConfig
 
-    from qkvflow.outputs import check_writable
-    from qkvflow.training.tracking import JsonlTrackerConfig
+    from qkvflow.runs.outputs import check_writable
+    from qkvflow.runs.tracking import JsonlTrackerConfig
 
     t = config.trainer
     check_run_id(t.id)  # a path-like id would put the run's files elsewhere

@@ -3,7 +3,7 @@
 Shared by the verbs that train (`qkvflow train`, `qkvflow finetune`) and by those that read a
 training config's data (`analyze`, `eval`, the checkpoint loader): `with_corpus` builds the configured
 offline corpus and points `data` at it; `initialize` connects processes (`jax.distributed`), runs the
-device checks, takes the run lock (qkvflow.training.runlock) and lets Levanter open its trackers and log
+device checks, takes the run lock (qkvflow.runs.runlock) and lets Levanter open its trackers and log
 file; `quiet_console` keeps Levanter's INFO lines out of the terminal (they still go to the log file).
 """
 
@@ -22,9 +22,10 @@ import levanter
 from haliax import Axis
 
 from qkvflow.errors import UserError
-from qkvflow.training import data_checks, distributed, preflight, run_record
-from qkvflow.training.config import TrainConfig
-from qkvflow.training.runlock import RunLock, RunLocks
+from qkvflow.runs import data_checks, run_record
+from qkvflow.runs.config import TrainConfig
+from qkvflow.runs.runlock import RunLock, RunLocks
+from qkvflow.training import distributed, preflight
 
 
 def check_corpus(c) -> None:
@@ -181,9 +182,9 @@ def _fix_log_file_name(log_dir: str, before: set) -> None:
 
 
 def run_locks(trainer_config, run_id: str) -> RunLocks:
-    """The locks of everything run `run_id` writes (qkvflow.training.runlock): its checkpoint folder, the
+    """The locks of everything run `run_id` writes (qkvflow.runs.runlock): its checkpoint folder, the
     folder of each jsonl tracker (metrics.jsonl, the loss curve) and its log file in `trainer.log_dir`."""
-    from qkvflow.training.tracking import JsonlTrackerConfig
+    from qkvflow.runs.tracking import JsonlTrackerConfig
 
     t = trainer_config
     locks = [RunLock(t.checkpointer.expanded_path(run_id))]
@@ -270,7 +271,7 @@ def nothing_to_train(config: TrainConfig) -> Optional[dict]:
 
 def start(config: TrainConfig, cleanup: contextlib.ExitStack, prepare: Optional[Callable] = None) -> Started:
     """What every training verb does after its own checks and before building a model: compare the config
-    with the one the run was started with (qkvflow.training.run_record), prepare the corpus, run the config
+    with the one the run was started with (qkvflow.runs.run_record), prepare the corpus, run the config
     checks, load the tokenizer, read the fault-injection spec, initialise (processes, Levanter, the run lock
     held until `cleanup` closes), hold the run's config to record at its first start (written by
     `loop.train_run`), and, for a run in its own folder, drop the checkpoint writes a kill interrupted.

@@ -49,7 +49,7 @@ def _save(model, run_dir) -> str:
 @pytest.fixture(scope="session")
 def diffeqformer_run(tmp_path_factory, corpus_root):
     """(config path, checkpoint dir) of a tiny DiffEqFormer over the pydoc tokenizer, saved untrained."""
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs.config import TrainConfig
     from qkvflow.training.session import with_corpus
     from tests.helpers import parse_config
 
@@ -63,7 +63,7 @@ def diffeqformer_run(tmp_path_factory, corpus_root):
 @pytest.fixture(scope="session")
 def gpt2_run(tmp_path_factory, corpus_root):
     """(config path, checkpoint dir) of a tiny discrete Levanter GPT-2 with random weights."""
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs.config import TrainConfig
     from qkvflow.training.session import with_corpus
     from tests.helpers import parse_config
 

@@ -52,8 +52,8 @@ def test_spectra_of_a_levanter_gpt2_checkpoint_runs_over_layers(gpt2_run, tmp_pa
 
 def test_lyapunov_of_a_checkpoint_writes_page_and_figures(diffeqformer_run, tmp_path, capsys):
     from qkvflow.analysis.lyapunov import token_lyapunov
-    from qkvflow.training.config import TrainConfig
-    from qkvflow.training.run_model import load_model
+    from qkvflow.runs.config import TrainConfig
+    from qkvflow.runs.model import load_model
 
     config, checkpoint = diffeqformer_run
     run = ("--config_path", config, "--checkpoint", checkpoint)
@@ -87,7 +87,7 @@ BAD = [
 
 @pytest.mark.parametrize("args,message", BAD, ids=["empty", "blank", "too-long", "steps"])
 def test_lyapunov_bad_text_is_a_user_error(diffeqformer_run, args, message):
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs.config import TrainConfig
     from qkvflow.training.session import with_corpus
 
     config, checkpoint = diffeqformer_run
@@ -122,7 +122,7 @@ def test_an_unwritable_output_is_refused_before_the_analysis(tmp_path, capsys, m
 
 def test_output_follows_the_output_folder_rules(tmp_path, capsys, monkeypatch):
     """--output is replaced only when it is absent, empty or (with --overwrite) an earlier output of the same
-    analysis (qkvflow.outputs); a user's folder, the current folder and another analysis's output are refused
+    analysis (qkvflow.runs.outputs); a user's folder, the current folder and another analysis's output are refused
     before the analysis runs, and every file in them survives."""
     out = tmp_path / "out"
     first = _run(capsys, "clusters", "--output", out)

@@ -296,7 +296,7 @@ def test_quality_configs_share_one_budget():
     the DiffEqFormer's only in `model` and the run id: same data, budget and optimizer for all."""
     import yaml
 
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs.config import TrainConfig
     from tests.helpers import parse_config
 
     configs = quality.ROOT / "benchmarks" / "configs"

@@ -14,8 +14,8 @@ import yaml
 from qkvflow.bench import compare, stats
 from qkvflow.data.corpora import default_shared_dir
 from qkvflow.errors import UserError
-from qkvflow.outputs import MARKER
-from qkvflow.training.tracking import metrics_file
+from qkvflow.runs.outputs import MARKER
+from qkvflow.runs.tracking import metrics_file
 from tests import warm
 from tests.timescale import limit
 
@@ -500,8 +500,8 @@ def _study(name, tmp_path):
 
 def _study_configs(name, tmp_path):
     """Each model's full run config of the shipped study `name`, parsed as `qkvflow train` parses it."""
-    from qkvflow.configfile import parse
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs.config import TrainConfig
+    from qkvflow.runs.configfile import parse
 
     study = _study(name, tmp_path)
     out = {}

@@ -186,7 +186,7 @@ def test_levanter_reads_pydoc_offline(pydoc: PreparedCorpus, tmp_path: Path) -> 
     from levanter.data.text import LmDataConfig, UrlDatasetSourceConfig
     from levanter.schedule import BatchSchedule
 
-    from qkvflow.training.config import CorpusConfig, TrainConfig
+    from qkvflow.runs.config import CorpusConfig, TrainConfig
     from qkvflow.training.session import with_corpus
 
     root = str(Path(pydoc.tokenizer).parents[1])  # the fixture's corpus root (a cache hit below)

@@ -120,7 +120,7 @@ def test_non_text_formats_hash_the_whole_document() -> None:
 def test_yaml_selects_the_held_out_config(tmp_path: Path) -> None:
     import draccus
 
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs.config import TrainConfig
     from tests.helpers import parse_config
 
     path = tmp_path / "c.yaml"

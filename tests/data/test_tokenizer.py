@@ -20,7 +20,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from qkvflow.cli import main as cli_main  # noqa: E402
 from qkvflow.data.tokenizer import build_tokenizer_folder  # noqa: E402
-from qkvflow.outputs import MARKER  # noqa: E402
+from qkvflow.runs.outputs import MARKER  # noqa: E402
 from tests.timescale import limit  # noqa: E402
 from tests.train_utils import ROOT, cli_in_one_process, train_env  # noqa: E402
 

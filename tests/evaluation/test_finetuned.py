@@ -138,7 +138,7 @@ def test_tasks_on_a_lora_checkpoint_score_the_fine_tuned_model(lora_eval):
 def test_loading_a_finetuned_run_names_the_step_folder_it_loaded(tmp_path_factory, corpus_root, capfd):
     """Given the run folder, the loader says on stderr which step-N folder it read (the newest, found here
     from the folder names), not the run folder (issue 56, mutation-audit survivor M24)."""
-    from qkvflow.training.run_model import load_run_model
+    from qkvflow.runs.model import load_run_model
 
     _, checkpoint, config, _ = finetuned(tmp_path_factory, corpus_root, "lora")
     steps = sorted(int(p.name.removeprefix("step-")) for p in checkpoint.glob("step-*"))

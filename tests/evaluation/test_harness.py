@@ -33,7 +33,7 @@ def run(tmp_path_factory, corpus_root):
     """(config, model, tokenizer, checkpoint) of a freshly initialised tiny DiffEqFormer (GPT-2 flavour)."""
     from qkvflow.cli import parse
     from qkvflow.cli.eval import EvalConfig
-    from qkvflow.training.run_model import load_model
+    from qkvflow.runs.model import load_model
     from qkvflow.training.session import with_corpus
 
     path = save_fresh_checkpoint(tmp_path_factory.mktemp("harness") / "ckpt", corpus_root)

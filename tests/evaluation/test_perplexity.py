@@ -65,7 +65,7 @@ def test_at_the_trained_grid_eval_equals_the_runs_own_eval_loss(shared, depth_ru
     """Same evaluator, batches, loss and float32 program as the run's last evaluation: the two agree to
     float32 round-off of the mean over the tokens (a few ulp of the loss; 16 eps allows XLA to
     reorder the reductions of the two compilations)."""
-    from qkvflow.training.tracking import metrics_file, read_metrics
+    from qkvflow.runs.tracking import metrics_file, read_metrics
 
     corpora, pretrained = shared
     runs = pretrained.parent.parent / "runs"
@@ -84,7 +84,7 @@ def test_on_two_devices_eval_equals_the_runs_own_eval_loss(shared, tmp_path):
     two per-device partial sums are added in another order (log2(256) = 8 eps per reassociation; 32 eps)."""
     import os
 
-    from qkvflow.training.tracking import metrics_file, read_metrics
+    from qkvflow.runs.tracking import metrics_file, read_metrics
     from tests import warm
 
     corpora, pretrained = shared
@@ -113,7 +113,7 @@ def test_each_row_is_the_models_loss_at_its_grid_from_its_own_logits(shared, dep
     from qkvflow.cli.eval import EvalConfig
     from qkvflow.evaluation.depth import with_ode
     from qkvflow.evaluation.perplexity import make_evaluator
-    from qkvflow.training.run_model import load_model
+    from qkvflow.runs.model import load_model
     from qkvflow.training.session import with_corpus
 
     corpora, pretrained = shared
@@ -159,7 +159,7 @@ def test_adaptive_rows_count_the_evaluations_the_field_received(shared, depth_ru
     from qkvflow.cli.eval import EvalConfig
     from qkvflow.evaluation.depth import with_ode
     from qkvflow.evaluation.perplexity import make_evaluator
-    from qkvflow.training.run_model import load_model
+    from qkvflow.runs.model import load_model
     from qkvflow.training.session import with_corpus
 
     adaptive = [r for r in depth_run[1]["rows"] if r["tolerance"] is not None]
@@ -222,7 +222,7 @@ def test_outputs_table_plot_and_overwrite_rules(shared, depth_run, capsys):
     rc, _, err = _eval(capsys, corpora, pretrained, "--output", str(foreign))
     assert rc == 2 and "was not written by qkvflow" in err
     assert (foreign / "keep.txt").read_text() == "x"
-    from qkvflow.training.run_model import newest_step
+    from qkvflow.runs.model import newest_step
 
     inside = Path(newest_step(str(pretrained))) / "eval"  # issue 56, item 4: not inside the run's folder
     rc, _, err = _eval(capsys, corpora, pretrained, "--output", str(inside))

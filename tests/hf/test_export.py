@@ -47,7 +47,7 @@ def _save_run(workdir: Path, corpus_root: Path, model_yaml: str, *, seed=0):
     from haliax import Axis
 
     import qkvflow.models.discrete  # noqa: F401
-    from qkvflow.training.config import TrainConfig
+    from qkvflow.runs.config import TrainConfig
     from qkvflow.training.session import with_corpus
     from tests.analysis.builders import filled
     from tests.helpers import parse_config
@@ -120,7 +120,7 @@ def exported(runs, tmp_path_factory):
 
 @pytest.mark.parametrize("kind", ["diffeqformer_gpt2", "diffeqformer_llama", "shared_ode_gpt2"])
 def test_export_at_n_steps_gives_the_ode_models_logits_in_torch(runs, exported, kind):
-    from qkvflow.export.discretise import discretise
+    from qkvflow.models.discretise import discretise
 
     model = runs[kind][2]
     folder, summary = exported[kind]
@@ -138,8 +138,8 @@ def test_other_depths_match_the_discrete_model_generate_and_overwrite(runs, tmp_
     import torch
     from transformers import AutoModelForCausalLM
 
-    from qkvflow.export.discretise import discretise
-    from qkvflow.outputs import MARKER
+    from qkvflow.models.discretise import discretise
+    from qkvflow.runs.outputs import MARKER
 
     config_path, checkpoint, model = runs["diffeqformer_llama"]
     out = tmp_path / "hf"
@@ -485,7 +485,7 @@ def _snapshot(folder: Path) -> dict:
 def test_overwrite_never_replaces_what_export_did_not_write(runs, tmp_path, capsys, monkeypatch):
     """--output ., an ancestor of the current folder, the folder holding the checkpoint or the config,
     and a folder of the user's: exit 2, one line, every file still there (before any model is loaded)."""
-    import qkvflow.training.checkpoints
+    import qkvflow.runs.checkpoints
 
     config_path, checkpoint, _ = runs["diffeqformer_gpt2"]
     work = tmp_path / "work"
@@ -497,7 +497,7 @@ def test_overwrite_never_replaces_what_export_did_not_write(runs, tmp_path, caps
     (work / "theirs").mkdir()
     (work / "theirs" / "thesis.tex").write_text("years of work")
     monkeypatch.chdir(work / "here")
-    monkeypatch.setattr(qkvflow.training.run_model, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    monkeypatch.setattr(qkvflow.runs.model, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
     run_folder = Path(checkpoint).parent  # holds config.yaml and checkpoints/
     before = _snapshot(tmp_path), _snapshot(run_folder)
     cases = [

@@ -17,8 +17,8 @@ def test_levanter_lora_loads_in_peft_on_the_export(tmp_path, flavour):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from qkvflow.export.discretise import discretise
     from qkvflow.export.hf_folder import save_hf_folder
+    from qkvflow.models.discretise import discretise
     from tests.analysis.builders import filled
 
     config = tiny_config(flavour)

@@ -82,7 +82,7 @@ def test_bad_input_is_one_line(capsys, corpus_root, tmp_path):
 
 def test_greedy_cli_equals_uncached_argmax(capsys, trained, tmp_path):
     from qkvflow.cli.generate import read_config
-    from qkvflow.training.run_model import load_model
+    from qkvflow.runs.model import load_model
 
     corpus_root, checkpoint = trained
     out = tmp_path / "out.jsonl"
@@ -128,7 +128,7 @@ def test_steps_auto_decodes_on_the_grid_the_rule_chooses(capfd, trained, tmp_pat
     from qkvflow.cli.generate import read_config
     from qkvflow.evaluation import evaluate as evaluation
     from qkvflow.inference import generate as decoding
-    from qkvflow.training.run_model import load_model
+    from qkvflow.runs.model import load_model
 
     above = {1: 1.0, 2: 0.5, 4: 0.015, 8: 0.0}  # nats above the finest grid's loss
     tolerance = 0.02
@@ -245,7 +245,7 @@ def test_greedy_cli_on_a_llama_baseline_equals_uncached_argmax(capfd, corpus_roo
     """Levanter's Llama (the baseline `qkvflow train` builds for model.type llama), freshly initialised
     and saved as a checkpoint: the CLI's greedy tokens are the argmax of its full-sequence causal logits."""
     from qkvflow.cli.generate import read_config
-    from qkvflow.training.run_model import load_model
+    from qkvflow.runs.model import load_model
     from tests.finetune_utils import save_fresh_checkpoint
 
     config_path = tmp_path / "llama.yaml"

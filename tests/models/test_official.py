@@ -22,8 +22,8 @@ import jax
 import numpy as np
 import pytest
 
-from qkvflow.export.discretise import discretise
 from qkvflow.integrate.config import OdeConfig
+from qkvflow.models.discretise import discretise
 from tests.helpers import random_tokens, tiny_config, tiny_model
 from tests.models.test_field_reference import gelu_tanh, layer_norm, silu
 

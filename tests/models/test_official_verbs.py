@@ -1,5 +1,5 @@
 """`variant: official` through the verbs' three ways into a model: `qkvflow train` builds it, `eval` loads
-the run (as `generate` and `export` do, qkvflow.training.run_model) at its grid and at another depth,
+the run (as `generate` and `export` do, qkvflow.runs.model) at its grid and at another depth,
 LoRA `finetune` loads it as a pretrained base and discretises it; one tiny run, one process
 (tests/train_utils.cli_in_one_process). The numerics are checked in-process elsewhere (test_official.py:
 the reference equations, discretisation, the export's logits; cached decoding in tests/inference); here

@@ -66,7 +66,7 @@ def test_a_discrete_toy_family_is_built_from_yaml_counted_and_run():
 
 
 def test_an_ode_toy_family_is_built_from_yaml_counted_run_and_discretised():
-    from qkvflow.export.discretise import discretise
+    from qkvflow.models.discretise import discretise
 
     config = from_yaml("test_toy_relu_ode", TINY_ODE)
     assert type(config) is ToyReluOdeConfig and registry.is_ode(config)
@@ -146,8 +146,8 @@ def test_a_name_cannot_be_declared_twice():
 _SEARCH = """
 import json, sys
 from levanter.models.lm_model import LmConfig
-from qkvflow.configfile import parse
-from qkvflow.training.config import TrainConfig
+from qkvflow.runs.configfile import parse
+from qkvflow.runs.config import TrainConfig
 
 def state(config):
     return [type(config.model).__name__, sorted(m for m in sys.modules if m.startswith("levanter.models.")
@@ -165,7 +165,7 @@ print(json.dumps(out))
 
 
 def test_a_parse_imports_only_the_levanter_model_types_it_names(tmp_path):
-    """`qkvflow.configfile.parse` spares draccus's search of every levanter.models module (~4.5 s of each
+    """`qkvflow.runs.configfile.parse` spares draccus's search of every levanter.models module (~4.5 s of each
     CLI start-up) when the config names its model types: qkvflow's own families, or Levanter's
     `levanter.models.<type>`. The search stays marked undone afterwards, so a later lookup still finds
     every type. The train verb's modules import neither transformers nor torch."""
@@ -194,7 +194,7 @@ def test_a_parse_imports_only_the_levanter_model_types_it_names(tmp_path):
 
 
 def test_model_types_reads_the_file_and_the_overrides_and_gives_up_when_unsure(tmp_path):
-    from qkvflow.configfile import model_types
+    from qkvflow.runs.configfile import model_types
 
     config = tmp_path / "c.yaml"
     config.write_text("model:\n  type: llama\n")

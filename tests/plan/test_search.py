@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from qkvflow import configfile
 from qkvflow.errors import UserError
 from qkvflow.plan import search, targets
 from qkvflow.plan.config import PlanConfig
+from qkvflow.runs import configfile
 from qkvflow.training.sharding import mesh_shape
 from tests.helpers import with_host_devices
 from tests.timescale import limit

@@ -17,7 +17,7 @@
 x_{k+1} = x + a + mlp(mlp_norm(x + a)); it exists so that the Runge-Kutta `block_scheme`s apply to a
 sequential baseline too, every stage running the whole sequential layer (the ODE Transformer's setting).
 
-Each of the `num_layers` blocks is one Euler step of a DiffEqFormer's field; `qkvflow.export.discretise`
+Each of the `num_layers` blocks is one Euler step of a DiffEqFormer's field; `qkvflow.models.discretise`
 builds one from an ODE checkpoint, and Levanter's trainer can also train one from scratch
 (`model: {type: parallel_gpt2, ...}`).
 

@@ -1,5 +1,5 @@
 """The config of a `qkvflow finetune` run and its checks: what fine-tuning reads, and what loading a
-fine-tuned run reads (`qkvflow.training.run_model`), so that loading one does not go through the
+fine-tuned run reads (`qkvflow.runs.model`), so that loading one does not go through the
 fine-tuning run's module (`qkvflow.training.finetune`, whose docstring describes the method).
 
     FinetuneConfig                             `qkvflow train`'s keys, `pretrained:` instead of `model:`
@@ -18,8 +18,8 @@ from levanter.adaptor.lora import LoraConfig
 from levanter.models.lm_model import LmConfig
 
 from qkvflow.errors import UserError
+from qkvflow.runs.config import TrainConfig
 from qkvflow.training import preflight
-from qkvflow.training.config import TrainConfig
 
 METHODS = ("lora", "full")
 SOLVERS = ("euler",)
@@ -124,7 +124,7 @@ def load_pretrained_config(config: FinetuneConfig) -> TrainConfig:
     import draccus
 
     import qkvflow.models  # noqa: F401  (declares every model family, so parallel_* configs parse and are refused)
-    from qkvflow.configfile import _user_cause, parse
+    from qkvflow.runs.configfile import _user_cause, parse
 
     path = config.pretrained.config_path
     preflight.check_config_file(path)
@@ -158,7 +158,7 @@ def check_pretrained_checkpoint(config: FinetuneConfig, pretrained: TrainConfig)
     """The checkpoint must hold the kind of model the config names: for a DiffEqFormer a generator of
     W(t), not e.g. a GPT-2 baseline's model, and for a baseline no generator; read from its array
     layout, before any device work (a baseline's remaining mismatches are named when it loads)."""
-    from qkvflow.training.checkpoint_arrays import array_shapes
+    from qkvflow.runs.checkpoint_arrays import array_shapes
 
     latest = levanter.checkpoint.discover_latest_checkpoint(config.pretrained.checkpoint)
     arrays = [name.split("/") for name in array_shapes(str(latest)) if name.startswith("model/")]
@@ -182,7 +182,7 @@ def check_pretrained_checkpoint(config: FinetuneConfig, pretrained: TrainConfig)
 
 def checkpoint_vocab(checkpoint: str) -> Optional[int]:
     """The vocabulary size the ODE checkpoint was trained with (its token embedding's rows)."""
-    from qkvflow.training.checkpoint_arrays import array_shapes
+    from qkvflow.runs.checkpoint_arrays import array_shapes
 
     latest = levanter.checkpoint.discover_latest_checkpoint(checkpoint)
     shape = array_shapes(str(latest)).get("model/token_embeddings/weight")
@@ -195,7 +195,7 @@ def is_finetune_config(path: Optional[str]) -> bool:
     file is not one (the config parser then names the problem)."""
     import yaml
 
-    from qkvflow.configfile import _readable_config
+    from qkvflow.runs.configfile import _readable_config
 
     if path is None:
         return False

@@ -2,7 +2,7 @@
 its model read back (`load_model`), and one-line messages for a checkpoint Levanter cannot restore:
 which arrays are missing, which file is damaged, and what to do (`restore_error`, also for resuming runs).
 
-The verbs load a run's model through `qkvflow.training.run_model` (which adds fine-tuning runs);
+The verbs load a run's model through `qkvflow.runs.model` (which adds fine-tuning runs);
 fine-tuning loads its pretrained run from here.
 """
 
@@ -19,7 +19,7 @@ from haliax import Axis
 
 from qkvflow.errors import UserError
 from qkvflow.models import layout
-from qkvflow.training.config import TrainConfig
+from qkvflow.runs.config import TrainConfig
 
 
 def newest_step(checkpoint: str, name: str = "checkpoint") -> str:
@@ -52,7 +52,7 @@ def _holds_per_weight_layout(shape, path: str) -> bool:
     stacking, `qkvflow.models.layout`) where the model `shape` stacks them."""
     if not layout.is_stacked(shape):
         return False
-    from qkvflow.training.checkpoint_arrays import array_shapes
+    from qkvflow.runs.checkpoint_arrays import array_shapes
 
     try:
         return layout.holds_per_weight(array_shapes(path))
@@ -127,7 +127,7 @@ def other_variant(model_config, checkpoint: str, Vocab: Axis) -> str | None:
 
     from levanter.utils.jax_utils import leaf_key_paths
 
-    from qkvflow.training.checkpoint_arrays import array_shapes
+    from qkvflow.runs.checkpoint_arrays import array_shapes
 
     variant = getattr(model_config, "variant", None)
     if variant is None:

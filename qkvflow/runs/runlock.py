@@ -28,7 +28,7 @@ from typing import Optional
 
 from qkvflow.errors import UserError
 
-logger = logging.getLogger("qkvflow.training.runlock")
+logger = logging.getLogger("qkvflow.runs.runlock")
 
 LOCK_FILE = ".qkvflow.lock"
 

@@ -16,7 +16,7 @@ from levanter.trainer import TrainerConfig
 
 import qkvflow.data.heldout  # noqa: F401  (registers the `hf_heldout` data source)
 import qkvflow.models  # noqa: F401  (declares every model family: registers its type with Levanter)
-import qkvflow.training.tracking  # noqa: F401  (registers the jsonl tracker, so that any verb parses `type: jsonl`)
+import qkvflow.runs.tracking  # noqa: F401  (registers the jsonl tracker, so that any verb parses `type: jsonl`)
 from qkvflow.models.diffeqformer import DiffEqFormerGpt2Config
 
 

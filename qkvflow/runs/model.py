@@ -3,7 +3,7 @@ benchmarks, and fine-tuning's pretrained run) read back from a checkpoint.
 
     newest_step(checkpoint)              the step-N folder a --checkpoint argument stands for
     load_model(config, checkpoint)       a `qkvflow train` run (a DiffEqFormer or a baseline): (model, tokenizer)
-                                         (these two live in qkvflow.training.checkpoints, beneath
+                                         (these two live in qkvflow.runs.checkpoints, beneath
                                          fine-tuning, which loads its pretrained run with them)
     load_finetuned(config, checkpoint)   a `qkvflow finetune` run: the discretised base, its fine-tuned
                                          parameters restored, LoRA merged
@@ -33,9 +33,9 @@ from haliax import Axis
 from levanter.adaptor.lora import LoraConfig, lora_trainable_params_filter, loraize, merge_lora_modules
 
 from qkvflow.errors import UserError
-from qkvflow.training.checkpoints import load_model, loaded, missing_arrays, name_some, newest_step, restore_error
-from qkvflow.training.config import TrainConfig
-from qkvflow.training.finetune_config import FinetuneConfig, checkpoint_vocab, is_ode_config
+from qkvflow.runs.checkpoints import load_model, loaded, missing_arrays, name_some, newest_step, restore_error
+from qkvflow.runs.config import TrainConfig
+from qkvflow.runs.finetune_config import FinetuneConfig, checkpoint_vocab, is_ode_config
 
 __all__ = [
     "add_lora",
@@ -55,8 +55,8 @@ __all__ = [
 
 
 def discretise_model(model, steps: int, solver: str):
-    """The ODE model as an M-layer parallel-block transformer (qkvflow.export.discretise)."""
-    from qkvflow.export.discretise import discretise
+    """The ODE model as an M-layer parallel-block transformer (qkvflow.models.discretise)."""
+    from qkvflow.models.discretise import discretise
 
     return discretise(model, steps, solver=solver)
 
@@ -128,7 +128,7 @@ def merged_model(model, base, lora: LoraConfig, lora_seed: int = 0):
 def run_folder(checkpoint: str) -> str:
     """The run folder of a checkpoint argument: the parent of a step folder (one that holds Levanter's
     `metadata.json`, as `newest_step` tells them apart), else the argument itself (checkpoints/<run_id>).
-    What the verbs write nothing into: its step-N folders are the run's (`qkvflow.outputs.check_outside`)."""
+    What the verbs write nothing into: its step-N folders are the run's (`qkvflow.runs.outputs.check_outside`)."""
     import os
 
     checkpoint = str(checkpoint)
@@ -149,7 +149,7 @@ def load_finetuned(config, checkpoint: str):
     parallel transformer."""
     from levanter.trainer_state import make_floating_point_trainable_filter
 
-    from qkvflow.training import data_checks, finetune_config
+    from qkvflow.runs import data_checks, finetune_config
     from qkvflow.training.session import with_corpus
 
     finetune_config.check_values(config)

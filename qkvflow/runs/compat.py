@@ -11,7 +11,7 @@ line") and what to write instead:
 Only the structural position matters: `seq_len` under `model` is flagged, a `seq_len` of the user's own
 under `bench` is not. Call it from every verb's config parsing, before `draccus.parse`:
 
-    from qkvflow.training.compat import check_config
+    from qkvflow.runs.compat import check_config
     check_config(config_path, args)   # config_path may be None; args are the command-line overrides
 """
 
