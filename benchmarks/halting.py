@@ -127,7 +127,7 @@ def test_batches(config_path: Path):
 
     from qkvflow.evaluation import perplexity
     from qkvflow.runs.config import TrainConfig
-    from qkvflow.training.session import with_corpus
+    from qkvflow.runs.corpus import with_corpus
 
     config = with_corpus(
         draccus.parse(

@@ -87,8 +87,8 @@ def evaluate_run(config_path: Path, checkpoint: Path, taus, max_sequences: int) 
     from qkvflow.evaluation import ode_halting
     from qkvflow.runs.config import TrainConfig
     from qkvflow.runs.configfile import parse
+    from qkvflow.runs.corpus import with_corpus
     from qkvflow.runs.model import load_model
-    from qkvflow.training.session import with_corpus
 
     out = {}
     for split in ("selection", "test"):

@@ -29,7 +29,7 @@ def save_fresh_checkpoint(
     from haliax import Axis
 
     from qkvflow.runs.config import TrainConfig
-    from qkvflow.training.session import with_corpus
+    from qkvflow.runs.corpus import with_corpus
     from tests.helpers import parse_config
 
     config = with_corpus(parse_config(config_path, TrainConfig, ["--corpus.root", str(corpus_root), *extra]))
@@ -92,7 +92,7 @@ def finetuned(tmp_path_factory, corpus_root: Path, method: str = "lora"):
     process (`summary["model"]` is the fine-tuned model in memory, LoRA unmerged), from a freshly
     initialised tiny ODE checkpoint (seconds, where a pretraining run takes half a minute). `args` are
     the command-line options that name its config, pretrained checkpoint, corpus and outputs."""
-    from qkvflow.training.finetune import FinetuneConfig, finetune
+    from qkvflow.finetune.run import FinetuneConfig, finetune
     from tests.helpers import parse_config
 
     key = (str(tmp_path_factory.getbasetemp()), method)

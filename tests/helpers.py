@@ -47,9 +47,9 @@ def config_class(path):
     config for `qkvflow plan` alone sets the vocabulary its model is built with (`vocab_size`)."""
     import yaml
 
+    from qkvflow.finetune.run import FinetuneConfig
     from qkvflow.plan.config import PlanConfig
     from qkvflow.runs.config import TrainConfig
-    from qkvflow.training.finetune import FinetuneConfig
 
     with open(path) as f:
         content = yaml.safe_load(f)
@@ -63,9 +63,9 @@ def parse_config(path, cls=None, args=()):
     TrainConfig) reads it: `qkvflow.runs.configfile.parse`, which imports only the model types the file names
     and reuses its parser (a first `draccus.parse` in a process searches every Levanter model, ~12 s)."""
     from qkvflow.cli.describe import DescribeConfig
+    from qkvflow.finetune.run import FinetuneConfig
     from qkvflow.runs import configfile
     from qkvflow.runs.config import TrainConfig
-    from qkvflow.training.finetune import FinetuneConfig
 
     cls = TrainConfig if cls is None else cls
     verb = {FinetuneConfig: "finetune", DescribeConfig: "describe"}.get(cls, "train")

@@ -17,9 +17,9 @@ from levanter.models.llama import LlamaConfig
 from qkvflow.cli.describe import DescribeConfig, describe
 from qkvflow.cli.describe import main as describe_main
 from qkvflow.data.heldout import HeldOutHfDatasetSourceConfig
+from qkvflow.finetune.run import FinetuneConfig
 from qkvflow.models.diffeqformer import DiffEqFormerGpt2Config, DiffEqFormerLlamaConfig
 from qkvflow.runs.config import TrainConfig
-from qkvflow.training.finetune import FinetuneConfig
 from qkvflow.training.weight_decay import with_decay_mask
 from tests.helpers import config_class, parse_config
 

@@ -29,7 +29,7 @@ MIN_DROP = 0.005
 
 
 def _parse(tmp_path, corpora, pretrained, *extra):
-    from qkvflow.training.finetune import FinetuneConfig
+    from qkvflow.finetune.run import FinetuneConfig
     from tests.helpers import parse_config
 
     args = base_args(tmp_path, corpora, pretrained)[2:] + list(extra)
@@ -46,7 +46,7 @@ REPEATED = (
 def lora_run(tmp_path_factory, shared):
     """LoRA at M = 2N = 4 on a small repetitive text (train = validation), so that six steps show
     a clear effect; the tokenizer is the pretraining corpus's."""
-    from qkvflow.training.finetune import finetune
+    from qkvflow.finetune.run import finetune
 
     corpora, pretrained = shared
     workdir = tmp_path_factory.mktemp("lora")
@@ -87,7 +87,7 @@ def test_lora_freezes_the_base_bit_for_bit_and_trains_the_adapters(lora_run, sha
     from qkvflow.runs.model import add_lora, load_base
 
     _, config, summary = lora_run
-    from qkvflow.training.session import with_corpus
+    from qkvflow.runs.corpus import with_corpus
 
     c = with_corpus(config)
     tokenizer = c.data.the_tokenizer
@@ -155,7 +155,7 @@ def test_full_fine_tune_resumes_and_exports_the_fine_tuned_model(tmp_path, share
     import torch
     from transformers import AutoModelForCausalLM
 
-    from qkvflow.training.finetune import finetune
+    from qkvflow.finetune.run import finetune
 
     corpora, pretrained = shared
     args = (
@@ -304,9 +304,9 @@ def test_a_baseline_is_fine_tuned_as_it_is_at_its_own_depth(tmp_path, shared, ba
     import jax.numpy as jnp
     from levanter.adaptor.lora import partition_lora_params
 
+    from qkvflow.finetune.run import FinetuneConfig, finetune
     from qkvflow.runs.config import TrainConfig
     from qkvflow.runs.model import load_model
-    from qkvflow.training.finetune import FinetuneConfig, finetune
     from tests.helpers import parse_config
 
     corpora, _ = shared

@@ -215,8 +215,8 @@ def test_an_older_run_on_a_corpus_is_compared_with_data_as_levanter_logged_it(tm
     run's config passes, and a changed one is refused."""
     from levanter.tracker.helpers import hparams_to_dict
 
+    from qkvflow.runs.corpus import with_corpus
     from qkvflow.runs.tracking import JsonlTracker
-    from qkvflow.training.session import with_corpus
 
     first = _config(tmp_path, "--corpus.root", str(corpus_root))
     JsonlTracker(str(tmp_path / "runs" / "tiny" / "metrics.jsonl")).log_hyperparameters(

@@ -24,7 +24,7 @@ ROWS = [
 
 
 def test_table_and_figure(tmp_path):
-    from qkvflow.cli.sweep import plot_sweep, write_table
+    from qkvflow.finetune.sweep import plot_sweep, write_table
 
     csv_path, md_path = write_table(ROWS, str(tmp_path), "title")
     with open(csv_path) as f:
@@ -139,11 +139,9 @@ def test_two_by_two_grid_end_to_end_and_rerun(tmp_path, shared):
 def test_outputs_that_are_not_qkvflows_are_refused_before_any_training(tmp_path, capsys, monkeypatch):
     """sweep.out_dir and the fine-tune exports replace only qkvflow's own earlier outputs; both are
     checked before anything trains (no pretrained checkpoint is even needed to get there)."""
-    import qkvflow.training.finetune
+    import qkvflow.finetune.run
 
-    monkeypatch.setattr(
-        qkvflow.training.finetune, "check_values", lambda config: pytest.fail("got past the output checks")
-    )
+    monkeypatch.setattr(qkvflow.finetune.run, "check_values", lambda config: pytest.fail("got past the output checks"))
     monkeypatch.chdir(tmp_path)
     theirs = tmp_path / "theirs"
     theirs.mkdir()

@@ -34,7 +34,7 @@ PRELOAD = [
     "qkvflow.cli.train",
     "qkvflow.training.loop",
     "qkvflow.training.session",
-    "qkvflow.training.finetune",
+    "qkvflow.finetune.run",
     "qkvflow.data.corpora",
     "qkvflow.models",
     "levanter.trainer",

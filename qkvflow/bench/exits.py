@@ -70,7 +70,7 @@ def _batches(config_path: str, split: str):
     from qkvflow.evaluation import perplexity
     from qkvflow.runs.config import TrainConfig
     from qkvflow.runs.configfile import parse
-    from qkvflow.training.session import with_corpus
+    from qkvflow.runs.corpus import with_corpus
 
     config = with_corpus(parse(TrainConfig, ["--config_path", config_path, "--corpus.eval_split", split], "train"))
     if not cache_lock.build(config.data, "validation"):

@@ -80,8 +80,8 @@ def spectra(args, overrides: list[str]) -> dict:
 
 def lyapunov(args, overrides: list[str]) -> dict:
     from qkvflow.analysis.lyapunov import analyze_lyapunov, encode_prompt
+    from qkvflow.runs.corpus import with_corpus
     from qkvflow.runs.model import load_model
-    from qkvflow.training.session import with_corpus
 
     config = _train_config(args.config_path, overrides)
     _require_ode_model(config, "lyapunov", args.config_path)

@@ -1,14 +1,14 @@
 """`qkvflow finetune`: turn a pretrained DiffEqFormer into an M-layer transformer and fine-tune it.
 
-The work (discretising, LoRA, the run, exports) is in `qkvflow.training.finetune`, whose docstring
+The work (discretising, LoRA, the run, exports) is in `qkvflow.finetune.run`, whose docstring
 describes the config; this module is the command: parse, run, print the summary, exit status.
 """
 
 import sys
 
 from qkvflow.cli.train import headline
+from qkvflow.finetune.run import FinetuneConfig, finetune
 from qkvflow.training import faults
-from qkvflow.training.finetune import FinetuneConfig, finetune
 
 
 def print_summary(summary: dict, config: FinetuneConfig) -> None:

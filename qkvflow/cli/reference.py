@@ -124,10 +124,10 @@ def reference() -> str:
     from levanter.optim import AdamConfig
     from levanter.trainer import TrainerConfig
 
+    from qkvflow.finetune.run import FinetuneConfig
     from qkvflow.models import registry
     from qkvflow.runs.config import TrainConfig
     from qkvflow.runs.tracking import JsonlTrackerConfig
-    from qkvflow.training.finetune import FinetuneConfig
 
     sections = {"data", "trainer", "model", "optimizer"}
     top = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in sections]

@@ -72,8 +72,8 @@ def configs() -> dict:
     """The config class each draccus-parsed verb reads its whole command line into (a verb with argparse
     options of its own, export, analyze, plan and bench, is left out)."""
     from qkvflow.cli import describe, eval, generate, tokenizer
+    from qkvflow.finetune.run import FinetuneConfig
     from qkvflow.runs.config import TrainConfig
-    from qkvflow.training.finetune import FinetuneConfig
 
     return {
         "train": TrainConfig,

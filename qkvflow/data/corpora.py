@@ -37,6 +37,7 @@ from qkvflow.data.tokenizer import bpe_tokenizer as _bpe_tokenizer
 from qkvflow.data.tokenizer import char_tokenizer as _char_tokenizer
 from qkvflow.data.tokenizer import chunk as _chunk
 from qkvflow.data.tokenizer import wrap as _wrap
+from qkvflow.errors import UserError
 
 if TYPE_CHECKING:
     from levanter.data.text import LmDataConfig
@@ -240,3 +241,13 @@ def _publish(tmp: Path, out: Path, name: str) -> None:
         os.replace(out, stale / out.name)
         shutil.rmtree(stale, ignore_errors=True)
     os.replace(tmp, out)
+
+
+def check_corpus(c) -> None:
+    """UserError unless the `corpus:` section names a known corpus and a usable vocabulary size."""
+    if c.name not in NAMES:
+        raise UserError(f"corpus.name={c.name!r} is invalid: expected one of {', '.join(NAMES)}")
+    if c.eval_split not in EVAL_SPLITS:
+        raise UserError(f"corpus.eval_split={c.eval_split!r} is invalid: expected one of {', '.join(EVAL_SPLITS)}")
+    if c.vocab_size is not None and (isinstance(c.vocab_size, bool) or c.vocab_size < 1):
+        raise UserError(f"corpus.vocab_size={c.vocab_size!r} is invalid: expected null or an integer >= 1")

@@ -17,8 +17,7 @@ def vocabulary(config) -> tuple[int, str]:
             raise UserError(f"vocab_size={config.vocab_size!r} is invalid: expected null or an integer >= 1")
         return config.vocab_size, "vocab_size"
     if config.corpus is not None:
-        from qkvflow.data.corpora import corpus_vocab_size
-        from qkvflow.training.session import check_corpus
+        from qkvflow.data.corpora import check_corpus, corpus_vocab_size
 
         c = config.corpus
         check_corpus(c)

@@ -96,8 +96,8 @@ def points(config):
 
 def evaluate(config, config_path: Optional[str] = None) -> dict:
     """The rows of the table (and lm-eval's results with --tasks) as a dict."""
+    from qkvflow.runs.corpus import announce_corpus, with_corpus
     from qkvflow.runs.model import load_run_model
-    from qkvflow.training.session import announce_corpus, with_corpus
 
     check(config, config_path)
     finetuned = isinstance(config, FinetuneConfig)

@@ -2,7 +2,7 @@
 
 The loss is the training run's evaluation, not a second implementation: Levanter's
 `TaggedEvaluator` over `data.tagged_eval_sets`, with qkvflow's per-position loss
-(`qkvflow.training.loop.eval_losses`: `model.compute_next_token_loss(reduction=None)` in the compute
+(`eval_losses`: `model.compute_next_token_loss(reduction=None)` in the compute
 precision), the same eval batch size and the same `trainer.max_eval_batches` cap. So on the data,
 grid and checkpoint a run evaluated, the loss is the run's `eval/loss`.
 
@@ -28,7 +28,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax.numpy as jnp
 import numpy as np
+from levanter.utils.tree_utils import inference_mode
 
 LN2 = math.log(2.0)
 
@@ -66,13 +68,25 @@ class Perplexity:
         }
 
 
+def eval_losses(mp):
+    """The evaluator's per-position loss: the plain next-token loss of the model (a DiffEqFormer's
+    kinetic penalty is a training regulariser, not part of the validation loss), in the compute
+    precision, with the weights and target ids Levanter's evaluator aggregates per tag."""
+
+    def per_position(model, batch):
+        model = mp.cast_to_compute(inference_mode(model, True))
+        loss = model.compute_next_token_loss(batch, reduction=None, reduction_axis=()).array
+        return loss, batch.loss_weight.array, jnp.roll(batch.tokens.array, -1, axis=-1)
+
+    return per_position
+
+
 def make_evaluator(config, Pos, tokenizer):
     """Levanter's TaggedEvaluator over `config.data`'s validation sets, as `qkvflow train` builds it
     (qkvflow.training.loop.make_evaluator): same loss, batch axis, mesh, compute mapping and example cap."""
     import levanter.eval
 
     from qkvflow.errors import UserError
-    from qkvflow.training.loop import eval_losses
 
     t = config.trainer
     eval_sets = config.data.tagged_eval_sets(Pos)

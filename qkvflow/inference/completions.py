@@ -93,7 +93,7 @@ def choose_steps(config, model, tokenizer) -> int:
     """--steps auto: N' scored on the run's validation data (qkvflow.evaluation.evaluate.score_grids)."""
     from qkvflow.evaluation.depth import grid_points
     from qkvflow.evaluation.evaluate import score_grids
-    from qkvflow.training.session import with_corpus
+    from qkvflow.runs.corpus import with_corpus
 
     config = with_corpus(auto_steps.on_auto_split(config))
     ode = config.model.ode
@@ -114,7 +114,7 @@ def load(config):
 def tokenizer_of(config):
     """The run's tokenizer (Hugging Face API), read before the model so that prompts are checked first."""
     from qkvflow.runs import data_checks
-    from qkvflow.training.session import with_corpus
+    from qkvflow.runs.corpus import with_corpus
 
     tokenizer = data_checks.load_tokenizer(with_corpus(config).data)
     return tokenizer.as_hf_tokenizer() if hasattr(tokenizer, "as_hf_tokenizer") else tokenizer

@@ -6,9 +6,11 @@ The verbs load a run's model through `qkvflow.runs.model` (which adds fine-tunin
 fine-tuning loads its pretrained run from here.
 """
 
+import json
 import os
 import re
 import sys
+from typing import Optional
 
 import equinox as eqx
 import jax
@@ -22,15 +24,64 @@ from qkvflow.models import layout
 from qkvflow.runs.config import TrainConfig
 
 
+class UnreadableCheckpoint(UserError):
+    """A `step-N` folder with a `metadata.json` that cannot be read: it is not removed."""
+
+
+def read_metadata(fs, path: str) -> Optional[dict]:
+    """The checkpoint's metadata; None if it has no `metadata.json` (an interrupted write);
+    `UnreadableCheckpoint` if the file is there but unreadable or lacks a usable `step`/`timestamp`."""
+    file = os.path.join(path, "metadata.json")
+    try:
+        with fs.open(file) as f:
+            metadata = json.load(f)
+    except FileNotFoundError:
+        # listed in its folder but not found: e.g. a symbolic link to a file that is gone (fsspec's
+        # `exists` follows links, so it says False for a dangling one, as if nothing were there)
+        if any(os.path.basename(p.rstrip("/")) == "metadata.json" for p in fs.ls(path, detail=False)):
+            problem = "cannot be opened (a symbolic link to a missing file?)"
+        else:
+            return None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        problem = f"is not valid JSON ({e})"
+    except OSError as e:
+        problem = f"cannot be read ({e.strerror or e})"
+    else:
+        if step_and_time(metadata) is not None:
+            return metadata
+        problem = "has no integer `step` and ISO-format `timestamp`"
+    raise UnreadableCheckpoint(
+        f"checkpoint {path}: its metadata.json {problem}; its arrays may be complete, so it was not removed"
+    )
+
+
+def step_and_time(metadata) -> Optional[tuple]:
+    """(step, timestamp) as Levanter reads them to find the newest checkpoint (an int step and an
+    ISO-format timestamp; it silently passes over a folder without them), or None."""
+    import datetime
+
+    try:
+        return int(metadata["step"]), datetime.datetime.fromisoformat(metadata["timestamp"])
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
+def resume_hint(error: UnreadableCheckpoint, path: str, protocol: str) -> UnreadableCheckpoint:
+    run, name = os.path.split(path.rstrip("/"))
+    aside = f"{protocol}{run}.{name}.unreadable"
+    return UnreadableCheckpoint(
+        f"{error}: move it out of the run folder (e.g. `mv {protocol}{path} {aside}`) and run again to resume "
+        "from the newest earlier checkpoint"
+    )
+
+
 def newest_step(checkpoint: str, name: str = "checkpoint") -> str:
     """The folder to load: `checkpoint` itself when it is a step (it holds `metadata.json`), else the newest
     complete step of the run folder `checkpoint` (Levanter's `discover_latest_checkpoint`). UserError if
-    there is none, and `faults.UnreadableCheckpoint` (with `train`'s message) when `checkpoint` or any
+    there is none, and `UnreadableCheckpoint` (with `train`'s message) when `checkpoint` or any
     folder in it has a `metadata.json` that cannot be read: Levanter would log a traceback and pass over it.
     `name` is how messages call the argument (e.g. "--checkpoint")."""
     import fsspec
-
-    from qkvflow.training.faults import UnreadableCheckpoint, _read_metadata, _resume_hint
 
     checkpoint = str(checkpoint)
     fs, root = fsspec.core.url_to_fs(checkpoint)
@@ -38,9 +89,9 @@ def newest_step(checkpoint: str, name: str = "checkpoint") -> str:
     candidates = [root] + (sorted(e for e in fs.ls(root, detail=False) if fs.isdir(e)) if fs.isdir(root) else [])
     for folder in candidates:
         try:
-            _read_metadata(fs, folder)
+            read_metadata(fs, folder)
         except UnreadableCheckpoint as e:
-            raise _resume_hint(e, folder, protocol) from None
+            raise resume_hint(e, folder, protocol) from None
     path = levanter.checkpoint.discover_latest_checkpoint(checkpoint)
     if path is None:
         raise UserError(f"{name} {checkpoint!r}: no checkpoint found (expected checkpoints/<run_id>[/step-N])")
@@ -76,7 +127,7 @@ def load_model(config: TrainConfig, checkpoint: str, *, vocab_size: int | None =
     The tokenizer is the Hugging Face one (Levanter loads a `MarinTokenizer`; exports and prompts need
     the transformers API). The vocabulary size comes from it unless `vocab_size` is given.
     """
-    from qkvflow.training.session import with_corpus
+    from qkvflow.runs.corpus import with_corpus
 
     config = with_corpus(config)
     tokenizer = config.data.the_tokenizer

@@ -1,6 +1,6 @@
 """The config of a `qkvflow finetune` run and its checks: what fine-tuning reads, and what loading a
 fine-tuned run reads (`qkvflow.runs.model`), so that loading one does not go through the
-fine-tuning run's module (`qkvflow.training.finetune`, whose docstring describes the method).
+fine-tuning run's module (`qkvflow.finetune.run`, whose docstring describes the method).
 
     FinetuneConfig                             `qkvflow train`'s keys, `pretrained:` instead of `model:`
     check_values(config)                       its values, before any work
@@ -19,7 +19,7 @@ from levanter.models.lm_model import LmConfig
 
 from qkvflow.errors import UserError
 from qkvflow.runs.config import TrainConfig
-from qkvflow.training import preflight
+from qkvflow.runs.configfile import check_config_file
 
 METHODS = ("lora", "full")
 SOLVERS = ("euler",)
@@ -127,7 +127,7 @@ def load_pretrained_config(config: FinetuneConfig) -> TrainConfig:
     from qkvflow.runs.configfile import _user_cause, parse
 
     path = config.pretrained.config_path
-    preflight.check_config_file(path)
+    check_config_file(path)
     try:
         pretrained = parse(TrainConfig, ["--config_path", path, *config.pretrained.overrides], "train")
     except (draccus.utils.DecodingError, draccus.utils.ParsingError) as e:

@@ -10,7 +10,7 @@ benchmarks, and fine-tuning's pretrained run) read back from a checkpoint.
     load_run_model(config, checkpoint)   either, by the config's type (a FinetuneConfig has `pretrained:`)
 
 and the shape of a fine-tuned run, which fine-tuning builds with the same functions (it imports them
-from here, so that no verb's load goes through `qkvflow.training.finetune`):
+from here, so that no verb's load goes through `qkvflow.finetune.run`):
 
     load_base(config, pretrained, ...)   the pretrained run's model, discretised at `steps` (`discretise_model`)
     add_lora(model, lora, seed)          Levanter's LoRA on it, starting out as the discretised model
@@ -150,7 +150,7 @@ def load_finetuned(config, checkpoint: str):
     from levanter.trainer_state import make_floating_point_trainable_filter
 
     from qkvflow.runs import data_checks, finetune_config
-    from qkvflow.training.session import with_corpus
+    from qkvflow.runs.corpus import with_corpus
 
     finetune_config.check_values(config)
     pretrained = finetune_config.load_pretrained_config(config)

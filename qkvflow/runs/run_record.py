@@ -265,7 +265,7 @@ def check(config, with_corpus: Callable = lambda config: config) -> Optional[Pen
     in a key outside MAY_CHANGE. Reads the run's record (or, for older runs, its first `hparams`) and the
     newest checkpoint's metadata only. Returns the record to write at this start (`hold`), or None.
 
-    `with_corpus` points `data` at a `corpus:` (`session.with_corpus`, which the caller passes): Levanter
+    `with_corpus` points `data` at a `corpus:` (`qkvflow.runs.corpus.with_corpus`, which the caller passes): Levanter
     logged an older run's config after it, so that run's `hparams` are compared with the config after it."""
     t = config.trainer
     folder = run_folder(t)

@@ -26,7 +26,6 @@ poisons one step inside the compiled train step, so that the tests can exercise 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import re
@@ -40,7 +39,7 @@ import levanter.tracker
 import numpy as np
 import optax
 
-from qkvflow.errors import UserError
+from qkvflow.runs.checkpoints import UnreadableCheckpoint, read_metadata, resume_hint, step_and_time
 from qkvflow.training.preemption import Preemption  # noqa: F401 (part of this module's interface)
 
 logger = logging.getLogger("qkvflow.training.faults")
@@ -56,57 +55,6 @@ class NonFiniteError(RuntimeError):
 # --- interrupted checkpoint writes ----------------------------------------------------------------
 
 _STEP_DIR = re.compile(r"^step-\d+$")
-
-
-class UnreadableCheckpoint(UserError):
-    """A `step-N` folder with a `metadata.json` that cannot be read: it is not removed."""
-
-
-def _read_metadata(fs, path: str) -> Optional[dict]:
-    """The checkpoint's metadata; None if it has no `metadata.json` (an interrupted write);
-    `UnreadableCheckpoint` if the file is there but unreadable or lacks a usable `step`/`timestamp`."""
-    file = os.path.join(path, "metadata.json")
-    try:
-        with fs.open(file) as f:
-            metadata = json.load(f)
-    except FileNotFoundError:
-        # listed in its folder but not found: e.g. a symbolic link to a file that is gone (fsspec's
-        # `exists` follows links, so it says False for a dangling one, as if nothing were there)
-        if any(os.path.basename(p.rstrip("/")) == "metadata.json" for p in fs.ls(path, detail=False)):
-            problem = "cannot be opened (a symbolic link to a missing file?)"
-        else:
-            return None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        problem = f"is not valid JSON ({e})"
-    except OSError as e:
-        problem = f"cannot be read ({e.strerror or e})"
-    else:
-        if _step_and_time(metadata) is not None:
-            return metadata
-        problem = "has no integer `step` and ISO-format `timestamp`"
-    raise UnreadableCheckpoint(
-        f"checkpoint {path}: its metadata.json {problem}; its arrays may be complete, so it was not removed"
-    )
-
-
-def _step_and_time(metadata) -> Optional[tuple]:
-    """(step, timestamp) as Levanter reads them to find the newest checkpoint (an int step and an
-    ISO-format timestamp; it silently passes over a folder without them), or None."""
-    import datetime
-
-    try:
-        return int(metadata["step"]), datetime.datetime.fromisoformat(metadata["timestamp"])
-    except (TypeError, KeyError, ValueError):
-        return None
-
-
-def _resume_hint(error: UnreadableCheckpoint, path: str, protocol: str) -> UnreadableCheckpoint:
-    run, name = os.path.split(path.rstrip("/"))
-    aside = f"{protocol}{run}.{name}.unreadable"
-    return UnreadableCheckpoint(
-        f"{error}: move it out of the run folder (e.g. `mv {protocol}{path} {aside}`) and run again to resume "
-        "from the newest earlier checkpoint"
-    )
 
 
 def incomplete_checkpoints(run_path: str, superseded_temporary: bool = True) -> list[str]:
@@ -133,13 +81,13 @@ def incomplete_checkpoints(run_path: str, superseded_temporary: bool = True) -> 
         if not _STEP_DIR.match(os.path.basename(entry.rstrip("/"))) or not fs.isdir(entry):
             continue
         try:
-            metadata = _read_metadata(fs, entry)
+            metadata = read_metadata(fs, entry)
         except UnreadableCheckpoint as e:
-            raise _resume_hint(e, entry, protocol) from None
+            raise resume_hint(e, entry, protocol) from None
         (incomplete if metadata is None else complete).append((entry, metadata))
     incomplete = [path for path, _ in incomplete]
     if complete and superseded_temporary:
-        newest = max(complete, key=lambda c: _step_and_time(c[1]))  # the one Levanter resumes from
+        newest = max(complete, key=lambda c: step_and_time(c[1]))  # the one Levanter resumes from
         incomplete += [p for p, m in complete if m.get("is_temporary") and p != newest[0]]
     return sorted(p if p.startswith(protocol) else protocol + p for p in incomplete)
 

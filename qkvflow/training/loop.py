@@ -28,7 +28,6 @@ import time
 from typing import Callable, Optional
 
 import jax
-import jax.numpy as jnp
 import jax.random as jrandom
 import levanter
 import levanter.eval
@@ -37,9 +36,9 @@ from levanter import callbacks
 from levanter.callbacks import StepInfo
 from levanter.trainer import Trainer
 from levanter.utils.jax_utils import parameter_count
-from levanter.utils.tree_utils import inference_mode
 
 from qkvflow.errors import UserError
+from qkvflow.evaluation.perplexity import eval_losses
 from qkvflow.runs import run_record
 from qkvflow.runs.checkpoints import restore_error
 from qkvflow.runs.tracking import JsonlTrackerConfig, drop_steps_from, metrics_file
@@ -93,19 +92,6 @@ def drop_replayed_metrics(trainer_config, run_id: str, start: int) -> None:
         dropped = drop_steps_from(metrics_file(jsonl.path, run_id), start)
         if dropped:
             logger.info(f"Dropped {dropped} metric records of the steps after step {start}: they are trained again")
-
-
-def eval_losses(mp):
-    """The evaluator's per-position loss: the plain next-token loss of the model (a DiffEqFormer's
-    kinetic penalty is a training regulariser, not part of the validation loss), in the compute
-    precision, with the weights and target ids Levanter's evaluator aggregates per tag."""
-
-    def per_position(model, batch):
-        model = mp.cast_to_compute(inference_mode(model, True))
-        loss = model.compute_next_token_loss(batch, reduction=None, reduction_axis=()).array
-        return loss, batch.loss_weight.array, jnp.roll(batch.tokens.array, -1, axis=-1)
-
-    return per_position
 
 
 def make_evaluator(trainer: Trainer, config, eval_sets, tokenizer):

@@ -1,8 +1,7 @@
-"""Setting up a training run: the corpus, Levanter's initialisation, the run lock and the terminal.
+"""Setting up a training run: Levanter's initialisation, the run lock and the terminal.
 
-Shared by the verbs that train (`qkvflow train`, `qkvflow finetune`) and by those that read a
-training config's data (`analyze`, `eval`, the checkpoint loader): `with_corpus` builds the configured
-offline corpus and points `data` at it; `initialize` connects processes (`jax.distributed`), runs the
+Shared by the verbs that train (`qkvflow train`, `qkvflow finetune`); the corpus a run resolves to is
+`qkvflow.runs.corpus`. `initialize` connects processes (`jax.distributed`), runs the
 device checks, takes the run lock (qkvflow.runs.runlock) and lets Levanter open its trackers and log
 file; `quiet_console` keeps Levanter's INFO lines out of the terminal (they still go to the log file).
 """
@@ -24,46 +23,9 @@ from haliax import Axis
 from qkvflow.errors import UserError
 from qkvflow.runs import data_checks, run_record
 from qkvflow.runs.config import TrainConfig
+from qkvflow.runs.corpus import announce_corpus, with_corpus
 from qkvflow.runs.runlock import RunLock, RunLocks
 from qkvflow.training import distributed, preflight
-
-
-def check_corpus(c) -> None:
-    """UserError unless the `corpus:` section names a known corpus and a usable vocabulary size."""
-    from qkvflow.data.corpora import EVAL_SPLITS, NAMES
-
-    if c.name not in NAMES:
-        raise UserError(f"corpus.name={c.name!r} is invalid: expected one of {', '.join(NAMES)}")
-    if c.eval_split not in EVAL_SPLITS:
-        raise UserError(f"corpus.eval_split={c.eval_split!r} is invalid: expected one of {', '.join(EVAL_SPLITS)}")
-    if c.vocab_size is not None and (isinstance(c.vocab_size, bool) or c.vocab_size < 1):
-        raise UserError(f"corpus.vocab_size={c.vocab_size!r} is invalid: expected null or an integer >= 1")
-
-
-def with_corpus(config: TrainConfig) -> TrainConfig:
-    """Build the configured offline corpus (if any) and point `data` at its files and tokenizer."""
-    if config.corpus is None:
-        return config
-    from qkvflow.data.corpora import prepare_corpus
-
-    c = config.corpus
-    check_corpus(c)
-    try:
-        corpus = prepare_corpus(c.name, c.root, vocab_size=c.vocab_size)
-    except (ValueError, RuntimeError) as e:  # e.g. a vocabulary size the corpus cannot have
-        raise UserError(f"corpus: {e}") from None
-    data = corpus.data_config(c.name, config.data, eval_split=c.eval_split)
-    return dataclasses.replace(config, data=data)
-
-
-def announce_corpus(config) -> None:
-    """Say which corpus is prepared (building it trains a tokenizer); printed before JAX starts, so by
-    every process."""
-    if config.corpus is not None:
-        print(
-            f"preparing corpus {config.corpus.name} in {os.path.join(config.corpus.root, config.corpus.name)} ...",
-            flush=True,
-        )
 
 
 def _initialize(config: TrainConfig, before_writes: Callable[[], None] = lambda: None) -> Optional[RunLocks]:

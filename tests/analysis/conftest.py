@@ -50,7 +50,7 @@ def _save(model, run_dir) -> str:
 def diffeqformer_run(tmp_path_factory, corpus_root):
     """(config path, checkpoint dir) of a tiny DiffEqFormer over the pydoc tokenizer, saved untrained."""
     from qkvflow.runs.config import TrainConfig
-    from qkvflow.training.session import with_corpus
+    from qkvflow.runs.corpus import with_corpus
     from tests.helpers import parse_config
 
     workdir = tmp_path_factory.mktemp("diffeqformer_run")
@@ -64,7 +64,7 @@ def diffeqformer_run(tmp_path_factory, corpus_root):
 def gpt2_run(tmp_path_factory, corpus_root):
     """(config path, checkpoint dir) of a tiny discrete Levanter GPT-2 with random weights."""
     from qkvflow.runs.config import TrainConfig
-    from qkvflow.training.session import with_corpus
+    from qkvflow.runs.corpus import with_corpus
     from tests.helpers import parse_config
 
     workdir = tmp_path_factory.mktemp("gpt2_run")

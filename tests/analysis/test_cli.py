@@ -88,7 +88,7 @@ BAD = [
 @pytest.mark.parametrize("args,message", BAD, ids=["empty", "blank", "too-long", "steps"])
 def test_lyapunov_bad_text_is_a_user_error(diffeqformer_run, args, message):
     from qkvflow.runs.config import TrainConfig
-    from qkvflow.training.session import with_corpus
+    from qkvflow.runs.corpus import with_corpus
 
     config, checkpoint = diffeqformer_run
     tokenizer = with_corpus(parse_config(config, TrainConfig)).data.the_tokenizer

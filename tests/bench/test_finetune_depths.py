@@ -29,7 +29,7 @@ def test_the_study_names_one_ode_and_gpt2_at_n_and_4n_over_3():
 def test_the_config_parses_as_a_sweep_of_both_methods(tmp_path):
     import yaml
 
-    from qkvflow.training.finetune import FinetuneConfig
+    from qkvflow.finetune.run import FinetuneConfig
     from tests.helpers import parse_config
 
     corpora = {"train": [str(tmp_path / "train.jsonl")], "test": str(tmp_path / "test.jsonl"), "tokenizer": "tok"}

@@ -177,7 +177,7 @@ def test_missing_shakespeare_and_unknown_name_raise(tmp_path: Path) -> None:
 @pytest.mark.slow  # ~90 s; every training test also reads the pydoc corpus through Levanter
 def test_levanter_reads_pydoc_offline(pydoc: PreparedCorpus, tmp_path: Path) -> None:
     """The corpus as `qkvflow train` hands it to Levanter (`corpus:` -> one url component of an
-    LmDataConfig, qkvflow.training.session.with_corpus): the cache builds offline and its examples are the
+    LmDataConfig, qkvflow.runs.corpus.with_corpus): the cache builds offline and its examples are the
     documents' tokens in order, nothing inserted or dropped."""
     import dataclasses
 
@@ -187,7 +187,7 @@ def test_levanter_reads_pydoc_offline(pydoc: PreparedCorpus, tmp_path: Path) -> 
     from levanter.schedule import BatchSchedule
 
     from qkvflow.runs.config import CorpusConfig, TrainConfig
-    from qkvflow.training.session import with_corpus
+    from qkvflow.runs.corpus import with_corpus
 
     root = str(Path(pydoc.tokenizer).parents[1])  # the fixture's corpus root (a cache hit below)
     config = with_corpus(TrainConfig(data=LmDataConfig(shuffle=False), corpus=CorpusConfig(name="pydoc", root=root)))

@@ -47,7 +47,7 @@ def lora_eval(tmp_path_factory, corpus_root):
     import io
 
     pytest.importorskip("lm_eval")
-    from qkvflow.training.session import with_corpus
+    from qkvflow.runs.corpus import with_corpus
     from tests.evaluation.test_harness import CHOICES, QUESTIONS, _write_task
 
     run = finetuned(tmp_path_factory, corpus_root, "lora")

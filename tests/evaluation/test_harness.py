@@ -33,8 +33,8 @@ def run(tmp_path_factory, corpus_root):
     """(config, model, tokenizer, checkpoint) of a freshly initialised tiny DiffEqFormer (GPT-2 flavour)."""
     from qkvflow.cli import parse
     from qkvflow.cli.eval import EvalConfig
+    from qkvflow.runs.corpus import with_corpus
     from qkvflow.runs.model import load_model
-    from qkvflow.training.session import with_corpus
 
     path = save_fresh_checkpoint(tmp_path_factory.mktemp("harness") / "ckpt", corpus_root)
     config = with_corpus(parse(EvalConfig, ["--config_path", TINY_TRAIN, "--corpus.root", str(corpus_root)], "eval"))

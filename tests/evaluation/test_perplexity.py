@@ -113,8 +113,8 @@ def test_each_row_is_the_models_loss_at_its_grid_from_its_own_logits(shared, dep
     from qkvflow.cli.eval import EvalConfig
     from qkvflow.evaluation.depth import with_ode
     from qkvflow.evaluation.perplexity import make_evaluator
+    from qkvflow.runs.corpus import with_corpus
     from qkvflow.runs.model import load_model
-    from qkvflow.training.session import with_corpus
 
     corpora, pretrained = shared
     config = with_corpus(parse(EvalConfig, ["--config_path", TINY_TRAIN, "--corpus.root", str(corpora)], "eval"))
@@ -159,8 +159,8 @@ def test_adaptive_rows_count_the_evaluations_the_field_received(shared, depth_ru
     from qkvflow.cli.eval import EvalConfig
     from qkvflow.evaluation.depth import with_ode
     from qkvflow.evaluation.perplexity import make_evaluator
+    from qkvflow.runs.corpus import with_corpus
     from qkvflow.runs.model import load_model
-    from qkvflow.training.session import with_corpus
 
     adaptive = [r for r in depth_run[1]["rows"] if r["tolerance"] is not None]
     assert [(r["solver"], r["tolerance"]) for r in adaptive] == [("tsit5", 1e-2)]

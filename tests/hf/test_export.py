@@ -48,7 +48,7 @@ def _save_run(workdir: Path, corpus_root: Path, model_yaml: str, *, seed=0):
 
     import qkvflow.models.discrete  # noqa: F401
     from qkvflow.runs.config import TrainConfig
-    from qkvflow.training.session import with_corpus
+    from qkvflow.runs.corpus import with_corpus
     from tests.analysis.builders import filled
     from tests.helpers import parse_config
 
