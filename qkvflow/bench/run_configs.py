@@ -27,7 +27,7 @@ def parsed(config: dict, where: str):
     from qkvflow.runs import compat
     from qkvflow.runs.config import TrainConfig
     from qkvflow.runs.configfile import _user_cause, parse
-    from qkvflow.training import preflight
+    from qkvflow.training.step import check_values
 
     fd, path = tempfile.mkstemp(prefix="qkvflow-study-", suffix=".yaml")
     try:
@@ -36,7 +36,7 @@ def parsed(config: dict, where: str):
         try:
             compat.check_config(path)
             train_config = parse(TrainConfig, ["--config_path", path], "train")
-            preflight.check_values(train_config)
+            check_values(train_config)
         except UserError as e:
             raise UserError(f"{where}: {_one_line(str(e))}") from None
         except (draccus.utils.DecodingError, draccus.utils.ParsingError) as e:

@@ -180,8 +180,7 @@ def compile_step(config, target: Target, devices: list, vocab_size: int, batch: 
     from levanter.tracker import NoopConfig
     from levanter.trainer_state import TrainerState
 
-    from qkvflow.training.loop import make_trainer
-    from qkvflow.training.loss import train_loss
+    from qkvflow.training import step as training_step
 
     t = config.trainer
     if batch is not None:
@@ -200,7 +199,7 @@ def compile_step(config, target: Target, devices: list, vocab_size: int, batch: 
         )
     with warnings.catch_warnings():  # Levanter's schedules warn that no tracker is set
         warnings.simplefilter("ignore")
-        trainer, _ = make_trainer(config, train_loss(config), trainer_config=t)
+        trainer = training_step.trainer(config, trainer_config=t)
     # the legacy mesh context and the abstract mesh, not jax.set_mesh: under that, the eager ops haliax
     # runs outside jit (its `is_in_jit` probe) would go to the compile-only devices, which run nothing
     with mesh, jax.sharding.use_abstract_mesh(mesh.abstract_mesh), hax.axis_mapping(trainer.parameter_axis_mapping):
