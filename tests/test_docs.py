@@ -323,7 +323,7 @@ def test_every_list_renders_as_a_list(doc):
 
 
 # A quoted figure: a link whose text starts with a number, `[0.89x](page.md#section)` or a record's README.
-FIGURE_LINK = re.compile(r"(?<!!)\[([+-]?\d[^\]]*)\]\(([^)\s#]*)(?:#([^)\s]+))?\)")
+FIGURE_LINK = re.compile(r"(?<!!)\[([+-]?\d(?:[^\[\]]|\[[^\[\]]*\])*)\]\(([^)\s#]*)(?:#([^)\s]+))?\)")
 NUMBER = re.compile(r"\d+(?:,\d{3})*(?:\.\d+)?")  # 1,301 and 0.89 and 12.3 whole; a sign is not part
 HEADING = re.compile(r"^(#{1,6})\s+(.+?)\s*#*\s*$")
 
@@ -388,7 +388,7 @@ def test_a_quoted_figure_is_checked_against_the_section_it_links(tmp_path):
                 "[0.89x at 32 x 1024](page.md#speed) and [1.22x](page.md#speed), [221,761 (19.3%)](record/)",  # 1
                 "[0.88x](page.md#speed)",  # 2: one digit changed
                 "[5.84 GiB](page.md#speed)",  # 3: stated in another section
-                "[0.89](page.md#not-a-heading) [0.78](record/README.md) ![5.84](page.md#speed)",  # 4
+                "[0.89](page.md#not-a-heading) [0.78 [19.3, 0.78]](record/README.md) ![5.84](page.md#speed)",  # 4
                 "[21,761](record/README.md) [speed](page.md#speed) [0.78](record/data.json)",  # 5
             ]
         )

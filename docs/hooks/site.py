@@ -39,7 +39,7 @@ CONFIG_REFERENCE = "<!-- CONFIG_REFERENCE -->"
 HALIAX_IMPORT_WARNING = r"jax\.interpreters\.pxla\.thread_resources is deprecated"
 """haliax.partitioning's import of a jax name deprecated since jax 0.8.2 (haliax's to change, not ours): the
 `mkdocs` command shows DeprecationWarnings, so without this filter every build logged its stack as INFO."""
-LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s]+)((?:\s+\"[^\"]*\")?\))")
+LINK = re.compile(r"(!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]\()([^)\s]+)((?:\s+\"[^\"]*\")?\))")  # text may hold [a, b]
 FENCE = re.compile(r"^\s*(```|~~~)")
 
 
