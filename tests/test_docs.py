@@ -426,10 +426,10 @@ def test_the_own_text_example_makes_its_text_from_what_every_python_has(tmp_path
 def test_the_documentation_site_builds_strict(tmp_path):
     """`mkdocs build --strict` (mkdocs.yml), offline, as CI would publish it: a broken link or anchor, a
     page missing from the nav, a docstring cross-reference that resolves nowhere or a failing hook ends
-    the build. The pages kept outside docs/ come with their links pointed at the site's pages and files,
-    and the configuration page is generated (tests/test_reference.py checks its rows). The `mkdocs`
-    command shows DeprecationWarnings in its log, with their stacks: the build logs none (the hook filters
-    haliax's import-time one, docs/hooks/site.py)."""
+    the build. The pages kept outside docs/ come with their links pointed at the site's pages and files, a
+    results README that a page links to is a page too, and the configuration page is generated
+    (tests/test_reference.py checks its rows). The `mkdocs` command shows DeprecationWarnings in its log,
+    with their stacks: the build logs none (the hook filters haliax's import-time one, docs/hooks/site.py)."""
     site = tmp_path / "site"
     mkdocs = "from mkdocs.__main__ import cli; cli()"  # the `mkdocs` command (`-m mkdocs` would log to `__main__`)
     built = subprocess.run(
@@ -446,6 +446,8 @@ def test_the_documentation_site_builds_strict(tmp_path):
     assert "<code>model.ode.num_steps</code>" in (site / "config.html").read_text()
     assert 'src="repo/benchmarks/results/depth_at_inference.png"' in (site / "evaluate.html").read_text()
     assert (site / "repo/benchmarks/results/depth_at_inference.png").is_file()
+    record = (site / "repo/benchmarks/results/issue34_cpu_2026-11-26/index.html").read_text()  # a linked README
+    assert 'href="../../../../benchmarks_reference.html#speed-on-the-cpu"' in record  # its link, from where it lives
     assert "qkvflow.nn.time_dependent.TimeDependentWeight" in (site / "api/nn.html").read_text()
 
 
