@@ -120,7 +120,8 @@ def run(args) -> int:
     model = dataclasses.replace(model, attn_backend=attention.config_value(kernel))
     from qkvflow.bench.speed import bench_optimizer
 
-    # float32 moments unless asked: the counts in docs/performance.md were made before bfloat16 became the default
+    # float32 moments unless asked: the counts in benchmarks/results/2026-11-28_stacked_hypernetworks/ were made before
+    # bfloat16 became the default
     optimizer = bench_optimizer("bfloat16" if args.bf16_moments else "float32")
     Vocab, Batch = hax.Axis("vocab", defaults["vocab_size"]), hax.Axis("batch", args.batch)
     compiled, seconds = compile_step(model, Vocab, Batch, args.dtype, target, optimizer)

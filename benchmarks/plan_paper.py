@@ -64,7 +64,7 @@ def run(name: str, size: str, target: str, devices: int, max_batch: bool, hlo_di
 
 
 def table(target: str, out: Path = OUT) -> str:
-    """The markdown table of the plans written so far (docs/performance.md)."""
+    """The markdown table of the plans written so far (benchmarks/results/plan_2026-11-28/README.md)."""
     rows = [
         "| pair | model | devices | per-device batch | memory per device (GiB) | fits | largest batch per device | "
         "collectives per step (GiB) | est. step (ms) | est. MFU |",
@@ -97,7 +97,8 @@ def table(target: str, out: Path = OUT) -> str:
 def memory_table(before: Path, after: Path, target: str) -> str:
     """Memory per device of each GPT-2 pair: the plans in `before` (written without --mu_dtype) against
     those in `after` (--mu_dtype float32 and bfloat16), each DiffEqFormer with its ratio to the GPT-2 of
-    its own folder; a GPT-2 that differs between the two folders shows both (docs/performance.md)."""
+    its own folder; a GPT-2 that differs between the two folders shows both
+    (benchmarks/results/plan_2026-11-28_stacked/README.md)."""
     rows = [
         "| pair | devices | GPT-2 (GiB) | DiffEqFormer, before (GiB, x GPT-2) | after stacking, f32 moments | "
         "after stacking, bf16 moments | est. step, x GPT-2 (before; after, bf16) |",

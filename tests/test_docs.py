@@ -11,6 +11,10 @@
 * Lists. Every list renders as a list on the site: Python-Markdown (mkdocs) reads a list only after a
   blank line (GitHub also after a paragraph), and numbers an ordered list from 1 whatever its first
   number, so a step list broken by an unindented code block restarts at "1." (`list_problems`).
+* Figures. A number quoted away from where it was measured is a link to the section or record that
+  measured it, its text starting with the number (`[1.22x](performance.md#collectives)`), and every
+  number of the link's text is stated in that section (`figure_problems`), so a quote cannot drift from
+  its measurement (docs/contributing.md, "The documentation").
 * The site. `mkdocs build --strict` builds it (mkdocs.yml), so a broken link, a page left out of the nav
   or a docstring reference that resolves nowhere fails."""
 
@@ -22,6 +26,7 @@ from pathlib import Path
 from pydoc_data.topics import topics
 
 import pytest
+from markdown.extensions.toc import slugify, unique
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "launch/README.md", ROOT / "configs/README.md", ROOT / "benchmarks/README.md"]  # on the site too
@@ -317,6 +322,93 @@ def test_every_list_renders_as_a_list(doc):
     assert not problems, "\n".join(problems)
 
 
+# A quoted figure: a link whose text starts with a number, `[0.89x](page.md#section)` or a record's README.
+FIGURE_LINK = re.compile(r"(?<!!)\[([+-]?\d(?:[^\[\]]|\[[^\[\]]*\])*)\]\(([^)\s#]*)(?:#([^)\s]+))?\)")
+NUMBER = re.compile(r"\d+(?:,\d{3})*(?:\.\d+)?")  # 1,301 and 0.89 and 12.3 whole; a sign is not part
+HEADING = re.compile(r"^(#{1,6})\s+(.+?)\s*#*\s*$")
+
+
+def sections(text: str) -> dict[str, str]:
+    """Each heading's anchor -> its section's text: from the heading to the next heading of its level or
+    above, outside fenced blocks. Anchors as the site makes them (Python-Markdown's toc: `slugify`, and
+    `_1`, `_2` after a repeated one)."""
+    lines, headings, fenced = text.splitlines(), [], False
+    for number, line in enumerate(lines):
+        if FENCE.match(line):
+            fenced = not fenced
+        elif not fenced and (m := HEADING.match(line)):
+            headings.append((number, len(m.group(1)), m.group(2)))
+    found, used = {}, set()
+    for k, (start, level, title) in enumerate(headings):
+        end = next((n for n, deeper, _ in headings[k + 1 :] if deeper <= level), len(lines))
+        found[unique(slugify(title, "-"), used)] = "\n".join(lines[start:end])
+    return found
+
+
+def figure_problems(doc: Path) -> list[str]:
+    """(line: what is wrong) for each quoted figure of `doc` whose numbers the section it links does not
+    state, and each that links no Markdown section."""
+    problems, fenced = [], False
+    for number, line in enumerate(doc.read_text().splitlines(), 1):
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        for figure, path, anchor in [] if fenced else FIGURE_LINK.findall(line):
+            target = (doc.parent / path).resolve() if path else doc
+            target = target / "README.md" if target.is_dir() else target
+            if target.suffix != ".md" or not target.is_file():
+                problems.append(f"{number}: [{figure}] links {path!r}, not a page or record")
+                continue
+            text = target.read_text()
+            section = sections(text).get(anchor) if anchor else text
+            if section is None:
+                problems.append(f"{number}: [{figure}] links #{anchor}, no section of {path or doc.name}")
+                continue
+            stated = set(NUMBER.findall(section))
+            missing = [n for n in NUMBER.findall(figure) if n not in stated]
+            if missing:
+                where = f"{path or doc.name}{'#' + anchor if anchor else ''}"
+                problems.append(f"{number}: [{figure}] quotes {', '.join(missing)}, which {where} does not state")
+    return problems
+
+
+def test_a_quoted_figure_is_checked_against_the_section_it_links(tmp_path):
+    """The check itself, on pages written here: a figure its section states passes, in any of its
+    sections' numbers; one changed digit, a figure stated only in another section, or an anchor to no
+    section is reported with its line."""
+    (tmp_path / "record").mkdir()
+    (tmp_path / "record/README.md").write_text("# Run\n\n221,761 tokens/s (19.3%); ratio **0.78**.\n")
+    (tmp_path / "page.md").write_text(
+        "# Page\n\n## Speed\n\nMeasured: 0.89 at 32 x 1024.\n\n### Detail\n\n1.22x\n\n"
+        "## Memory\n\n5.84 GiB\n\n```text\n## Not a heading\n```\n"
+    )
+    (tmp_path / "quotes.md").write_text(
+        "\n".join(
+            [
+                "[0.89x at 32 x 1024](page.md#speed) and [1.22x](page.md#speed), [221,761 (19.3%)](record/)",  # 1
+                "[0.88x](page.md#speed)",  # 2: one digit changed
+                "[5.84 GiB](page.md#speed)",  # 3: stated in another section
+                "[0.89](page.md#not-a-heading) [0.78 [19.3, 0.78]](record/README.md) ![5.84](page.md#speed)",  # 4
+                "[21,761](record/README.md) [speed](page.md#speed) [0.78](record/data.json)",  # 5
+            ]
+        )
+    )
+    assert figure_problems(tmp_path / "quotes.md") == [
+        "2: [0.88x] quotes 0.88, which page.md#speed does not state",
+        "3: [5.84 GiB] quotes 5.84, which page.md#speed does not state",
+        "4: [0.89] links #not-a-heading, no section of page.md",
+        "5: [21,761] quotes 21,761, which record/README.md does not state",
+        "5: [0.78] links 'record/data.json', not a page or record",
+    ]
+    assert list(sections("## A b\n\n## A b\n### `c` (d, e)\n")) == ["a-b", "a-b_1", "c-d-e"]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=[str(d.relative_to(ROOT)) for d in DOCS])
+def test_every_quoted_figure_is_stated_where_it_links(doc):
+    problems = [f"{doc.relative_to(ROOT)}:{p}" for p in figure_problems(doc)]
+    assert not problems, "\n".join(problems)
+
+
 def test_the_own_text_example_makes_its_text_from_what_every_python_has(tmp_path):
     """docs/own_text.md's step 0 runs in an empty folder (a fresh clone has nothing beside it): it writes
     four non-empty .txt files that together hold every `help()` topic page of this Python."""
@@ -334,10 +426,10 @@ def test_the_own_text_example_makes_its_text_from_what_every_python_has(tmp_path
 def test_the_documentation_site_builds_strict(tmp_path):
     """`mkdocs build --strict` (mkdocs.yml), offline, as CI would publish it: a broken link or anchor, a
     page missing from the nav, a docstring cross-reference that resolves nowhere or a failing hook ends
-    the build. The pages kept outside docs/ come with their links pointed at the site's pages and files,
-    and the configuration page is generated (tests/test_reference.py checks its rows). The `mkdocs`
-    command shows DeprecationWarnings in its log, with their stacks: the build logs none (the hook filters
-    haliax's import-time one, docs/hooks/site.py)."""
+    the build. The pages kept outside docs/ come with their links pointed at the site's pages and files, a
+    results README that a page links to is a page too, and the configuration page is generated
+    (tests/test_reference.py checks its rows). The `mkdocs` command shows DeprecationWarnings in its log,
+    with their stacks: the build logs none (the hook filters haliax's import-time one, docs/hooks/site.py)."""
     site = tmp_path / "site"
     mkdocs = "from mkdocs.__main__ import cli; cli()"  # the `mkdocs` command (`-m mkdocs` would log to `__main__`)
     built = subprocess.run(
@@ -354,6 +446,8 @@ def test_the_documentation_site_builds_strict(tmp_path):
     assert "<code>model.ode.num_steps</code>" in (site / "config.html").read_text()
     assert 'src="repo/benchmarks/results/depth_at_inference.png"' in (site / "evaluate.html").read_text()
     assert (site / "repo/benchmarks/results/depth_at_inference.png").is_file()
+    record = (site / "repo/benchmarks/results/issue34_cpu_2026-11-26/index.html").read_text()  # a linked README
+    assert 'href="../../../../benchmarks_reference.html#speed-on-the-cpu"' in record  # its link, from where it lives
     assert "qkvflow.nn.time_dependent.TimeDependentWeight" in (site / "api/nn.html").read_text()
 
 

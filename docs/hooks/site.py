@@ -8,6 +8,9 @@ r"""MkDocs hooks of the documentation site (mkdocs.yml, `hooks:`).
   pointed at what it names on the site: a page of docs/, an imported page, or a repository file the
   docs show (a figure, a config), which is copied into the site under `repo/`. A link to nothing stays
   as written, and `mkdocs build --strict` fails on it.
+* **Records.** A Markdown file of the repository that a page links to (a results folder's README, a
+  study's report) becomes a page of the site outside the nav (`REPO`), with its own links pointed as
+  above, and what it links to is copied too.
 * **Tables** show `\|` inside inline code as `|`, as GitHub does (`on_page_content`).
 * **The configuration reference** (docs/config.md) is generated from the config dataclasses at every
   build (`qkvflow.cli.reference`), in place of the `CONFIG_REFERENCE` marker, with haliax's import-time
@@ -19,7 +22,7 @@ import posixpath
 import re
 import warnings
 
-from mkdocs.structure.files import File
+from mkdocs.structure.files import File, InclusionLevel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 IMPORTED = {
@@ -30,11 +33,13 @@ IMPORTED = {
     "CHANGELOG.md": "changelog.md",
 }
 """Repository file -> its page on the site."""
+REPO = "repo/"
+"""Where the site keeps the other repository files that pages link to."""
 CONFIG_REFERENCE = "<!-- CONFIG_REFERENCE -->"
 HALIAX_IMPORT_WARNING = r"jax\.interpreters\.pxla\.thread_resources is deprecated"
 """haliax.partitioning's import of a jax name deprecated since jax 0.8.2 (haliax's to change, not ours): the
 `mkdocs` command shows DeprecationWarnings, so without this filter every build logged its stack as INFO."""
-LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s]+)((?:\s+\"[^\"]*\")?\))")
+LINK = re.compile(r"(!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]\()([^)\s]+)((?:\s+\"[^\"]*\")?\))")  # text may hold [a, b]
 FENCE = re.compile(r"^\s*(```|~~~)")
 
 
@@ -43,6 +48,8 @@ def _origin(src_uri: str) -> str:
     for repo_path, page in IMPORTED.items():
         if page == src_uri:
             return repo_path
+    if src_uri.startswith(REPO):
+        return src_uri[len(REPO) :]
     return "docs/" + src_uri
 
 
@@ -66,7 +73,7 @@ def _site_path(repo_path: str) -> str | None:
     if repo_path.startswith("docs/"):
         return repo_path[len("docs/") :]
     if os.path.isfile(os.path.join(ROOT, repo_path)) and not repo_path.startswith(".."):
-        return "repo/" + repo_path
+        return REPO + repo_path
     return None
 
 
@@ -103,12 +110,17 @@ def on_files(files, config):
     for f in files.documentation_pages():
         if f.abs_src_path is not None:  # (the changelog stub has no file)
             pages.setdefault(_origin(f.src_uri), f.abs_src_path)
-    named = set()
-    for origin, source in pages.items():
+    named, unread = set(), dict(pages)
+    while unread:  # a linked Markdown file is a page too: what it links to comes along
+        origin, source = unread.popitem()
         with open(source, encoding="utf-8") as text:
-            named |= _repository_files_named(text.read(), origin)
+            found = _repository_files_named(text.read(), origin) - named
+        named |= found
+        unread.update({p: os.path.join(ROOT, p) for p in found if p.endswith(".md")})
     for repo_path in sorted(named):
-        files.append(File.generated(config, "repo/" + repo_path, abs_src_path=os.path.join(ROOT, repo_path)))
+        inclusion = InclusionLevel.NOT_IN_NAV if repo_path.endswith(".md") else InclusionLevel.UNDEFINED
+        source = os.path.join(ROOT, repo_path)
+        files.append(File.generated(config, REPO + repo_path, abs_src_path=source, inclusion=inclusion))
     return files
 
 
