@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
-from qkvflow.bench import compare, stats
+from qkvflow.bench.comparison import compare, stats
 from qkvflow.data.corpora import default_shared_dir
 from qkvflow.errors import UserError
 from qkvflow.runs.outputs import MARKER

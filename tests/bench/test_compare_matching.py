@@ -1,5 +1,5 @@
-"""`bench compare`'s matched baselines (qkvflow.bench.matching): a width solved on the study's own vocabulary,
-the layer count where the width cannot match, a refusal where nothing can, and the report's ratio.
+"""`bench compare`'s matched baselines (qkvflow.bench.comparison.matching): a width solved on the study's own
+vocabulary, the layer count where the width cannot match, a refusal where nothing can, and the report's ratio.
 
 Expected parameter counts come from GPT-2's formula, not from qkvflow's accounting: with vocabulary V,
 context S, L layers of width d (MLP 4d, biases everywhere, a tied head), the embeddings hold V d + S d,
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from qkvflow.bench import compare, matching
+from qkvflow.bench.comparison import compare, matching
 from qkvflow.errors import UserError
 from tests.bench.test_compare import SHAKESPEARE, FakeRuns, _study, _study_configs, needs_shakespeare
 
@@ -175,7 +175,7 @@ def test_the_shipped_matched_baselines_are_matched_on_their_own_corpus(tmp_path,
     with its heads dividing the width."""
     import dataclasses
 
-    from qkvflow.bench import run_configs
+    from qkvflow.bench.comparison import run_configs
     from qkvflow.models import accounting
 
     assert SHAKESPEARE.is_file() or name == "pydoc"

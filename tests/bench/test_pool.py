@@ -1,4 +1,4 @@
-"""Stopping a study (qkvflow.bench.pool): every running run gets the signal once, nothing queued starts,
+"""Stopping a study (qkvflow.bench.comparison.pool): every running run gets the signal once, nothing queued starts,
 and the study names the runs it stopped. The runs are tiny Python processes that record each signal."""
 
 import os
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from qkvflow.bench import compare
-from qkvflow.bench.pool import Pool, Stopped, current_pool, stop_report
+from qkvflow.bench.comparison import compare
+from qkvflow.bench.comparison.pool import Pool, Stopped, current_pool, stop_report
 from tests.bench import test_compare
 from tests.bench.test_compare import _main
 from tests.timescale import limit

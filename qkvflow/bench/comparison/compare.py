@@ -9,23 +9,23 @@ one grid does not fit every model, its own `learning_rates` (`--learning_rates` 
 1. every (model, learning rate, seed) trains through `qkvflow train` (trainer.seed = data_seed =
    seed), evaluating on the `selection` half of the held-out documents (a corpus's `corpus.eval_split`,
    qkvflow.data.corpora; for a `data:` section the halves are made from its validation documents by
-   the same rule, qkvflow.bench.halves): its last eval loss is its selection loss;
+   the same rule, qkvflow.bench.comparison.halves): its last eval loss is its selection loss;
 2. per model, the learning rate with the lowest mean selection loss over the seeds is chosen; a choice at
    the lowest or highest rate of its grid is marked "at the grid's edge", and with `--extend_grid` the
-   next rate beyond that edge is added and the choice made again (qkvflow.bench.lr_grid);
+   next rate beyond that edge is added and the choice made again (qkvflow.bench.comparison.lr_grid);
 3. the chosen runs alone are evaluated on the `test` half (`qkvflow eval`);
 4. per model: mean and standard deviation of the test loss over seeds, and the paired 95% interval
-   of its difference to the baseline (qkvflow.bench.stats), with the parameter count and the
+   of its difference to the baseline (qkvflow.bench.comparison.stats), with the parameter count and the
    training FLOPs (3 x forward: qkvflow.models.accounting, Levanter's `flops_per_token`), and for a model
    declared by what it matches (`match: {params: MODEL}` or `{train_flops: MODEL}`, its width solved on the
-   study's own vocabulary before anything trains: qkvflow.bench.matching), the achieved ratio.
+   study's own vocabulary before anything trains: qkvflow.bench.comparison.matching), the achieved ratio.
 
 The report is <name>.json, a markdown table <name>.md and a figure <name>.png (each model's test loss
-per seed, and mean +- sd; qkvflow.bench.compare_report), written into the work folder's `report/`, or
+per seed, and mean +- sd; qkvflow.bench.comparison.report), written into the work folder's `report/`, or
 into `--out_dir`: a folder for this report alone, checked and replaced as every qkvflow output is
 (qkvflow.runs.outputs: absent, empty, or an earlier report; never the work folder or a folder holding it,
 never inside the repository's shipped folders). The paths written are printed. The base config and every
-model's run config (parsed as `qkvflow train` parses it: qkvflow.bench.run_configs) are checked, and the
+model's run config (parsed as `qkvflow train` parses it: qkvflow.bench.comparison.run_configs) are checked, and the
 matched widths solved, before the work folder is claimed.
 
 `--models A,B` runs a subset; the baseline joins it when left out (its finished runs read back, the
@@ -34,11 +34,11 @@ missing ones trained), which a line says.
 It is resumable: a finished run leaves `results/<run>.json` and is not trained again; an interrupted run
 resumes from its checkpoint (the same `trainer.id`, qkvflow's exact resume); more seeds, learning rates
 and models may be added to a study between invocations, and a model with no run yet may be redefined.
-The work folder holds `study.json`, written when the study starts (qkvflow.bench.study_folder): a folder
+The work folder holds `study.json`, written when the study starts (qkvflow.bench.comparison.study_folder): a folder
 without it (and not empty) or holding another study is refused, and only checkpoints of this study's
 runs are removed (after a model's test evaluation, unless --keep_checkpoints). `--jobs K` runs K
 trainings or evaluations at once, each its own process as always (a GPU shared by small models, or spare
-cores), a model's test evaluations ahead of the trainings still waiting (qkvflow.bench.pool); the results
+cores), a model's test evaluations ahead of the trainings still waiting (qkvflow.bench.comparison.pool); the results
 are the same. docs/compare.md is the guide.
 """
 
@@ -56,16 +56,16 @@ from typing import Optional
 
 import yaml
 
-from qkvflow.bench import depth_curves, halves, lr_grid, matching, run_configs, study_folder
-from qkvflow.bench.compare_report import markdown, report, write_report
-from qkvflow.bench.pool import Interrupted, Pool, current_pool, raising_on, stop_report
-from qkvflow.bench.study_folder import write_json as _write_json
+from qkvflow.bench.comparison import depth_curves, halves, lr_grid, matching, run_configs, study_folder
+from qkvflow.bench.comparison.pool import Interrupted, Pool, current_pool, raising_on, stop_report
+from qkvflow.bench.comparison.report import markdown, report, write_report
+from qkvflow.bench.comparison.study_folder import write_json as _write_json
 from qkvflow.errors import UserError
 from qkvflow.runs import outputs
 from qkvflow.runs.outputs import check_writable
 from qkvflow.runs.tracking import metrics_file, read_metrics
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 STUDY_KEYS = {"base", "baseline", "iters", "learning_rates", "seeds", "models", "title", "depth"}
 REPORT_KIND = "bench compare report"
 STUDY_ONLY = ("learning_rates", "match")
@@ -177,7 +177,7 @@ def load_study(path: str, args) -> dict:
         raise UserError(f"bench compare: {path}: base={study.get('base')!r}: no such file beside the study")
     study["base"] = str(base)
     study["name"], study["file"] = Path(path).stem, path
-    if "depth" in study:  # every chosen ODE run also evaluated at these grids (qkvflow.bench.depth_curves)
+    if "depth" in study:  # every chosen ODE run also evaluated at these grids (qkvflow.bench.comparison.depth_curves)
         study["depth"] = depth_curves.check(study["depth"], path)
     study["base_config"] = check_base(str(base))
     return study
@@ -185,7 +185,7 @@ def load_study(path: str, args) -> dict:
 
 def check_base(path: str) -> dict:
     """The base config, checked: a bundled `corpus:` with a known name, or a `data:` section whose
-    selection/test halves can be made (qkvflow.bench.halves; its local paths made absolute)."""
+    selection/test halves can be made (qkvflow.bench.comparison.halves; its local paths made absolute)."""
     from qkvflow.data.corpora import NAMES
 
     try:
@@ -265,8 +265,8 @@ def identity(study: dict) -> dict:
 
 def resolve(study: dict, workdir: Path, corpus_root: str) -> None:
     """Before the work folder is claimed: every model's run config parsed as `qkvflow train` parses it (a typo
-    is refused in one line naming the model: qkvflow.bench.run_configs), and each matched model's shape
-    solved into its overlay (qkvflow.bench.matching), the solutions kept in `study["matched"]`."""
+    is refused in one line naming the model: qkvflow.bench.comparison.run_configs), and each matched model's shape
+    solved into its overlay (qkvflow.bench.comparison.matching), the solutions kept in `study["matched"]`."""
     matches = {m: _entry(study, m)["match"] for m in study["models"] if "match" in _entry(study, m)}
     names = dict.fromkeys([*study["models"], *(t for match in matches.values() for t in match.values())])
     parsed = {
@@ -290,7 +290,7 @@ def resolve(study: dict, workdir: Path, corpus_root: str) -> None:
 
 def _subprocess(cmd: list[str], log_file: Path, timeout: float, attention: str = "auto") -> None:
     """`cmd` with its output to `log_file` (`logs/<run>.out`), as a process of the calling task's pool (so
-    that a stop reaches it once, qkvflow.bench.pool); every run's attention kernel is `attention`
+    that a stop reaches it once, qkvflow.bench.comparison.pool); every run's attention kernel is `attention`
     (qkvflow.nn.attention, for the configs that leave attn_backend unset: check_attention refuses any
     other). A failure names the run, what it ran and how it ended."""
     run, verb = log_file.stem, cmd[3]
@@ -436,7 +436,7 @@ def _submit_grid(pool: Pool, study: dict, model: str, workdir: Path, args) -> li
 def settle(pool: Pool, study: dict, model: str, queued: list, workdir: Path, args) -> tuple[list, dict]:
     """`model`'s runs (`queued` on `pool`) and its choice of learning rate; with --extend_grid K, a choice at the
     grid's edge adds the next rate beyond it, trained on every seed ahead of later models, until the choice
-    is interior or K rates were added (qkvflow.bench.lr_grid). The grid chosen from becomes the model's."""
+    is interior or K rates were added (qkvflow.bench.comparison.lr_grid). The grid chosen from becomes the model's."""
     grid, added = list(learning_rates(study, model)), []
     mine = [f.result() for f in queued]
     while True:

@@ -55,7 +55,7 @@ def within(ratio: float) -> bool:
 
 def measure(kind: str, config, iters: int) -> Callable:
     """model config -> the measure `kind` of a run of `config` (a `TrainConfig`) with that model."""
-    from qkvflow.bench import run_configs
+    from qkvflow.bench.comparison import run_configs
     from qkvflow.models import accounting
 
     vocab = run_configs.vocab_size(config)
@@ -69,7 +69,7 @@ def solve(path: str, name: str, match: dict, config, target_config, iters: int) 
     `match` ({measure: target}, `target_config` the target's): {"measure", "target", "solved": {"hidden_dim":
     w[, "num_layers": l]}, "value", "target_value", "ratio", "vocab_size"}, or a UserError in one line when
     no shape is within `TOLERANCE`."""
-    from qkvflow.bench import run_configs
+    from qkvflow.bench.comparison import run_configs
 
     ((kind, target),) = match.items()
     value_of = measure(kind, config, iters)

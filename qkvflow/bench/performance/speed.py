@@ -37,8 +37,8 @@ import jmp
 import numpy as np
 import yaml
 
-from qkvflow.bench.memory import device_peak_bytes, process_peak, xla_memory
-from qkvflow.bench.peak import matmul_peak
+from qkvflow.bench.performance.memory import device_peak_bytes, process_peak, xla_memory
+from qkvflow.bench.performance.peak import matmul_peak
 from qkvflow.errors import UserError
 from qkvflow.nn import attention
 from qkvflow.runs import outputs
