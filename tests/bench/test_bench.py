@@ -317,7 +317,8 @@ def test_quality_configs_share_one_budget():
 
 def test_speed_dial_option_sets_the_recipes_and_refuses_unknown_keys():
     """`bench speed --dial` times the DiffEqFormer with its depth-dial recipes on (qkvflow.models.depth_dial)."""
-    from qkvflow.bench.performance.speed import apply_overrides, dial_config, load_config, parser
+    from qkvflow.bench.performance.config import apply_overrides, dial_config, load_config
+    from qkvflow.bench.performance.speed import parser
     from qkvflow.errors import UserError
     from qkvflow.models.depth_dial import DepthDialConfig
 
