@@ -28,7 +28,7 @@ from pathlib import Path
 import yaml
 
 from qkvflow.bench.comparison import stats
-from qkvflow.bench.comparison.compare import run_id
+from qkvflow.bench.comparison.study import run_id
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDY = ROOT / "benchmarks" / "compare" / "finetune_pretrain.yaml"

@@ -25,7 +25,7 @@ import sys
 
 from qkvflow.analysis.spectra import analyze_spectra
 from qkvflow.bench.comparison import stats
-from qkvflow.bench.comparison.compare import run_id
+from qkvflow.bench.comparison.study import run_id
 from qkvflow.runs.config import TrainConfig
 from qkvflow.runs.configfile import CONFIG_PATH, parse
 from qkvflow.runs.model import load_model

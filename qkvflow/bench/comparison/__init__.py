@@ -2,6 +2,8 @@
 chosen on a selection split and the test loss reported with seed spread and paired 95% intervals.
 
 * compare:      the verb (its options, the study's course from the first run to the report);
+* study:        the study file read and checked, and each run's `qkvflow train` config;
+* run_processes: each run as a `qkvflow train` or `qkvflow eval` process, and the results it leaves;
 * report:       the report's JSON, markdown table and figure;
 * stats:        seed statistics (mean, spread, the paired interval of a difference);
 * run_configs:  each model's run config parsed as `qkvflow train` parses it, and its training FLOPs;

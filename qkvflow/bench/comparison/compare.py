@@ -43,33 +43,30 @@ are the same. docs/compare.md is the guide.
 """
 
 import argparse
-import copy
-import json
-import os
 import shutil
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Optional
-
-import yaml
 
 from qkvflow.bench.comparison import depth_curves, halves, lr_grid, matching, run_configs, study_folder
-from qkvflow.bench.comparison.pool import Interrupted, Pool, current_pool, raising_on, stop_report
+from qkvflow.bench.comparison.pool import Interrupted, Pool, raising_on, stop_report
 from qkvflow.bench.comparison.report import markdown, report, write_report
-from qkvflow.bench.comparison.study_folder import write_json as _write_json
-from qkvflow.errors import UserError
+from qkvflow.bench.comparison.run_processes import ROOT, depth_report, say, test_loss, train, training_flops
+from qkvflow.bench.comparison.study import (
+    check_attention,
+    identity,
+    learning_rates,
+    load_study,
+    merge,
+    model_entry,
+    model_overlay,
+    run_config,
+    run_id,
+)
 from qkvflow.runs import outputs
 from qkvflow.runs.outputs import check_writable
-from qkvflow.runs.tracking import metrics_file, read_metrics
 
-ROOT = Path(__file__).resolve().parents[3]
-STUDY_KEYS = {"base", "baseline", "iters", "learning_rates", "seeds", "models", "title", "depth"}
 REPORT_KIND = "bench compare report"
-STUDY_ONLY = ("learning_rates", "match")
-"""Keys of a model's entry that are the study's business, not its run's (its grid, what it is matched to)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -121,153 +118,11 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
-def load_study(path: str, args) -> dict:
-    """The study file with the command line's overrides, checked; `base` resolved beside the file."""
-    try:
-        study = yaml.safe_load(Path(path).read_text())
-    except OSError as e:
-        raise UserError(f"bench compare: cannot read study {path}: {e.strerror}") from None
-    if not isinstance(study, dict):
-        raise UserError(f"bench compare: {path}: expected a mapping with keys {sorted(STUDY_KEYS)}")
-    unknown = set(study) - STUDY_KEYS
-    if unknown:
-        raise UserError(f"bench compare: {path}: unknown key(s) {sorted(unknown)}; expected {sorted(STUDY_KEYS)}")
-    for key, given in (("iters", args.iters), ("seeds", args.seeds), ("learning_rates", args.learning_rates)):
-        if given is not None:
-            study[key] = (
-                given if key == "iters" else [float(x) if key == "learning_rates" else int(x) for x in given.split(",")]
-            )
-    models = study.get("models")
-    if not isinstance(models, dict) or not models or not all(isinstance(o, dict) for o in models.values()):
-        raise UserError(f"bench compare: {path}: models: expected a mapping of name -> overlay")
-    for name, overlay in models.items():
-        if args.learning_rates is not None:  # the command line's grid is every model's
-            models[name] = {k: v for k, v in overlay.items() if k != "learning_rates"}
-        elif "learning_rates" in overlay and not _valid_rates(overlay["learning_rates"]):
-            raise UserError(
-                f"bench compare: {path}: models.{name}.learning_rates={overlay['learning_rates']!r} is invalid: "
-                "expected numbers in (0, 1)"
-            )
-        if "match" in overlay:
-            matching.check(path, name, overlay["match"], models)
-    if args.baseline is not None:
-        study["baseline"] = args.baseline
-    if study.get("baseline") not in models:
-        raise UserError(
-            f"bench compare: {path}: baseline={study.get('baseline')!r} is not one of the models {sorted(models)}"
-        )
-    study["defined"] = models  # every model of the file (a matched model's target may be left out of --models)
-    if args.models:
-        chosen = [m.strip() for m in args.models.split(",") if m.strip()]
-        missing = [m for m in chosen if m not in models]
-        if missing:
-            raise UserError(f"--models: {missing} not in the study's models {sorted(models)}")
-        study["joined"] = study["baseline"] not in chosen  # the baseline joins a subset that leaves it out
-        chosen = [study["baseline"]] * study["joined"] + chosen
-        study["models"] = {m: models[m] for m in dict.fromkeys(chosen)}
-    if not isinstance(study.get("iters"), int) or study["iters"] < 1:
-        raise UserError(f"bench compare: {path}: iters={study.get('iters')!r} is invalid: expected an integer >= 1")
-    lrs, seeds = study.get("learning_rates"), study.get("seeds")
-    if not _valid_rates(lrs):
-        raise UserError(f"bench compare: {path}: learning_rates={lrs!r} is invalid: expected numbers in (0, 1)")
-    if not seeds or not all(isinstance(s, int) and s >= 0 for s in seeds) or len(set(seeds)) != len(seeds):
-        raise UserError(f"bench compare: {path}: seeds={seeds!r} is invalid: expected distinct integers >= 0")
-    base = (Path(path).parent / str(study.get("base"))).resolve()
-    if not base.is_file():
-        raise UserError(f"bench compare: {path}: base={study.get('base')!r}: no such file beside the study")
-    study["base"] = str(base)
-    study["name"], study["file"] = Path(path).stem, path
-    if "depth" in study:  # every chosen ODE run also evaluated at these grids (qkvflow.bench.comparison.depth_curves)
-        study["depth"] = depth_curves.check(study["depth"], path)
-    study["base_config"] = check_base(str(base))
-    return study
-
-
-def check_base(path: str) -> dict:
-    """The base config, checked: a bundled `corpus:` with a known name, or a `data:` section whose
-    selection/test halves can be made (qkvflow.bench.comparison.halves; its local paths made absolute)."""
-    from qkvflow.data.corpora import NAMES
-
-    try:
-        config = yaml.safe_load(Path(path).read_text())
-    except yaml.YAMLError as e:
-        raise UserError(f"bench compare: base {path} is not valid YAML: {e}".replace("\n", " ")) from None
-    if not isinstance(config, dict):
-        raise UserError(f"bench compare: base {path}: expected a `qkvflow train` config (a mapping)")
-    corpus = config.get("corpus")
-    if corpus is None:
-        return halves.check(path, config)
-    if not isinstance(corpus, dict) or corpus.get("name") not in NAMES:
-        raise UserError(f"bench compare: base {path}: corpus.name: expected one of {', '.join(NAMES)}")
-    return config
-
-
-def _valid_rates(lrs) -> bool:
-    return isinstance(lrs, list) and bool(lrs) and all(isinstance(x, (int, float)) and 0 < x < 1 for x in lrs)
-
-
-def _entry(study: dict, model: str) -> dict:
-    """`model`'s entry in the study file (also a model left out of --models: a matched model's target)."""
-    return study["models"][model] if model in study["models"] else study["defined"][model]
-
-
-def learning_rates(study: dict, model: str) -> list:
-    """`model`'s learning-rate grid: its own `learning_rates`, else the study's."""
-    return _entry(study, model).get("learning_rates", study["learning_rates"])
-
-
-def _overlay(study: dict, model: str) -> dict:
-    """`model`'s overlay of the base config (without what is the study's business: `STUDY_ONLY`)."""
-    return {k: v for k, v in _entry(study, model).items() if k not in STUDY_ONLY}
-
-
-def merge(base: dict, overlay: dict) -> dict:
-    """`base` with `overlay` merged in, mappings key by key (a `model:` overlay replaces the base's model)."""
-    out = copy.deepcopy(base)
-    for key, value in overlay.items():
-        if key != "model" and isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
-def run_id(model: str, lr: float, seed: int) -> str:
-    return f"{model}-lr{lr:g}-s{seed}"
-
-
-def run_config(
-    study: dict, model: str, lr: float, seed: int, workdir: Path, corpus_root: str, half: str = "selection"
-) -> dict:
-    """The full `qkvflow train` config of one run, evaluating on `half` (selection or test)."""
-    config = merge(study["base_config"], _overlay(study, model))
-    if "corpus" in config:
-        config["corpus"] = {**config["corpus"], "root": corpus_root, "eval_split": half}
-    else:
-        config = halves.point_at(config, workdir, half)
-    config["data_seed"] = seed
-    config["loss_curve"] = None
-    t = config.setdefault("trainer", {})
-    t.update(id=run_id(model, lr, seed), seed=seed, num_train_steps=study["iters"], steps_per_eval=study["iters"])
-    t["checkpointer"] = {**t.get("checkpointer", {}), "base_path": str(workdir / "checkpoints")}
-    t["tracker"] = {"type": "jsonl", "path": str(workdir / "runs")}
-    t["log_dir"] = str(workdir / "logs")
-    config.setdefault("optimizer", {})["learning_rate"] = lr
-    return config
-
-
-def identity(study: dict) -> dict:
-    """What must not change between invocations on one work folder: the base config, the budget, and
-    each model's definition (seeds, learning rates and further models may be added)."""
-    models = {m: _overlay(study, m) for m in study["models"]}
-    return {"base": Path(study["base"]).read_text(), "models": models, "iters": study["iters"]}
-
-
 def resolve(study: dict, workdir: Path, corpus_root: str) -> None:
     """Before the work folder is claimed: every model's run config parsed as `qkvflow train` parses it (a typo
     is refused in one line naming the model: qkvflow.bench.comparison.run_configs), and each matched model's shape
     solved into its overlay (qkvflow.bench.comparison.matching), the solutions kept in `study["matched"]`."""
-    matches = {m: _entry(study, m)["match"] for m in study["models"] if "match" in _entry(study, m)}
+    matches = {m: model_entry(study, m)["match"] for m in study["models"] if "match" in model_entry(study, m)}
     names = dict.fromkeys([*study["models"], *(t for match in matches.values() for t in match.values())])
     parsed = {
         m: run_configs.parsed(
@@ -280,151 +135,12 @@ def resolve(study: dict, workdir: Path, corpus_root: str) -> None:
     for m, match in matches.items():
         ((kind, target),) = match.items()
         found = matching.solve(study["file"], m, match, parsed[m], parsed[target], study["iters"])
-        model = merge(study["base_config"], _overlay(study, m)).get("model") or {}
+        model = merge(study["base_config"], model_overlay(study, m)).get("model") or {}
         study["models"][m]["model"] = {**model, **found["solved"]}
         shape = ", ".join(f"{k} {v}" for k, v in found["solved"].items())
-        _say(f"bench compare: {m} matched to {target}'s {matching.MEASURES[kind]} at vocabulary "
+        say(f"bench compare: {m} matched to {target}'s {matching.MEASURES[kind]} at vocabulary "
              f"{found['vocab_size']}: {shape} ({found['ratio']:.3f}x)")  # fmt: skip
         study["matched"][m] = found
-
-
-def _subprocess(cmd: list[str], log_file: Path, timeout: float, attention: str = "auto") -> None:
-    """`cmd` with its output to `log_file` (`logs/<run>.out`), as a process of the calling task's pool (so
-    that a stop reaches it once, qkvflow.bench.comparison.pool); every run's attention kernel is `attention`
-    (qkvflow.nn.attention, for the configs that leave attn_backend unset: check_attention refuses any
-    other). A failure names the run, what it ran and how it ended."""
-    run, verb = log_file.stem, cmd[3]
-    options = dict(cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1", QKVFLOW_ATTENTION=attention))
-    with open(log_file, "a") as log:
-        owner = current_pool()
-        if owner is None:  # not a task of a pool: nothing can stop it but the terminal
-            code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, **options).returncode
-        else:
-            code = owner.run(f"{verb} {run}", cmd, timeout, popen=subprocess.Popen, stdout=log,
-                             stderr=subprocess.STDOUT, **options)  # fmt: skip
-    if code != 0:
-        tail = log_file.read_text().strip().splitlines()[-1:]
-        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
-        raise UserError(f"bench compare: run {run} ({verb}) failed ({how}; log {log_file}): {' '.join(tail)}")
-
-
-def _say(line: str) -> None:
-    """One line of progress, written whole (runs in flight at once share stdout)."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
-
-
-def train(study: dict, model: str, lr: float, seed: int, workdir: Path, args) -> dict:
-    """Train one run (or resume it) and return its result; a finished run is read back, not retrained."""
-    rid = run_id(model, lr, seed)
-    done = workdir / "results" / f"{rid}.json"
-    if done.is_file():
-        return json.loads(done.read_text())
-    config_path = workdir / "configs" / f"{rid}.yaml"
-    config_path.write_text(
-        yaml.safe_dump(run_config(study, model, lr, seed, workdir, args.corpus_root), sort_keys=False)
-    )
-    _say(f"bench compare: training {rid} ({study['iters']} steps)")
-    start = time.perf_counter()
-    _subprocess(
-        [sys.executable, "-m", "qkvflow", "train", "--config_path", str(config_path)],
-        workdir / "logs" / f"{rid}.out",
-        args.timeout,
-        args.attention,
-    )
-    file = metrics_file(str(workdir / "runs"), rid)
-    steps = read_metrics(file)
-    evals = [s for s in sorted(steps) if "eval/loss" in steps[s]]
-    if not evals or evals[-1] != study["iters"] - 1:
-        raise UserError(f"bench compare: {rid} has no eval loss after its last step in {file}")
-    summary = {}
-    with open(file) as f:
-        for line in f:
-            record = json.loads(line)
-            if record.get("event") == "summary":
-                summary.update(record.get("metrics", {}))
-    result = {
-        "model": model, "learning_rate": lr, "seed": seed, "selection_loss": steps[evals[-1]]["eval/loss"],
-        "train_loss": steps[evals[-1]].get("train/loss"), "parameter_count": summary.get("parameter_count"),
-        "wall_s": round(time.perf_counter() - start, 1),
-    }  # fmt: skip
-    _write_json(done, result)
-    return result
-
-
-def test_loss(study: dict, model: str, lr: float, seed: int, workdir: Path, args) -> float:
-    """The run's final model on the test half (`qkvflow eval`); read back if already measured."""
-    rid = run_id(model, lr, seed)
-    done = workdir / "results" / f"{rid}.test.json"
-    if done.is_file():
-        return json.loads(done.read_text())["test_loss"]
-    if not (workdir / "checkpoints" / rid).is_dir():
-        raise UserError(
-            f"bench compare: {rid} is now a chosen run but its checkpoint was removed after an earlier selection; "
-            "use a new --workdir (and --keep_checkpoints when you plan to add seeds or learning rates)"
-        )
-    out = workdir / "test" / rid
-    shutil.rmtree(out, ignore_errors=True)  # a partial output of this study's own earlier attempt
-    config_path, split = workdir / "configs" / f"{rid}.yaml", ["--corpus.eval_split", "test"]
-    if "corpus" not in study["base_config"]:  # own data: the run's config reading the test half instead
-        config_path, split = workdir / "configs" / f"{rid}.test.yaml", []
-        config = run_config(study, model, lr, seed, workdir, args.corpus_root, half="test")
-        config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    cmd = [sys.executable, "-m", "qkvflow", "eval", "--config_path", str(config_path),
-           "--checkpoint", str(workdir / "checkpoints" / rid), *split, "--output", str(out)]  # fmt: skip
-    if _is_ode(study, model):
-        cmd += depth_curves.eval_args(study.get("depth"))
-    _say(f"bench compare: evaluating {rid} on the test split")
-    _subprocess(cmd, workdir / "logs" / f"{rid}.out", args.timeout, args.attention)
-    rows = json.loads((out / "depth.json").read_text())["rows"]
-    row = depth_curves.trained_row(rows)
-    _write_json(done, {"test_loss": row["loss"], "depth": rows})
-    return row["loss"]
-
-
-def _is_ode(study: dict, model: str) -> bool:
-    from qkvflow.models import registry
-
-    kind = (_overlay(study, model).get("model") or {}).get("type")
-    return kind in {f.name for f in registry.families() if f.ode}
-
-
-def depth_report(study: dict, tests: dict, workdir: Path) -> dict:
-    """Per ODE model, its chosen runs' test rows at every grid summarised over seeds (`depth_curves`)."""
-    models = {}
-    for model, per_seed in tests.items():
-        if _is_ode(study, model):
-            lr = per_seed["learning_rate"]
-            rows = {s: json.loads((workdir / "results" / f"{run_id(model, lr, s)}.test.json").read_text())["depth"]
-                    for s in study["seeds"]}  # fmt: skip
-            models[model] = depth_curves.summarise(rows)
-    return {"study": study["name"], "title": study.get("title") or study["name"], "iters": study["iters"],
-            "seeds": study["seeds"], "grids": study["depth"], "models": models}  # fmt: skip
-
-
-def training_flops(config_path: Path, iters: int) -> Optional[float]:
-    """3 x forward FLOPs of the run whose config is `config_path` (read as `qkvflow train` reads it), for
-    `iters` steps (`run_configs.training_flops`)."""
-    from qkvflow.runs.config import TrainConfig
-    from qkvflow.runs.configfile import parse
-
-    return run_configs.training_flops(parse(TrainConfig, ["--config_path", str(config_path)], "train"), iters)
-
-
-def check_attention(study: dict, args) -> None:
-    """One kernel for every run: --attention is known, and no model's config names a backend of its own."""
-    from qkvflow.nn.attention import CHOICES
-
-    if args.attention not in CHOICES:
-        raise UserError(f"--attention={args.attention} is invalid: expected one of {', '.join(CHOICES)}")
-    base = yaml.safe_load(Path(study["base"]).read_text())
-    for model in study["models"]:
-        own = (merge(base, _overlay(study, model)).get("model") or {}).get("attn_backend")
-        if own not in (None, "default"):
-            raise UserError(
-                f"bench compare: model {model} sets model.attn_backend={own}: every run takes --attention "
-                f"({args.attention}), so that no model gets a kernel of its own; drop the key"
-            )
 
 
 def _submit_grid(pool: Pool, study: dict, model: str, workdir: Path, args) -> list:
@@ -445,7 +161,7 @@ def settle(pool: Pool, study: dict, model: str, queued: list, workdir: Path, arg
         rate = lr_grid.beyond(grid, side) if side else None
         if rate is None or len(added) >= args.extend_grid:
             break
-        _say(f"bench compare: {model} chose {best:g}, the {side} of {grid}: adding {rate:g} (--extend_grid, "
+        say(f"bench compare: {model} chose {best:g}, the {side} of {grid}: adding {rate:g} (--extend_grid, "
              f"{len(added) + 1} of at most {args.extend_grid})")  # fmt: skip
         grid, added = sorted([*grid, rate]), [*added, rate]
         mine += [
@@ -464,7 +180,7 @@ def _joined(study: dict, workdir: Path) -> None:
     missing = [r for r in runs if not (workdir / "results" / f"{r}.json").is_file()]
     how = (f"its {len(runs)} runs are read back from {workdir / 'results'}" if not missing else
            f"{len(missing)} of its {len(runs)} runs are not in {workdir / 'results'} and are trained")  # fmt: skip
-    _say(f"bench compare: --models leaves out the baseline {base}: it joins them, and {how}")
+    say(f"bench compare: --models leaves out the baseline {base}: it joins them, and {how}")
 
 
 def _run_study(pool: Pool, study: dict, workdir: Path, args, runs: list, tests: dict, flops: dict, chosen: dict):
