@@ -25,6 +25,8 @@ from qkvflow.bench.comparison.pool import current_pool
 from qkvflow.bench.comparison.study import is_ode, run_config, run_id
 from qkvflow.bench.comparison.study_folder import write_json as _write_json
 from qkvflow.errors import UserError
+from qkvflow.runs.config import TrainConfig
+from qkvflow.runs.configfile import parse
 from qkvflow.runs.tracking import metrics_file, read_metrics
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -140,7 +142,4 @@ def depth_report(study: dict, tests: dict, workdir: Path) -> dict:
 def training_flops(config_path: Path, iters: int) -> Optional[float]:
     """3 x forward FLOPs of the run whose config is `config_path` (read as `qkvflow train` reads it), for
     `iters` steps (`run_configs.training_flops`)."""
-    from qkvflow.runs.config import TrainConfig
-    from qkvflow.runs.configfile import parse
-
     return run_configs.training_flops(parse(TrainConfig, ["--config_path", str(config_path)], "train"), iters)

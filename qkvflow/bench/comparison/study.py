@@ -15,7 +15,10 @@ from pathlib import Path
 import yaml
 
 from qkvflow.bench.comparison import depth_curves, halves, matching
+from qkvflow.data.corpora import NAMES
 from qkvflow.errors import UserError
+from qkvflow.models import registry
+from qkvflow.nn.attention import CHOICES
 
 STUDY_KEYS = {"base", "baseline", "iters", "learning_rates", "seeds", "models", "title", "depth"}
 STUDY_ONLY = ("learning_rates", "match")
@@ -87,8 +90,6 @@ def load_study(path: str, args) -> dict:
 def check_base(path: str) -> dict:
     """The base config, checked: a bundled `corpus:` with a known name, or a `data:` section whose
     selection/test halves can be made (qkvflow.bench.comparison.halves; its local paths made absolute)."""
-    from qkvflow.data.corpora import NAMES
-
     try:
         config = yaml.safe_load(Path(path).read_text())
     except yaml.YAMLError as e:
@@ -166,8 +167,6 @@ def identity(study: dict) -> dict:
 
 def check_attention(study: dict, args) -> None:
     """One kernel for every run: --attention is known, and no model's config names a backend of its own."""
-    from qkvflow.nn.attention import CHOICES
-
     if args.attention not in CHOICES:
         raise UserError(f"--attention={args.attention} is invalid: expected one of {', '.join(CHOICES)}")
     base = yaml.safe_load(Path(study["base"]).read_text())
@@ -181,7 +180,5 @@ def check_attention(study: dict, args) -> None:
 
 
 def is_ode(study: dict, model: str) -> bool:
-    from qkvflow.models import registry
-
     kind = (model_overlay(study, model).get("model") or {}).get("type")
     return kind in {f.name for f in registry.families() if f.ode}

@@ -7,13 +7,12 @@ flavour names which of Levanter's models it is (`flavour.baseline`: gpt2 or llam
 """
 
 from qkvflow.errors import UserError
+from qkvflow.models.accounting import nominal_evaluations
 
 
 def baseline_config(model, *, remat: bool = True):
     """Levanter's discrete model of the same shape, with one layer per vector-field evaluation
     (the flavour's `baseline`: Levanter's gpt2 or llama)."""
-    from qkvflow.models.accounting import nominal_evaluations
-
     return BASELINES[model.flavour_spec.baseline](model, nominal_evaluations(model), remat)
 
 

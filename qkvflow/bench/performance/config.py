@@ -14,16 +14,16 @@ import jax.numpy as jnp
 import yaml
 
 from qkvflow.errors import UserError
+from qkvflow.models import registry
+from qkvflow.models.depth_dial import DepthDialConfig
 from qkvflow.nn import attention
+from qkvflow.runs.compat import check_config
 
 CORPUS_VOCAB = {"tinyshakespeare": 66, "pydoc": 2048}
 
 
 def load_config(path: str) -> tuple:
     """(DiffEqFormer config, defaults from the file: batch, vocab_size)."""
-    from qkvflow.models import registry
-    from qkvflow.runs.compat import check_config
-
     file = Path(path)
     if not file.is_file():
         raise UserError(f"{path}: no such config file")
@@ -75,8 +75,6 @@ def apply_overrides(model, args):
 
 def dial_config(text: str):
     """`--dial`'s YAML mapping as a `DepthDialConfig`; one line naming the option otherwise."""
-    from qkvflow.models.depth_dial import DepthDialConfig
-
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError:

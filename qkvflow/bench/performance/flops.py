@@ -7,12 +7,12 @@ device kind and compute dtype, or `--peak-flops`; there is none for a CPU.
 
 import jax
 
+from qkvflow.models import accounting, registry
+
 
 def train_flops_per_token(config, vocab: int, tokens_per_batch: int) -> dict:
     """Model FLOPs of one training step per token: 3 x forward, plus the hypernetwork's share.
     Attention's FLOPs are at the full context (`max_seq_len`), as every benchmark step uses it."""
-    from qkvflow.models import accounting, registry
-
     forward = float(config.flops_per_token(vocab, config.max_seq_len))
     hyper = 0.0
     if registry.is_ode(config):

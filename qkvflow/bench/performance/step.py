@@ -13,6 +13,8 @@ import haliax as hax
 import jax
 import jmp
 
+from qkvflow.training.step import lm_loss, with_hypernetwork_mu_dtype
+
 DTYPES = {"f32": "p=f32,c=f32", "bf16": "p=f32,c=bfloat16"}
 
 
@@ -22,8 +24,6 @@ def bench_optimizer(mu_dtype: str = "auto", **changes):
     (`hypernetwork_mu_dtype`; `auto`, a new run's default: bfloat16)."""
     from levanter.optim import AdamConfig
 
-    from qkvflow.training.step import with_hypernetwork_mu_dtype
-
     adam = AdamConfig(**({"learning_rate": 1e-4, "warmup": 0.0} | changes)).build(1_000_000)
     return with_hypernetwork_mu_dtype(adam, mu_dtype)
 
@@ -32,7 +32,6 @@ def train_step(static, policy, optimizer, vocab_block=None):
     """step(params, opt_state, example, key) -> (params, opt_state, loss): loss and gradient in the policy's
     compute dtype, then the optax update, as Levanter's trainer takes a step (`static`: the model's
     non-array part; `vocab_block`: the loss's, `loss_vocab_block`)."""
-    from qkvflow.training.step import lm_loss
 
     def loss_fn(params, example, key):
         model = policy.cast_to_compute(eqx.combine(params, static))
