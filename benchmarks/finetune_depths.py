@@ -10,7 +10,7 @@ steps and fine-tuned as an M-layer model beat a GPT-2 pretrained and fine-tuned 
    same for both models (nothing is selected), so the loss after fine-tuning is measured on the test
    half of Tiny Shakespeare's validation text.
 3. The report pairs, seed by seed, ODE(M) with GPT-2 at max(N, M) layers under the same method
-   (qkvflow/bench/stats.py: mean difference and its 95% t interval).
+   (qkvflow/bench/comparison/stats.py: mean difference and its 95% t interval).
 
     PYTHONPATH=. python benchmarks/finetune_depths.py --workdir W --out benchmarks/results/NAME
 
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import yaml
 
-from qkvflow.bench import stats
-from qkvflow.bench.compare import run_id
+from qkvflow.bench.comparison import stats
+from qkvflow.bench.comparison.study import run_id
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDY = ROOT / "benchmarks" / "compare" / "finetune_pretrain.yaml"

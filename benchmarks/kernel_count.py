@@ -4,7 +4,7 @@
         --target H200 --batch 8 --model ode [--json_out out.json]
 
 Run it with the `gpu` extra installed (jax-cuda12-plugin); no GPU or driver is needed. The step is
-`qkvflow.bench.speed`'s (loss, gradient, Levanter's Adam, donated state) for the config's DiffEqFormer
+`qkvflow.bench.performance.step`'s (loss, gradient, Levanter's Adam, donated state) for the config's DiffEqFormer
 (`--model ode`) or its same-shape Levanter baseline (`--model baseline`), at `p=f32,c=bfloat16` (the
 `--dtype` of `qkvflow bench speed`), with the attention kernel `auto` picks on a GPU. It is lowered from
 abstract arrays (nothing is allocated) for one compile-only device of `--target` (a `qkvflow plan`
@@ -27,7 +27,7 @@ from qkvflow.plan.hlo import count_kernels
 
 
 def abstract_inputs(config, Vocab, Batch, dtype: str, optimizer):
-    """(static, params, opt_state, example) of `qkvflow.bench.speed.Step` as shapes: nothing allocated."""
+    """(static, params, opt_state, example) of `qkvflow.bench.performance.step.Step` as shapes: nothing allocated."""
     import equinox as eqx
     import haliax as hax
     import jax
@@ -55,7 +55,7 @@ def compile_step(config, Vocab, Batch, dtype: str, target, optimizer=None):
     import jmp
     import numpy as np
 
-    from qkvflow.bench.speed import DTYPES, bench_optimizer, train_step
+    from qkvflow.bench.performance.step import DTYPES, bench_optimizer, train_step
     from qkvflow.plan import backend
 
     optimizer = optimizer or bench_optimizer()
@@ -107,8 +107,9 @@ def run(args) -> int:
     import haliax as hax
     import jax.numpy as jnp
 
-    from qkvflow.bench.memory import xla_memory
-    from qkvflow.bench.speed import baseline_config, load_config
+    from qkvflow.bench.performance.baseline import baseline_config
+    from qkvflow.bench.performance.config import load_config
+    from qkvflow.bench.performance.memory import xla_memory
     from qkvflow.nn import attention
     from qkvflow.plan.planner import unknown_trips
 
@@ -118,7 +119,7 @@ def run(args) -> int:
     kernel = attention.resolve("auto", dtype, platform="gpu", head_size=config.hidden_dim // config.num_heads)
     model = config if args.model == "ode" else baseline_config(config)
     model = dataclasses.replace(model, attn_backend=attention.config_value(kernel))
-    from qkvflow.bench.speed import bench_optimizer
+    from qkvflow.bench.performance.step import bench_optimizer
 
     # float32 moments unless asked: the counts in benchmarks/results/2026-11-28_stacked_hypernetworks/ were made before
     # bfloat16 became the default

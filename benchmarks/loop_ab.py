@@ -2,7 +2,7 @@
 
     python benchmarks/loop_ab.py --config_path benchmarks/configs/speed.yaml [--repeats 10]
 
-Both steps are `qkvflow.bench.speed.Step` (loss, gradient, Adam update), compiled and warmed up, then timed
+Both steps are `qkvflow.bench.performance.step.Step` (loss, gradient, Adam update), compiled and warmed up, then timed
 alternately so that background load hits both alike. Prints the median step time of each, their ratio,
 each step's final loss (the same model and data: equal to round-off) and XLA's temporary bytes.
 """
@@ -13,8 +13,9 @@ import dataclasses
 import haliax as hax
 import numpy as np
 
-from qkvflow.bench.memory import xla_memory
-from qkvflow.bench.speed import Step, load_config
+from qkvflow.bench.performance.config import load_config
+from qkvflow.bench.performance.memory import xla_memory
+from qkvflow.bench.performance.step import Step
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ import argparse
 import jax
 from haliax import Axis
 
-from qkvflow.bench.speed import baseline_config
+from qkvflow.bench.performance.baseline import baseline_config
 from qkvflow.integrate.config import OdeConfig
 from qkvflow.models.accounting import count, model_shapes
 from qkvflow.models.diffeqformer import DiffEqFormerGpt2Config

@@ -8,7 +8,7 @@
 `compile` runs `qkvflow.plan.planner.plan` on benchmarks/configs/accelerator_small.yaml with
 `--trainer.train_batch_size 32 --trainer.mp p=f32,c=bfloat16` for one `H200` (the `gpu` extra
 installed; no GPU needed), once for the DiffEqFormer and once for the Levanter GPT-2 of the same shape
-(`qkvflow.bench.speed.baseline_config`, the `--model baseline` of benchmarks/kernel_count.py and the
+(`qkvflow.bench.performance.baseline.baseline_config`, the `--model baseline` of benchmarks/kernel_count.py and the
 GPT-2 that `qkvflow bench speed` times). It writes DIR/TAG/{ode,gpt2}.hlo.txt (the optimised HLO;
 `analyse` also reads it gzipped, as .hlo.txt.gz) and DIR/TAG/{ode,gpt2}.plan.json, and records
 XLA_FLAGS: set it in the environment to compile with flags. `--loss_block N`: both models' loss at
@@ -69,7 +69,7 @@ def compile_both(out: Path, models=MODELS, loss_block: int | None = None) -> Non
         config = cli.parse(PlanConfig, ["--config_path", str(CONFIG), *ARGS], "plan")
         config = dataclasses.replace(config, loss_vocab_block=loss_block)  # both models alike
         if name == "gpt2":
-            from qkvflow.bench.speed import baseline_config
+            from qkvflow.bench.performance.baseline import baseline_config
 
             config = dataclasses.replace(config, model=baseline_config(config.model))
         start = time.perf_counter()

@@ -5,8 +5,8 @@
 Trains two DiffEqFormers of the quality benchmark's shape (benchmarks/compare/base_tinyshakespeare.yaml:
 hidden 128, 4 heads, context 64, batch 12, d_emb 64 as the `ode` row of
 benchmarks/compare/tinyshakespeare.yaml) on an Euler grid of `--steps` steps, through `qkvflow train`
-with the configs `qkvflow bench compare` would write (`qkvflow.bench.compare.run_config`; selection
-split for the run's own evaluation): `aligned` (`exits: aligned`, the mean loss of the exits at
+with the configs `qkvflow bench compare` would write (`qkvflow.bench.comparison.study.run_config`;
+selection split for the run's own evaluation): `aligned` (`exits: aligned`, the mean loss of the exits at
 t_k = k / N) and `plain` (the loss at t = 1 only). Then, for each trained model and each split
 (selection, test; `corpus.eval_split`; its first `--max_sequences` sequences of 64), the per-exit losses and the halting sweep over `--taus`
 (`qkvflow.evaluation.ode_halting`); tau is chosen on selection (fewest mean NFE within `--slack` nats of the
@@ -39,7 +39,7 @@ def model_configs(steps: int) -> dict:
 
 
 def train(study: dict, name: str, lr: float, seed: int, workdir: Path, corpus_root: str) -> tuple[Path, float]:
-    from qkvflow.bench.compare import run_config, run_id
+    from qkvflow.bench.comparison.study import run_config, run_id
 
     config = run_config(study, name, lr, seed, workdir, corpus_root)
     path = workdir / "configs" / f"{run_id(name, lr, seed)}.yaml"
@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     study = {"base": str(BASE), "models": model_configs(args.steps), "iters": args.iters}
     result = {"command": " ".join(["python benchmarks/ode_exits.py", *(argv if argv is not None else sys.argv[1:])]),
               "steps": args.steps, "iters": args.iters, "lr": args.lr, "slack": args.slack, "runs": {}}  # fmt: skip
-    from qkvflow.bench.compare import run_id
+    from qkvflow.bench.comparison.study import run_id
 
     for seed in seeds:
         for name in ("aligned", "plain"):

@@ -3,7 +3,7 @@
     python benchmarks/profile_step.py --config_path benchmarks/configs/speed.yaml [--model ode|baseline]
         [--loop diffrax|scan] [--checkpoints K] [--weight_cache precompute|on_the_fly] [--batch B]
 
-Builds the same jitted step as `qkvflow bench speed` (`qkvflow.bench.speed.Step`), warms it up,
+Builds the same jitted step as `qkvflow bench speed` (`qkvflow.bench.performance.step.Step`), warms it up,
 traces `--steps` steps and prints, per step:
 
 * the kernel time by **part of the step**, each kernel placed by the JAX operation it came from (the
@@ -32,7 +32,9 @@ import tempfile
 import haliax as hax
 import jax
 
-from qkvflow.bench.speed import Step, apply_overrides, baseline_config, load_config
+from qkvflow.bench.performance.baseline import baseline_config
+from qkvflow.bench.performance.config import apply_overrides, load_config
+from qkvflow.bench.performance.step import Step
 
 HOST_EVENTS = ("Thunk", "$", "PjRt", "Execute", "PjitFunction", "shard_args", "SlinkyThreadPool", "ParseArguments")
 # A loop's own event spans the kernels of its body, which are traced too: shown, not added.

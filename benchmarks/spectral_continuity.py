@@ -11,7 +11,7 @@ variation V of the sorted real parts of the eigenvalues (qkvflow/analysis/spectr
   times divided by that over 4 (0, 1/3, 2/3, 1 are among the 61, so the ratio is >= 1 up to the change of
   scale; near 1 means no wiggles between the coarse points).
 
-The claim is read from the paired difference V(DiffEqFormer) - V(GPT-2) over seeds (qkvflow/bench/stats.py).
+The claim is read from the paired difference V(DiffEqFormer) - V(GPT-2) over seeds (qkvflow/bench/comparison/stats.py).
 
     PYTHONPATH=. python benchmarks/spectral_continuity.py --workdir W --report R.json --out benchmarks/results/NAME
 
@@ -24,8 +24,8 @@ import os
 import sys
 
 from qkvflow.analysis.spectra import analyze_spectra
-from qkvflow.bench import stats
-from qkvflow.bench.compare import run_id
+from qkvflow.bench.comparison import stats
+from qkvflow.bench.comparison.study import run_id
 from qkvflow.runs.config import TrainConfig
 from qkvflow.runs.configfile import CONFIG_PATH, parse
 from qkvflow.runs.model import load_model

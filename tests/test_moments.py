@@ -144,7 +144,7 @@ def test_bench_speed_times_the_optimizer_state_a_new_run_has():
     projections), and with float32 ones when asked (the kernel counts made before the switch)."""
     import equinox as eqx
 
-    from qkvflow.bench.speed import bench_optimizer
+    from qkvflow.bench.performance.step import bench_optimizer
 
     params = eqx.filter(tiny_model(tiny_config()), eqx.is_inexact_array)
     for mu_dtype, want in [("auto", jnp.bfloat16), ("float32", jnp.float32)]:

@@ -118,7 +118,9 @@ def test_every_verb_that_writes_files_has_the_same_overwrite():
     the field's docstring (what their --help prints)."""
     from draccus.wrappers.docstring import get_attribute_docstring
 
-    from qkvflow.bench import compare, depth_merge, exits, quality, scaling, speed
+    from qkvflow.bench import depth_merge, exits, quality
+    from qkvflow.bench.comparison import compare
+    from qkvflow.bench.performance import scaling, speed
     from qkvflow.cli import analyze, eval, export, generate, plan, tokenizer
 
     parsers = [analyze._parser(), export._parser(), plan.parser(), speed.parser(), compare._parser()]

@@ -116,7 +116,7 @@ def test_bench_speed_times_both_models_with_the_block_it_is_given():
     import equinox as eqx
     import jmp
 
-    from qkvflow.bench.speed import bench_optimizer, train_step
+    from qkvflow.bench.performance.step import bench_optimizer, train_step
 
     for model in (GPT2.build(Vocab, key=jrandom.PRNGKey(0)), tiny_model(tiny_config())):
         params, static = eqx.partition(model, eqx.is_inexact_array)

@@ -1,7 +1,7 @@
 """`qkvflow bench depth A_depth.json B_depth.json ... --out_dir D`: the depth curves of several `bench compare`
 studies on one corpus, as one report with every model.
 
-Each `NAME_depth.json` a study with a `depth:` section writes (qkvflow.bench.depth_curves) holds, per ODE
+Each `NAME_depth.json` a study with a `depth:` section writes (qkvflow.bench.comparison.depth_curves) holds, per ODE
 model, its test loss at every grid and the loss minus the loss at the trained grid, paired over seeds.
 Screens of different recipes usually share the baseline model (the same runs, or runs of the same config
 and seed elsewhere). Merging them:
@@ -14,7 +14,7 @@ and seed elsewhere). Merging them:
   evaluations, one panel per solver, one colour per model, with the issue-33 targets marked
   (+0.01 nats at 2N and 4N): a model whose curve stays at 0 runs at any depth.
 
-Writes D/NAME.json, .md (qkvflow.bench.depth_curves.markdown) and .png; D is checked and replaced as every
+Writes D/NAME.json, .md (qkvflow.bench.comparison.depth_curves.markdown) and .png; D is checked and replaced as every
 qkvflow output is (qkvflow.runs.outputs).
 """
 
@@ -22,7 +22,7 @@ import argparse
 import json
 from pathlib import Path
 
-from qkvflow.bench import depth_curves
+from qkvflow.bench.comparison import depth_curves
 from qkvflow.errors import UserError
 from qkvflow.runs import outputs
 

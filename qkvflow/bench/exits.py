@@ -26,8 +26,16 @@ from pathlib import Path
 import numpy as np
 
 from qkvflow.bench import OUT_DIR
+from qkvflow.data import cache_lock
 from qkvflow.errors import UserError
+from qkvflow.evaluation import exits as ex
+from qkvflow.evaluation import perplexity
+from qkvflow.models.related.adaptive import AdaptiveGpt2Config, AdaptiveLMHeadModel
 from qkvflow.runs import outputs
+from qkvflow.runs.config import TrainConfig
+from qkvflow.runs.configfile import parse
+from qkvflow.runs.corpus import with_corpus
+from qkvflow.runs.model import load_model
 
 TAUS = "0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,0.95,0.99"
 
@@ -46,9 +54,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def _runs(workdir: Path) -> list[dict]:
     """Each finished run of the folder that kept its checkpoint: its id, config path, model config and seed."""
-    from qkvflow.runs.config import TrainConfig
-    from qkvflow.runs.configfile import parse
-
     runs = []
     for path in sorted((workdir / "configs").glob("*.yaml")):
         rid = path.stem
@@ -66,12 +71,6 @@ def _batches(config_path: str, split: str):
     import haliax as hax
     import jax.numpy as jnp
 
-    from qkvflow.data import cache_lock
-    from qkvflow.evaluation import perplexity
-    from qkvflow.runs.config import TrainConfig
-    from qkvflow.runs.configfile import parse
-    from qkvflow.runs.corpus import with_corpus
-
     config = with_corpus(parse(TrainConfig, ["--config_path", config_path, "--corpus.eval_split", split], "train"))
     if not cache_lock.build(config.data, "validation"):
         raise UserError(f"{config_path}: no validation data for split {split}")
@@ -85,18 +84,11 @@ def _batches(config_path: str, split: str):
 
 
 def _load(config_path: str, checkpoint: str):
-    from qkvflow.runs.config import TrainConfig
-    from qkvflow.runs.configfile import parse
-    from qkvflow.runs.model import load_model
-
     model, _ = load_model(parse(TrainConfig, ["--config_path", config_path], "train"), checkpoint)
     return model
 
 
 def evaluate_run(run: dict, data: dict, taus: list[float], checkpoint: str) -> dict:
-    from qkvflow.evaluation import exits as ex
-    from qkvflow.models.related.adaptive import AdaptiveLMHeadModel
-
     model = _load(run["config_path"], checkpoint)
     out = {"run": run["run"], "seed": run["seed"], "num_layers": model.config.num_layers, "vocab": model.Vocab.size}
     if not isinstance(model, AdaptiveLMHeadModel):
@@ -133,9 +125,6 @@ def _mean_sd(values: list[float]) -> tuple[float, float | None]:
 
 def report(results: list[dict], tolerance: float, flops_vocab: int) -> dict:
     """Rows (loss, accuracy, average exit, FLOPs per token at both vocabularies), means over seeds."""
-    from qkvflow.evaluation import exits as ex
-    from qkvflow.models.related.adaptive import AdaptiveGpt2Config
-
     rows: dict = {}
 
     def add(name, seed, avg_exit, split_scores, flops, flops_v2, tau=None):
@@ -238,9 +227,6 @@ def plot(result: dict, path: Path) -> None:
             if pts:
                 ax.plot(*zip(*pts), style, label=label)
         for run, rows_t in curves:  # the whole tau grid on the test split (the chosen tau is starred)
-            from qkvflow.evaluation import exits as ex
-            from qkvflow.models.related.adaptive import AdaptiveGpt2Config
-
             shape = AdaptiveGpt2Config(hidden_dim=run["d"], num_heads=run["heads"], num_layers=run["num_layers"],
                                        max_seq_len=run["context"], intermediate_dim=run["mlp"])  # fmt: skip
             vocab = run["vocab"] if xkey == "flops" else result["flops_vocab"]

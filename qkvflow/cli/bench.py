@@ -5,10 +5,10 @@ import importlib
 from qkvflow.errors import UserError
 
 MODES = {
-    "speed": "qkvflow.bench.speed",
-    "scaling": "qkvflow.bench.scaling",
+    "speed": "qkvflow.bench.performance.speed",
+    "scaling": "qkvflow.bench.performance.scaling",
     "quality": "qkvflow.bench.quality",
-    "compare": "qkvflow.bench.compare",
+    "compare": "qkvflow.bench.comparison.compare",
     "exits": "qkvflow.bench.exits",
     "depth": "qkvflow.bench.depth_merge",
 }

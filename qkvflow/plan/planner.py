@@ -89,7 +89,7 @@ def tpu_slices(config) -> int:
 
 
 def model_flops_per_device(config, vocab: int, batch: int, devices: int) -> float:
-    from qkvflow.bench.speed import train_flops_per_token
+    from qkvflow.bench.performance.flops import train_flops_per_token
 
     tokens = batch * config.model.max_seq_len
     return train_flops_per_token(config.model, vocab, tokens)["train_per_token"] * tokens / devices

@@ -25,7 +25,7 @@
 
 Every verb that writes a file goes through `check_file` / `writing_file` or writes inside a folder
 that is already its own: an output folder of `replacing`, a run folder (Levanter's), the work folder
-of a `bench compare` study (`qkvflow.bench.study_folder`) or the corpus cache. This module imports the
+of a `bench compare` study (`qkvflow.bench.comparison.study_folder`) or the corpus cache. This module imports the
 standard library and qkvflow.errors only, so that the CLI can check outputs before it imports JAX.
 
 `MARKER` (`qkvflow_output.json`) names the kind of output, the qkvflow version and every file written;

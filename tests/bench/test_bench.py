@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from qkvflow import cli
-from qkvflow.bench import quality, speed
+from qkvflow.bench import quality
+from qkvflow.bench.performance import speed
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = """\
@@ -316,7 +317,8 @@ def test_quality_configs_share_one_budget():
 
 def test_speed_dial_option_sets_the_recipes_and_refuses_unknown_keys():
     """`bench speed --dial` times the DiffEqFormer with its depth-dial recipes on (qkvflow.models.depth_dial)."""
-    from qkvflow.bench.speed import apply_overrides, dial_config, load_config, parser
+    from qkvflow.bench.performance.config import apply_overrides, dial_config, load_config
+    from qkvflow.bench.performance.speed import parser
     from qkvflow.errors import UserError
     from qkvflow.models.depth_dial import DepthDialConfig
 

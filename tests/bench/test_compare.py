@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
-from qkvflow.bench import compare, stats
+from qkvflow.bench.comparison import compare, run_processes, stats
 from qkvflow.data.corpora import default_shared_dir
 from qkvflow.errors import UserError
 from qkvflow.runs.outputs import MARKER
@@ -78,7 +78,7 @@ def _loss(model: str, lr: float, seed: int, split: str) -> float:
 
 
 class FakeRuns:
-    """Stands in for `compare._subprocess`: writes what `qkvflow train` / `qkvflow eval` would, and can
+    """Stands in for `run_processes._subprocess`: writes what `qkvflow train` / `qkvflow eval` would, and can
     be told to stop (as an interruption) before its n-th call. A subclass may change the losses (`loss`)
     and the parameter counts a training reports (`parameter_count`, by model)."""
 
@@ -128,7 +128,7 @@ def study(tmp_path):
 
 
 def _main(study_dir, monkeypatch, fake, *extra):
-    monkeypatch.setattr(compare, "_subprocess", fake)
+    monkeypatch.setattr(run_processes, "_subprocess", fake)
     monkeypatch.setattr(compare, "training_flops", lambda path, iters: 1.0e9 * iters)
     argv = [
         str(study_dir / "study.yaml"),
@@ -329,7 +329,7 @@ def test_a_real_run_trains_on_selection_and_is_evaluated_on_test(tmp_path, corpu
     """The smallest study through the real verbs: one tiny GPT-2, one seed, three steps on pydoc (its
     `python -m qkvflow` command lines started from the suite's warm interpreter, tests/warm.py)."""
     runs = warm.Subprocess()
-    monkeypatch.setattr(compare, "subprocess", runs)
+    monkeypatch.setattr(run_processes, "subprocess", runs)
     base = Path(__file__).resolve().parents[2] / "benchmarks" / "compare" / "base_pydoc.yaml"
     spec = {"base": str(base), "baseline": "tiny", "iters": 3, "learning_rates": [1e-3], "seeds": [0],
             "models": {"tiny": {"model": {"type": "gpt2", "max_seq_len": 32, "hidden_dim": 32, "num_heads": 2, "num_layers": 1},
@@ -358,7 +358,7 @@ def test_the_report_goes_to_the_work_folder_and_an_out_dir_is_checked_like_every
     run trains, and its files survive."""
     results = compare.ROOT / "benchmarks" / "results"
     shipped = {p.name: p.stat().st_mtime_ns for p in results.iterdir()} if results.is_dir() else {}
-    monkeypatch.setattr(compare, "_subprocess", FakeRuns())
+    monkeypatch.setattr(run_processes, "_subprocess", FakeRuns())
     monkeypatch.setattr(compare, "training_flops", lambda path, iters: 1.0e9 * iters)
     work = study / "work"
     assert compare.main([str(study / "study.yaml"), "--workdir", str(work), "--models", "gpt2"]) == 0
@@ -383,7 +383,7 @@ def test_the_report_goes_to_the_work_folder_and_an_out_dir_is_checked_like_every
     assert compare.main(argv) == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     fake = FakeRuns()
-    monkeypatch.setattr(compare, "_subprocess", fake)
+    monkeypatch.setattr(run_processes, "_subprocess", fake)
     with pytest.raises(UserError, match=f"--out_dir={str(out)!r} holds an earlier qkvflow bench compare report: pass "):
         compare.main([*argv, "--name", "again"])
     assert fake.calls == [] and {p.name: p.read_bytes() for p in out.iterdir()} == before
@@ -435,7 +435,7 @@ def test_a_study_on_the_users_own_corpus_end_to_end(tmp_path, monkeypatch):
     command lines)."""
     monkeypatch.chdir(tmp_path)
     runs = warm.Subprocess()
-    monkeypatch.setattr(compare, "subprocess", runs)
+    monkeypatch.setattr(run_processes, "subprocess", runs)
     _own_corpus(tmp_path)
     (tmp_path / "base.yaml").write_text(OWN_BASE)
     spec = {"base": "base.yaml", "baseline": "tiny", "iters": 3, "learning_rates": [1e-3], "seeds": [0],
@@ -480,7 +480,7 @@ def test_a_bad_base_config_is_refused_before_the_work_folder_is_claimed(tmp_path
     spec = {"base": "base.yaml", "baseline": "a", "iters": 3, "learning_rates": [1e-3], "seeds": [0],
             "models": {"a": {"model": {"type": "gpt2"}}}}  # fmt: skip
     (tmp_path / "study.yaml").write_text(yaml.safe_dump(spec))
-    monkeypatch.setattr(compare, "_subprocess", FakeRuns())
+    monkeypatch.setattr(run_processes, "_subprocess", FakeRuns())
     with pytest.raises(UserError) as e:
         compare.main([str(tmp_path / "study.yaml"), "--workdir", str(tmp_path / "work")])
     assert message in str(e.value) and "\n" not in str(e.value) and str(tmp_path / "base.yaml") in str(e.value)

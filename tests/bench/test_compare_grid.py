@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import yaml
 
-from qkvflow.bench import compare
+from qkvflow.bench.comparison import compare
 from qkvflow.errors import UserError
 from qkvflow.runs import outputs
 from tests.bench.test_compare import FakeRuns, _main

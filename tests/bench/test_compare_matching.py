@@ -1,5 +1,5 @@
-"""`bench compare`'s matched baselines (qkvflow.bench.matching): a width solved on the study's own vocabulary,
-the layer count where the width cannot match, a refusal where nothing can, and the report's ratio.
+"""`bench compare`'s matched baselines (qkvflow.bench.comparison.matching): a width solved on the study's own
+vocabulary, the layer count where the width cannot match, a refusal where nothing can, and the report's ratio.
 
 Expected parameter counts come from GPT-2's formula, not from qkvflow's accounting: with vocabulary V,
 context S, L layers of width d (MLP 4d, biases everywhere, a tied head), the embeddings hold V d + S d,
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from qkvflow.bench import compare, matching
+from qkvflow.bench.comparison import compare, matching, run_processes
 from qkvflow.errors import UserError
 from tests.bench.test_compare import SHAKESPEARE, FakeRuns, _study, _study_configs, needs_shakespeare
 
@@ -94,7 +94,7 @@ def test_a_match_that_cannot_be_met_is_refused_in_one_line_before_the_work_folde
               "wide": {"match": {"params": "deep"}, "model": _gpt2(num_heads=128, num_layers=2)}}  # fmt: skip
     path = _write(tmp_path, {"name": "pydoc", "vocab_size": 4096}, models)
     fake = FakeRuns()
-    monkeypatch.setattr(compare, "_subprocess", fake)
+    monkeypatch.setattr(run_processes, "_subprocess", fake)
     with pytest.raises(
         UserError, match="models.wide.match: the parameters of deep .* cannot be met within 0.9-1.1"
     ) as e:
@@ -150,7 +150,7 @@ def test_the_report_prints_the_achieved_ratio_from_its_own_rows_and_marks_one_ou
     path = _write(tmp_path, {"name": "pydoc", "vocab_size": 4096}, models)
     monkeypatch.setattr(compare, "training_flops", lambda path, iters: 1.0e9 * iters)
     for off, name in ((1.0, "right"), (1.25, "wrong")):  # the runs' own counts: as solved, then 25% more
-        monkeypatch.setattr(compare, "_subprocess", CountingRuns(off))
+        monkeypatch.setattr(run_processes, "_subprocess", CountingRuns(off))
         argv = [str(path), "--workdir", str(tmp_path / f"work-{name}"), "--out_dir", str(tmp_path / name)]
         assert compare.main(argv) == 0
         result = json.loads((tmp_path / name / "study.json").read_text())
@@ -175,7 +175,7 @@ def test_the_shipped_matched_baselines_are_matched_on_their_own_corpus(tmp_path,
     with its heads dividing the width."""
     import dataclasses
 
-    from qkvflow.bench import run_configs
+    from qkvflow.bench.comparison import run_configs
     from qkvflow.models import accounting
 
     assert SHAKESPEARE.is_file() or name == "pydoc"

@@ -1,8 +1,8 @@
-"""qkvflow.bench.lr_grid directly: the choice by the mean over seeds, the grid's edge, and the next rate."""
+"""qkvflow.bench.comparison.lr_grid directly: the choice by the mean over seeds, the grid's edge, and the next rate."""
 
 import pytest
 
-from qkvflow.bench.lr_grid import beyond, choose, edge
+from qkvflow.bench.comparison.lr_grid import beyond, choose, edge
 
 
 def test_the_choice_is_the_lowest_mean_over_the_seeds_not_one_seeds():

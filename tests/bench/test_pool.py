@@ -1,4 +1,4 @@
-"""Stopping a study (qkvflow.bench.pool): every running run gets the signal once, nothing queued starts,
+"""Stopping a study (qkvflow.bench.comparison.pool): every running run gets the signal once, nothing queued starts,
 and the study names the runs it stopped. The runs are tiny Python processes that record each signal."""
 
 import os
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from qkvflow.bench import compare
-from qkvflow.bench.pool import Pool, Stopped, current_pool, stop_report
+from qkvflow.bench.comparison import run_processes
+from qkvflow.bench.comparison.pool import Pool, Stopped, current_pool, stop_report
 from tests.bench import test_compare
 from tests.bench.test_compare import _main
 from tests.timescale import limit
@@ -109,7 +109,7 @@ def test_stopping_a_study_names_the_runs_it_stopped_and_how_to_resume(study, mon
     """`bench compare --jobs 2` stopped by Ctrl-C (or SIGTERM) while two trainings run: each gets the signal
     once (SIGTERM passed on as SIGTERM), no other run starts, and one line names the stopped runs and says
     how to resume; the exit status is 128 + the signal."""
-    real = compare._subprocess
+    real = run_processes._subprocess
     markers = study / "markers"
     markers.mkdir()
 
@@ -135,8 +135,8 @@ def test_stopping_a_study_names_the_runs_it_stopped_and_how_to_resume(study, mon
 def test_a_failed_run_is_named_by_its_run_and_how_it_ended(tmp_path):
     log = tmp_path / "ode-lr0.002-s1.out"
     code = "import os, signal; print('compiling', flush=True); os.kill(os.getpid(), signal.SIGKILL)"
-    with pytest.raises(compare.UserError) as error:
-        compare._subprocess([sys.executable, "-c", code, "train"], log, limit(300))
+    with pytest.raises(run_processes.UserError) as error:
+        run_processes._subprocess([sys.executable, "-c", code, "train"], log, limit(300))
     assert (
         str(error.value)
         == f"bench compare: run ode-lr0.002-s1 (train) failed (killed by SIGKILL; log {log}): compiling"

@@ -10,7 +10,7 @@ import pytest
 from levanter.layers.attention import AttentionBackend
 from levanter.models.lm_model import LmExample
 
-from qkvflow.bench import speed
+from qkvflow.bench.performance import speed
 from qkvflow.errors import UserError
 from qkvflow.nn import attention
 from qkvflow.training.loss import lm_loss

@@ -16,18 +16,20 @@ from typing import Optional
 
 import yaml
 
+from qkvflow.data.corpora import corpus_vocab_size
 from qkvflow.errors import UserError
+from qkvflow.models import accounting, registry
+from qkvflow.models.depth_dial import training_solves
+from qkvflow.runs import compat, data_checks
+from qkvflow.runs.config import TrainConfig
+from qkvflow.runs.configfile import _user_cause, parse
+from qkvflow.training.step import check_values
 
 
 def parsed(config: dict, where: str):
     """`config` (a `qkvflow train` config as a mapping) parsed into a `TrainConfig` as the verb parses it;
     a UserError in one line starting with `where` (e.g. "bench compare: model gpt2") when it is refused."""
     import draccus.utils
-
-    from qkvflow.runs import compat
-    from qkvflow.runs.config import TrainConfig
-    from qkvflow.runs.configfile import _user_cause, parse
-    from qkvflow.training.step import check_values
 
     fd, path = tempfile.mkstemp(prefix="qkvflow-study-", suffix=".yaml")
     try:
@@ -54,9 +56,6 @@ def _one_line(message: str) -> str:
 def vocab_size(config) -> int:
     """The number of tokens the runs of `config` (a `TrainConfig`) train with: a bundled corpus's
     (`corpus_vocab_size`, nothing built), or the length of the `data:` section's tokenizer."""
-    from qkvflow.data.corpora import corpus_vocab_size
-    from qkvflow.runs import data_checks
-
     if config.corpus is not None:
         try:
             return corpus_vocab_size(config.corpus.name, vocab_size=config.corpus.vocab_size)
@@ -70,8 +69,6 @@ def training_flops(config, iters: int, vocab: Optional[int] = None) -> Optional[
     tokens (Levanter's `flops_per_token`), plus an ODE's hypernetwork per forward pass
     (`accounting.hypernetwork_flops_per_forward`); with depth-dial recipes, the mean over the solves a
     batch runs (`depth_dial.training_solves`). None for a model Levanter has no FLOP count for."""
-    from qkvflow.models import accounting, registry
-
     vocab = vocab_size(config) if vocab is None else vocab
     seq, batch = config.model.max_seq_len, config.trainer.train_batch_size
     if config.model.flops_per_token(vocab, seq) is None:
@@ -86,7 +83,6 @@ def training_flops(config, iters: int, vocab: Optional[int] = None) -> Optional[
     solves = [(config.model, 1.0)]
     dial = getattr(config.model, "dial", None)
     if dial is not None and dial.active:  # the drawn step counts' mean, and a consistency term's fine solve
-        from qkvflow.models.depth_dial import training_solves
 
         def at(n: int):
             return dataclasses.replace(config.model, ode=dataclasses.replace(config.model.ode, num_steps=n))

@@ -26,25 +26,21 @@ import gc
 import json
 import platform
 import sys
-import time
-from pathlib import Path
 
-import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
-import jmp
 import numpy as np
-import yaml
 
-from qkvflow.bench.memory import device_peak_bytes, process_peak, xla_memory
-from qkvflow.bench.peak import matmul_peak
+from qkvflow.bench.performance.baseline import baseline_config
+from qkvflow.bench.performance.config import apply_overrides, load_config, with_attention
+from qkvflow.bench.performance.flops import nominal_peak_flops, train_flops_per_token
+from qkvflow.bench.performance.memory import device_peak_bytes, process_peak, xla_memory
+from qkvflow.bench.performance.peak import matmul_peak
+from qkvflow.bench.performance.step import DTYPES, Step
 from qkvflow.errors import UserError
 from qkvflow.nn import attention
 from qkvflow.runs import outputs
-
-CORPUS_VOCAB = {"tinyshakespeare": 66, "pydoc": 2048}
-DTYPES = {"f32": "p=f32,c=f32", "bf16": "p=f32,c=bfloat16"}
 
 
 def parser(prog="qkvflow bench speed") -> argparse.ArgumentParser:
@@ -112,33 +108,6 @@ def parser(prog="qkvflow bench speed") -> argparse.ArgumentParser:
     return p
 
 
-def load_config(path: str) -> tuple:
-    """(DiffEqFormer config, defaults from the file: batch, vocab_size)."""
-    from qkvflow.models import registry
-    from qkvflow.runs.compat import check_config
-
-    file = Path(path)
-    if not file.is_file():
-        raise UserError(f"{path}: no such config file")
-    check_config(path)  # Levanter 1.2 keys (model.seq_len, ...): one line naming the replacement
-    try:
-        raw = yaml.safe_load(file.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise UserError(f"{path} is not valid YAML: {e}") from None
-    if not isinstance(raw, dict) or not isinstance(raw.get("model"), dict):
-        raise UserError(f"{path}: needs a `model:` section (a diffeqformer_* or shared_ode_* model)")
-    model = registry.decode(raw["model"])
-    if not registry.is_ode(model):
-        raise UserError(
-            f"{path}: model.type must be an ODE model (diffeqformer_*/shared_ode_*), got {raw['model'].get('type')!r}"
-        )
-    bench = raw.get("bench") or {}
-    corpus = raw.get("corpus") or {}
-    batch = bench.get("batch") or (raw.get("trainer") or {}).get("train_batch_size") or 8
-    vocab = bench.get("vocab_size") or corpus.get("vocab_size") or CORPUS_VOCAB.get(corpus.get("name"), 50257)
-    return model, {"batch": int(batch), "vocab_size": int(vocab)}
-
-
 def parse_batches(text) -> list:
     """`--batch`: one batch or a comma-separated list, each an integer >= 1 or `max`; ascending, `max` last
     (so that the allocator's peak read after each batch is that batch's)."""
@@ -162,211 +131,6 @@ def is_out_of_memory(e: BaseException) -> bool:
     """XLA's out-of-memory errors (at compile or at run time) on GPU and TPU."""
     text = str(e)
     return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
-
-
-def with_attention(models: dict, choice: str, dtype: str) -> tuple[dict, str]:
-    """Every model config with `attn_backend` set to the kernel `choice` resolves to for `dtype` (the same
-    one for all): the models and the kernel's name."""
-    heads = {c.hidden_dim // c.num_heads for c in models.values()}
-    kernel = attention.resolve(
-        choice, jnp.bfloat16 if dtype == "bf16" else jnp.float32, head_size=heads.pop() if len(heads) == 1 else None
-    )
-    value = attention.config_value(kernel)
-    return {name: dataclasses.replace(c, attn_backend=value) for name, c in models.items()}, kernel
-
-
-def apply_overrides(model, args):
-    ode = model.ode
-    changes = {k: getattr(args, k) for k in ("num_steps", "solver", "adjoint", "checkpoints", "weight_cache", "loop")}
-    changes = {k: v for k, v in changes.items() if v is not None}
-    if changes:
-        ode = dataclasses.replace(ode, **changes)
-    top = {"ode": ode}
-    if args.seq_len is not None:
-        top["max_seq_len"] = args.seq_len
-    if args.time_embed_dim is not None:
-        top["time_embed_dim"] = args.time_embed_dim
-    if getattr(args, "dial", None) is not None:
-        top["dial"] = dial_config(args.dial)
-    return dataclasses.replace(model, **top)
-
-
-def dial_config(text: str):
-    """`--dial`'s YAML mapping as a `DepthDialConfig`; one line naming the option otherwise."""
-    from qkvflow.models.depth_dial import DepthDialConfig
-
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError:
-        raw = None
-    names = [f.name for f in dataclasses.fields(DepthDialConfig)]
-    if not isinstance(raw, dict) or set(raw) - set(names):
-        raise UserError(f"--dial {text!r} is invalid: expected a YAML mapping with keys among {names}")
-    if "train_steps" in raw:
-        raw["train_steps"] = tuple(raw["train_steps"] or ())
-    return DepthDialConfig(**raw)
-
-
-def baseline_config(model, *, remat: bool = True):
-    """Levanter's discrete model of the same shape, with one layer per vector-field evaluation
-    (the flavour's `baseline`: Levanter's gpt2 or llama)."""
-    from qkvflow.models.accounting import nominal_evaluations
-
-    return BASELINES[model.flavour_spec.baseline](model, nominal_evaluations(model), remat)
-
-
-def _gpt2_baseline(model, layers: int, remat: bool):
-    from levanter.models.gpt2 import Gpt2Config
-
-    if model.mlp_dim % model.hidden_dim:
-        raise UserError(f"intermediate_dim={model.mlp_dim} must be a multiple of hidden_dim for the GPT-2 baseline")
-    return Gpt2Config(
-        max_seq_len=model.max_seq_len,
-        hidden_dim=model.hidden_dim,
-        num_layers=layers,
-        num_heads=model.num_heads,
-        mlp_scale=model.mlp_dim // model.hidden_dim,
-        initializer_range=model.initializer_range,
-        layer_norm_epsilon=model.layer_norm_epsilon,
-        activation_function=model.activation_function,
-        use_bias=model.bias,
-        gradient_checkpointing=remat,
-    )
-
-
-def _llama_baseline(model, layers: int, remat: bool):
-    from levanter.models.llama import LlamaConfig
-
-    return LlamaConfig(
-        max_seq_len=model.max_seq_len,
-        hidden_dim=model.hidden_dim,
-        intermediate_dim=model.mlp_dim,
-        num_layers=layers,
-        num_heads=model.num_heads,
-        num_kv_heads=model.num_heads,
-        activation_function=model.activation_function,
-        initializer_range=model.initializer_range,
-        layer_norm_epsilon=model.layer_norm_epsilon,
-        tie_word_embeddings=model.tied_embeddings,
-        rope=model.rope,
-        gradient_checkpointing=remat,
-    )
-
-
-BASELINES = {"gpt2": _gpt2_baseline, "llama": _llama_baseline}
-"""Levanter type name -> builder of that baseline (flavour.baseline names one)."""
-
-
-def train_flops_per_token(config, vocab: int, tokens_per_batch: int) -> dict:
-    """Model FLOPs of one training step per token: 3 x forward, plus the hypernetwork's share.
-    Attention's FLOPs are at the full context (`max_seq_len`), as every benchmark step uses it."""
-    from qkvflow.models import accounting, registry
-
-    forward = float(config.flops_per_token(vocab, config.max_seq_len))
-    hyper = 0.0
-    if registry.is_ode(config):
-        hyper = accounting.hypernetwork_flops_per_forward(config, vocab) / tokens_per_batch
-    return {
-        "forward_per_token": forward,
-        "hypernetwork_forward_per_token": hyper,
-        "train_per_token": 3.0 * (forward + hyper),
-    }
-
-
-def bench_optimizer(mu_dtype: str = "auto", **changes):
-    """The benchmark's optimizer: Levanter's AdamConfig at a fixed learning rate (`changes` override its
-    fields), with the hypernetwork projections' first moment in `mu_dtype` as `qkvflow train` stores it
-    (`hypernetwork_mu_dtype`; `auto`, a new run's default: bfloat16)."""
-    from levanter.optim import AdamConfig
-
-    from qkvflow.training.step import with_hypernetwork_mu_dtype
-
-    adam = AdamConfig(**({"learning_rate": 1e-4, "warmup": 0.0} | changes)).build(1_000_000)
-    return with_hypernetwork_mu_dtype(adam, mu_dtype)
-
-
-def train_step(static, policy, optimizer, vocab_block=None):
-    """step(params, opt_state, example, key) -> (params, opt_state, loss): loss and gradient in the policy's
-    compute dtype, then the optax update, as Levanter's trainer takes a step (`static`: the model's
-    non-array part; `vocab_block`: the loss's, `loss_vocab_block`)."""
-    from qkvflow.training.step import lm_loss
-
-    def loss_fn(params, example, key):
-        model = policy.cast_to_compute(eqx.combine(params, static))
-        out = lm_loss(model, example, key=key, vocab_block=vocab_block)
-        loss = out[0] if isinstance(out, tuple) else out
-        return loss.scalar() if isinstance(loss, hax.NamedArray) else loss
-
-    def step(params, opt_state, example, key):
-        loss, grads = eqx.filter_value_and_grad(loss_fn)(params, example, key)
-        with jax.named_scope("optimizer_update"):  # benchmarks/profile_step.py finds it by this name
-            updates, opt_state = optimizer.update(grads, opt_state, params=params)
-            return eqx.apply_updates(params, updates), opt_state, loss
-
-    return step
-
-
-class Step:
-    """A compiled training step of `config`, the way Levanter's trainer runs one."""
-
-    def __init__(self, config, Vocab, Batch, dtype: str, *, seed: int = 0, vocab_block=None):
-        from levanter.models.lm_model import LmExample
-
-        key_model, key_tokens = jax.random.split(jax.random.PRNGKey(seed))
-        model = config.build(Vocab, key=key_model)
-        policy = jmp.get_policy(DTYPES[dtype])
-        optimizer = bench_optimizer()
-        params, static = eqx.partition(model, eqx.is_inexact_array)
-        opt_state = optimizer.init(params)
-        tokens = hax.random.randint(key_tokens, (Batch, config.max_Pos), 0, Vocab.size)
-        example = hax.vmap(LmExample.causal, Batch)(tokens)
-
-        # a DiffEqFormer with depth-dial recipes draws its grid from the training step's key (as in training)
-        dial = getattr(config, "dial", None)
-        self.key = jax.random.PRNGKey(seed + 1) if dial is not None and dial.active else None
-
-        start = time.perf_counter()
-        step = train_step(static, policy, optimizer, vocab_block)
-        lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, example, self.key)
-        self.compiled = lowered.compile()
-        self.compile_s = time.perf_counter() - start
-        self.state = (params, opt_state)
-        self.example = example
-        self.parameter_count = int(sum(x.size for x in jax.tree_util.tree_leaves(params)))
-        self.times: list[float] = []
-        self.loss = None
-        self.peak_memory: dict | None = None
-
-    def run(self) -> float:
-        start = time.perf_counter()
-        key = None if self.key is None else jax.random.fold_in(self.key, len(self.times))
-        params, opt_state, loss = self.compiled(*self.state, self.example, key)
-        loss.block_until_ready()
-        elapsed = time.perf_counter() - start
-        self.state, self.loss = (params, opt_state), float(loss)
-        return elapsed
-
-
-def nominal_peak_flops(dtype: str, override: float | None) -> dict:
-    """One device's peak FLOP/s for MFU: `--peak-flops`, else Levanter's table (`fray.device_flops`, what
-    its trainer's MFU uses) for the device kind and compute dtype; None on a CPU or an unknown device."""
-    device = jax.devices()[0]
-    if override is not None:
-        return {"flops_per_s": override, "source": "--peak-flops"}
-    if device.platform == "cpu":
-        return {"flops_per_s": None, "source": "none for a CPU (set --peak-flops)"}
-    from fray.device_flops import device_flops_for_jax_device
-
-    # f32 matmuls run at JAX's default precision (lax.Precision.DEFAULT): TF32 on GPUs, one bfloat16
-    # pass on TPUs; their peak is that rate's, not the data sheet's plain-fp32 one.
-    kind = "bf16" if dtype == "bf16" else {"gpu": "tf32", "tpu": "bf16"}.get(device.platform, "fp32")
-    flops = device_flops_for_jax_device(device.device_kind, kind)
-    return {
-        "flops_per_s": flops,
-        "source": f"fray.device_flops[{device.device_kind!r}, {kind}]"
-        if flops
-        else f"unknown device {device.device_kind!r} for {kind} (set --peak-flops)",
-    }
 
 
 def summarise(step: Step, tokens: int, flops: dict, peak: dict | None, nominal: dict) -> dict:

@@ -28,7 +28,7 @@ from qkvflow.bench import OUT_DIR
 from qkvflow.errors import UserError
 from qkvflow.runs import outputs
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SWEEPS = {
     "steps": ("num_steps", [6, 12, 24, 48], ["rc_fixed_otf", "rc_fixed_pre", "direct_otf"]),
     "d_emb": ("time_embed_dim", [20, 64, 144], ["ode"]),

@@ -4,7 +4,7 @@ A study with a `depth:` section (benchmarks/compare/depth_dial.yaml) evaluates e
 model on the test split at each grid of `qkvflow eval --steps S --solver V --tolerances T`
 (qkvflow.evaluation.depth; S may be relative to the trained N, e.g. N/4,N/2,N,2N,4N). Per model and grid:
 
-- the test loss, mean over seeds and its 95% Student-t interval (qkvflow.bench.stats);
+- the test loss, mean over seeds and its 95% Student-t interval (qkvflow.bench.comparison.stats);
 - the loss minus the loss at the trained grid, paired over seeds (same run, other grid), with its
   interval: the depth dial works where it is <= 0 for the finer grids;
 - the vector-field evaluations (mean over seeds: adaptive solves measure theirs).
@@ -15,7 +15,7 @@ log x, one colour per model, one marker per solver, bars the 95% interval).
 
 from typing import Optional
 
-from qkvflow.bench import stats
+from qkvflow.bench.comparison import stats
 from qkvflow.errors import UserError
 
 KEYS = {"steps": "--steps", "solver": "--solver", "tolerances": "--tolerances"}

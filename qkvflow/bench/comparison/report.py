@@ -1,10 +1,10 @@
 """The report of `qkvflow bench compare`: NAME.json, a markdown table NAME.md and a figure NAME.png.
 
 Per model: the chosen peak learning rate (marked "at the grid's edge" when it is the lowest or highest
-of a grid of two or more rates: qkvflow.bench.lr_grid), the selection losses per rate, the test losses
+of a grid of two or more rates: qkvflow.bench.comparison.lr_grid), the selection losses per rate, the test losses
 per seed with their mean and standard deviation, the paired 95% interval of the difference to the
-baseline (qkvflow.bench.stats), the parameter count, the training FLOPs, and for a matched model
-(qkvflow.bench.matching) the achieved ratio of its measure to its target's, taken from this report's
+baseline (qkvflow.bench.comparison.stats), the parameter count, the training FLOPs, and for a matched model
+(qkvflow.bench.comparison.matching) the achieved ratio of its measure to its target's, taken from this report's
 own rows where the target is one (else from the solve), marked when outside `matching.TOLERANCE`.
 """
 
@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from qkvflow.bench import depth_curves, matching, stats
-from qkvflow.bench.study_folder import write_json
+from qkvflow.bench.comparison import depth_curves, matching, stats
+from qkvflow.bench.comparison.study_folder import write_json
 
 EDGE = "at the grid's edge"
 REPORT_FIELDS = {"params": "parameter_count", "train_flops": "training_flops"}

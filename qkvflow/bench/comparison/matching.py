@@ -26,7 +26,9 @@ is refused in one line. The report prints each matched row's achieved ratio and 
 import dataclasses
 from typing import Callable
 
+from qkvflow.bench.comparison import run_configs
 from qkvflow.errors import UserError
+from qkvflow.models import accounting
 
 MEASURES = {"params": "parameters", "train_flops": "training FLOPs"}
 TOLERANCE = (0.9, 1.1)
@@ -55,9 +57,6 @@ def within(ratio: float) -> bool:
 
 def measure(kind: str, config, iters: int) -> Callable:
     """model config -> the measure `kind` of a run of `config` (a `TrainConfig`) with that model."""
-    from qkvflow.bench import run_configs
-    from qkvflow.models import accounting
-
     vocab = run_configs.vocab_size(config)
     if kind == "params":
         return lambda model: float(accounting.count(accounting.model_shapes(model, vocab)))
@@ -69,8 +68,6 @@ def solve(path: str, name: str, match: dict, config, target_config, iters: int) 
     `match` ({measure: target}, `target_config` the target's): {"measure", "target", "solved": {"hidden_dim":
     w[, "num_layers": l]}, "value", "target_value", "ratio", "vocab_size"}, or a UserError in one line when
     no shape is within `TOLERANCE`."""
-    from qkvflow.bench import run_configs
-
     ((kind, target),) = match.items()
     value_of = measure(kind, config, iters)
     goal = measure(kind, target_config, iters)(target_config.model)
