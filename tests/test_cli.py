@@ -103,7 +103,7 @@ def test_help_all_lists_every_key(capsys):
     out = capsys.readouterr().out
     assert exit.value.code == 0
     assert "--trainer.checkpointer.base_path" in out and "--model.ode.num_steps" in out
-    assert len(out.splitlines()) > 2000  # qkvflow.cli.usage: "thousands of lines" (4,278 on 2026-11-28)
+    assert len(out.splitlines()) > 2000  # qkvflow.cli.startup.usage: "thousands of lines" (4,278 on 2026-11-28)
     said = re.search(
         r"`--help-all` lists every key with its default \(about ([\d,]+)\s", (ROOT / "docs" / "training.md").read_text()
     )

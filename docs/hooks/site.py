@@ -10,7 +10,7 @@ r"""MkDocs hooks of the documentation site (mkdocs.yml, `hooks:`).
   as written, and `mkdocs build --strict` fails on it.
 * **Tables** show `\|` inside inline code as `|`, as GitHub does (`on_page_content`).
 * **The configuration reference** (docs/config.md) is generated from the config dataclasses at every
-  build (`qkvflow.cli.reference`), in place of the `CONFIG_REFERENCE` marker, with haliax's import-time
+  build (`qkvflow.cli.startup.reference`), in place of the `CONFIG_REFERENCE` marker, with haliax's import-time
   DeprecationWarning filtered (`HALIAX_IMPORT_WARNING`).
 """
 
@@ -128,7 +128,7 @@ def on_page_markdown(markdown, page, config, files):
         out.append(line)
     markdown = "".join(out)
     if CONFIG_REFERENCE in markdown:
-        from qkvflow.cli.reference import reference
+        from qkvflow.cli.startup.reference import reference
 
         with warnings.catch_warnings():  # the config classes import haliax, which imports a deprecated jax name
             warnings.filterwarnings("ignore", message=HALIAX_IMPORT_WARNING, category=DeprecationWarning)

@@ -2,12 +2,12 @@
 
 Bad input (unknown or mistyped config keys, unreadable YAML, missing files, invalid values) ends
 with one line naming the problem and exit status 2, not a traceback. Every verb goes through `main`,
-which first runs `qkvflow.cli.early.check`: `--help`, the --config_path file, Levanter 1.2 keys
+which first runs `qkvflow.cli.startup.early.check`: `--help`, the --config_path file, Levanter 1.2 keys
 (qkvflow.runs.compat), model types, paths and grids, answered or refused before JAX, Levanter or
 draccus is imported. Only then does it import the verb's module. Each verb reads its config with `parse`
 (the --config_path file and the overrides, two kinds of which draccus cannot read are rewritten by
 `overrides`), and nothing else. Ctrl-C ends every verb with one line and exit status 130
-(qkvflow.cli.interrupt).
+(qkvflow.cli.startup.interrupt).
 """
 
 import argparse
@@ -19,8 +19,8 @@ import sys
 import yaml
 
 from qkvflow import __version__
-from qkvflow.cli import early, interrupt
 from qkvflow.cli.bench import MODES as BENCH_MODES
+from qkvflow.cli.startup import early, interrupt
 from qkvflow.errors import UserError
 from qkvflow.runs.configfile import (  # noqa: F401  (re-exported: `qkvflow.cli.parse` is how verbs read configs)
     COMPONENTS,
@@ -172,7 +172,7 @@ def _verb(verb: str, rest: list[str]) -> int:
     except yaml.YAMLError as e:  # an override's value (qkvflow.runs.configfile.overrides reads some as YAML)
         return _refused(verb, _not_yaml(e, rest, where))
 
-    import draccus.utils  # the stack: only now (qkvflow.cli.early)
+    import draccus.utils  # the stack: only now (qkvflow.cli.startup.early)
 
     try:
         with _argparse_raises():

@@ -16,7 +16,8 @@ import argparse
 import json
 import os
 
-from qkvflow.cli import quiet_checkpoint_warnings, usage
+from qkvflow.cli import quiet_checkpoint_warnings
+from qkvflow.cli.startup import usage
 from qkvflow.errors import UserError
 from qkvflow.runs import outputs
 

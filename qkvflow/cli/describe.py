@@ -41,7 +41,7 @@ def describe(config: DescribeConfig) -> dict:
 
 def main(argv: list[str]) -> int:
     from qkvflow import cli
-    from qkvflow.cli import usage
+    from qkvflow.cli.startup import usage
 
     if usage.wants_help(argv):
         print(usage.short_help("qkvflow describe", DescribeConfig, "Parameter counts and FLOPs of a config, as JSON."))

@@ -146,7 +146,7 @@ def quiet_logging(verbose: bool = False) -> None:
 
 def main(argv: list[str]) -> int:
     from qkvflow import cli
-    from qkvflow.cli import usage
+    from qkvflow.cli.startup import usage
     from qkvflow.evaluation import depth
     from qkvflow.evaluation.evaluate import evaluate, write
 

@@ -46,7 +46,7 @@ def _run(config: FinetuneConfig) -> dict:
 
 def main(argv: list[str]) -> int:
     from qkvflow import cli
-    from qkvflow.cli import usage
+    from qkvflow.cli.startup import usage
     from qkvflow.cli.train import NONFINITE_EXIT, stop_status
 
     if usage.wants_help(argv):

@@ -100,7 +100,7 @@ def read_config(argv: list[str]):
 
 
 def main(argv: list[str]) -> int:
-    from qkvflow.cli import usage
+    from qkvflow.cli.startup import usage
 
     if usage.wants_help(argv):
         summary = "Text from a train or finetune checkpoint, KV-cached on Levanter's inference engine."

@@ -12,7 +12,7 @@ USAGE = "qkvflow plan --config_path CFG --target NAME [--devices N] [--max_batch
 
 
 def parser() -> argparse.ArgumentParser:
-    from qkvflow.cli import usage
+    from qkvflow.cli.startup import usage
 
     p = argparse.ArgumentParser(
         prog="qkvflow plan", usage=USAGE, description=__doc__, add_help=False, epilog=usage.footer("plan")

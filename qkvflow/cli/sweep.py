@@ -63,7 +63,7 @@ def parse_methods(values, key: str = "--methods") -> list[str]:
 
 def main(argv: list[str]) -> int:
     from qkvflow import cli
-    from qkvflow.cli import usage
+    from qkvflow.cli.startup import usage
 
     if usage.HELP_ALL in argv:  # the config keys, as `qkvflow finetune --help-all`
         cli.parse(FinetuneConfig, ["--help"], "sweep")

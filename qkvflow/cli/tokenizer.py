@@ -116,7 +116,7 @@ def _paths_hint(built) -> str:
 
 def main(argv: list[str]) -> int:
     from qkvflow import cli
-    from qkvflow.cli import usage
+    from qkvflow.cli.startup import usage
 
     if usage.wants_help(argv):
         print(usage.short_help("qkvflow tokenizer", TokenizerConfig, __doc__.split("\n\n")[0]).replace(

@@ -134,7 +134,7 @@ def stop_status(summary) -> int:
 
 def main(argv: list[str]) -> int:
     from qkvflow import cli
-    from qkvflow.cli import usage
+    from qkvflow.cli.startup import usage
 
     if usage.wants_help(argv):
         print(usage.short_help("qkvflow train", TrainConfig, "Pretrain a language model with Levanter's trainer."))

@@ -1,6 +1,6 @@
 """What the command line answers before the verbs' stack is imported, written down: `table.json`.
 
-`qkvflow.cli.early` answers `--help` and refuses unknown model types without importing JAX, Levanter,
+`qkvflow.cli.startup.early` answers `--help` and refuses unknown model types without importing JAX, Levanter,
 transformers or draccus, so it cannot ask the verbs or the model registry. It reads this table instead:
 
 * `help`: the exact text each command's `--help` prints (every verb, every `bench` mode and `analyze`
@@ -11,7 +11,7 @@ transformers or draccus, so it cannot ask the verbs or the model registry. It re
 * `keys`: the top-level keys of the config each draccus-parsed verb reads (`CONFIGS`; `eval finetune`
   and `generate finetune` for a `qkvflow finetune` config).
 
-`python -m qkvflow.cli.table` rewrites the file; tests/test_cli_early.py fails, naming that command,
+`python -m qkvflow.cli.startup.table` rewrites the file; tests/test_cli_early.py fails, naming that command,
 whenever the table differs from what the code renders now (a changed docstring, option or model type).
 This module imports the whole stack: only that test and the command above import it.
 """
@@ -111,12 +111,12 @@ def stale(written: dict, now: dict) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m qkvflow.cli.table`: rewrite table.json; with `--check`, say what is stale and exit 1."""
+    """`python -m qkvflow.cli.startup.table`: rewrite table.json; with `--check`, say what is stale and exit 1."""
     now = render()
     if "--check" in argv:
         differ = stale(json.loads(PATH.read_text(encoding="utf-8")), now)
         for what in differ:
-            print(f"{PATH.name} is stale: {what}; run `python -m qkvflow.cli.table`", file=sys.stderr)
+            print(f"{PATH.name} is stale: {what}; run `python -m qkvflow.cli.startup.table`", file=sys.stderr)
         return 1 if differ else 0
     PATH.write_text(dumps(now), encoding="utf-8")
     print(f"wrote {PATH}", file=sys.stderr)

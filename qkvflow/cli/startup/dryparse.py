@@ -14,7 +14,7 @@ they return:
 
 Whatever the verb would refuse before that point (an unknown verb, a missing config file, a Levanter
 1.2 key, an unknown model type) is refused as it would be, except that the files a command line names
-(`--checkpoint`, `--files`: `qkvflow.cli.early.PATHS`) need not exist. A renamed or removed flag, or a value of the wrong type, raises
+(`--checkpoint`, `--files`: `qkvflow.cli.startup.early.PATHS`) need not exist. A renamed or removed flag, or a value of the wrong type, raises
 `UserError` with the verb's own one-line message; the docs' command lines are checked with it
 (tests/test_docs.py).
 """
@@ -72,7 +72,7 @@ def parse_only(argv: list[str]):
 @contextlib.contextmanager
 def _stopped_seams(verb: str):
     from qkvflow import cli
-    from qkvflow.cli import early
+    from qkvflow.cli.startup import early
     from qkvflow.runs import configfile
 
     real_parse = configfile.parse
