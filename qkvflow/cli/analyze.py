@@ -16,8 +16,8 @@ import argparse
 import json
 import os
 
-from qkvflow.cli import quiet_checkpoint_warnings
 from qkvflow.cli.startup import usage
+from qkvflow.cli.startup.console import quiet_checkpoint_warnings
 from qkvflow.errors import UserError
 from qkvflow.runs import outputs
 

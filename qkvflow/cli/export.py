@@ -20,8 +20,8 @@ import argparse
 import json
 import os
 
-from qkvflow.cli import quiet_checkpoint_warnings
 from qkvflow.cli.startup import usage
+from qkvflow.cli.startup.console import quiet_checkpoint_warnings
 from qkvflow.errors import UserError
 from qkvflow.evaluation.grids import ONE_DEPTH
 from qkvflow.runs import outputs

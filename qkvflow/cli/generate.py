@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from qkvflow.cli import quiet_checkpoint_warnings
+from qkvflow.cli.startup.console import quiet_checkpoint_warnings
 from qkvflow.evaluation import auto_steps
 from qkvflow.runs.config import TrainConfig
 from qkvflow.runs.finetune_config import FinetuneConfig, is_finetune_config

@@ -8,7 +8,7 @@ they all share and what runs before any of them is imported:
   NumPy), from `table.json`, which `table` renders from the verbs' own code (`python -m
   qkvflow.cli.startup.table`; a test pins it);
 * `usage`: the one-screen `--help` of the config-driven verbs;
-* `interrupt`: Ctrl-C as one line and exit status 130;
+* `interrupt`: Ctrl-C as one line and exit status 130; `console`: what else the terminal shows;
 * `dryparse` and `reference`, which read the verbs without running them: a command line parsed the way
   its verb parses it (the docs' command lines are checked with it), and the configuration reference
   the documentation site prints.
