@@ -128,10 +128,10 @@ def on_page_markdown(markdown, page, config, files):
         out.append(line)
     markdown = "".join(out)
     if CONFIG_REFERENCE in markdown:
-        from qkvflow.cli.startup.reference import reference
-
         with warnings.catch_warnings():  # the config classes import haliax, which imports a deprecated jax name
             warnings.filterwarnings("ignore", message=HALIAX_IMPORT_WARNING, category=DeprecationWarning)
+            from qkvflow.cli.startup.reference import reference
+
             markdown = markdown.replace(CONFIG_REFERENCE, reference())
     return markdown
 

@@ -1,13 +1,24 @@
-"""`qkvflow VERB ...`: a thin dispatcher; each verb's work lives in its own module.
+"""`qkvflow VERB ...`: a thin dispatcher; each verb is its own module, `qkvflow/cli/<verb>.py`.
 
 Bad input (unknown or mistyped config keys, unreadable YAML, missing files, invalid values) ends
-with one line naming the problem and exit status 2, not a traceback. Every verb goes through `main`,
-which first runs `qkvflow.cli.startup.early.check`: `--help`, the --config_path file, Levanter 1.2 keys
-(qkvflow.runs.compat), model types, paths and grids, answered or refused before JAX, Levanter or
-draccus is imported. Only then does it import the verb's module. Each verb reads its config with `parse`
-(the --config_path file and the overrides, two kinds of which draccus cannot read are rewritten by
-`overrides`), and nothing else. Ctrl-C ends every verb with one line and exit status 130
-(qkvflow.cli.startup.interrupt).
+with one line naming the problem and exit status 2, not a traceback. Ctrl-C ends every verb with one
+line and exit status 130 (qkvflow.cli.startup.interrupt).
+
+The start-up seam, the command line's one place of lazy imports. A verb's module imports its stack
+(JAX, Levanter, draccus, transformers) at its top, which costs seconds; `--help` and a mistyped
+argument should not wait for that. So `main` answers `qkvflow --help` and `--version`, and
+`qkvflow.cli.startup.early.check` answers `VERB --help` and refuses what argv and the config file alone
+decide (the --config_path file, Levanter 1.2 keys, model types, paths, grids, outputs), importing only
+what this module and `early` import at their top (the standard library, PyYAML, light qkvflow modules).
+Only then does `_verb` import draccus and the verb's module (`importlib.import_module(VERBS[verb][0])`;
+`qkvflow bench` imports its mode's module the same way, qkvflow.cli.bench.MODES).
+The one other lazy import is the model registry in qkvflow.cli.startup.usage, which `early` imports.
+tests/test_cli_early.py checks that none of JAX, Levanter, transformers, draccus or NumPy is imported
+on that path.
+
+Each verb reads its config with `qkvflow.runs.configfile.parse` (the --config_path file and the
+overrides, two kinds of which draccus cannot read are rewritten by `overrides`), and nothing else;
+what the verbs share besides is in qkvflow.cli.startup (usage, console).
 """
 
 import argparse
@@ -22,7 +33,7 @@ from qkvflow import __version__
 from qkvflow.cli.bench import MODES as BENCH_MODES
 from qkvflow.cli.startup import early, interrupt
 from qkvflow.errors import UserError
-from qkvflow.runs.configfile import (  # noqa: F401  (re-exported: `qkvflow.cli.parse` is how verbs read configs)
+from qkvflow.runs.configfile import (  # noqa: F401  (re-exported for callers of the command line's parse)
     COMPONENTS,
     CONFIG_PATH,
     FLAG_VERBS,
@@ -160,7 +171,7 @@ def _verb(verb: str, rest: list[str]) -> int:
     except yaml.YAMLError as e:  # an override's value (qkvflow.runs.configfile.overrides reads some as YAML)
         return _refused(verb, _not_yaml(e, rest, where))
 
-    import draccus.utils  # the stack: only now (qkvflow.cli.startup.early)
+    import draccus.utils  # lazy: the stack, only after the early checks (the start-up seam above)
 
     try:
         with _argparse_raises():

@@ -26,7 +26,9 @@ import jax.random as jrandom
 import levanter
 import levanter.tracker
 
+from qkvflow.cli.startup import usage
 from qkvflow.plotting import plot_loss_curve
+from qkvflow.runs import configfile
 from qkvflow.runs.config import TrainConfig
 from qkvflow.runs.tracking import metrics_file
 from qkvflow.training import faults, halting_phase, loop, moments, preflight, session
@@ -133,14 +135,11 @@ def stop_status(summary) -> int:
 
 
 def main(argv: list[str]) -> int:
-    from qkvflow import cli
-    from qkvflow.cli.startup import usage
-
     if usage.wants_help(argv):
         print(usage.short_help("qkvflow train", TrainConfig, "Pretrain a language model with Levanter's trainer."))
         return 0
     try:
-        summary = _run(cli.parse(TrainConfig, usage.full_listing_args(argv), "train"))
+        summary = _run(configfile.parse(TrainConfig, usage.full_listing_args(argv), "train"))
     except faults.NonFiniteError as e:
         print(
             f"qkvflow train: error: {e}. Nothing was saved for this step; the newest checkpoint is from before it. "

@@ -22,7 +22,7 @@ Checked here, for every verb:
   `OUTPUT_FOLDERS`): no existing file without --overwrite, nothing in the repository's tracked folders;
 * `plan`: the target, the device count and the mesh (`plan_checks`).
 
-This is the command line's one lazy import: `qkvflow.cli` imports this module and other light ones at
+This is the command line's start-up seam (the `qkvflow.cli` docstring): `qkvflow.cli` imports this module and other light ones at
 its top, and the verb's module (which imports its stack at its top) and draccus only after `check`.
 tests/test_cli_early.py checks that `--help` and every refusal here import none of JAX, Levanter,
 transformers, torch, numpy or draccus.

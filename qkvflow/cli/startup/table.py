@@ -18,6 +18,7 @@ This module imports the whole stack: only that test and the command above import
 
 import contextlib
 import dataclasses
+import importlib
 import io
 import json
 import os
@@ -27,7 +28,9 @@ from pathlib import Path
 from levanter.models.lm_model import LmConfig
 
 import qkvflow.models  # noqa: F401  (registers qkvflow's model families)
-from qkvflow.cli import VERBS, analyze, bench
+from qkvflow.cli import VERBS, analyze, bench, describe, eval, generate, tokenizer
+from qkvflow.finetune.run import FinetuneConfig
+from qkvflow.runs.config import TrainConfig
 
 PATH = Path(__file__).with_name("table.json")
 COLUMNS = 100
@@ -44,8 +47,6 @@ def commands() -> list[list[str]]:
 
 def render_help(command: list[str]) -> str:
     """What `qkvflow COMMAND --help` prints, from the verb's own module."""
-    import importlib
-
     module = importlib.import_module(VERBS[command[0]][0])
     out = io.StringIO()
     previous = os.environ.get("COLUMNS")
@@ -71,10 +72,6 @@ def model_types() -> list[str]:
 def configs() -> dict:
     """The config class each draccus-parsed verb reads its whole command line into (a verb with argparse
     options of its own, export, analyze, plan and bench, is left out)."""
-    from qkvflow.cli import describe, eval, generate, tokenizer
-    from qkvflow.finetune.run import FinetuneConfig
-    from qkvflow.runs.config import TrainConfig
-
     return {
         "train": TrainConfig,
         "describe": describe.DescribeConfig,
