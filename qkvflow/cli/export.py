@@ -8,6 +8,7 @@ as `qkvflow eval` does, a multiple of N such as 2N or N/2) and writes OUT as a
 transformers folder (`qkvflow.export.hf_folder`) with the run's tokenizer. `--ode` also writes the full
 ODE model to OUT/ode (`qkvflow.export.ode`). Further `--dotted.key value` arguments override the
 config as in `qkvflow train` (e.g. `--corpus.root`). Prints a JSON summary. See docs/export.md.
+This module parses and checks the command line; the export itself is qkvflow.export.run.
 
 OUT is written into a temporary sibling and swapped in when complete (`qkvflow.runs.outputs`); it must
 be absent, empty, or (with --overwrite) an earlier export holding only the files that export listed
@@ -18,17 +19,15 @@ checkpoint's run folder (checkpoints/<run_id>, its step-N folders included).
 
 import argparse
 import json
-import os
 
 from qkvflow.cli.startup import usage
 from qkvflow.cli.startup.console import quiet_checkpoint_warnings
 from qkvflow.errors import UserError
 from qkvflow.evaluation.depth import parse_steps
 from qkvflow.evaluation.grids import ONE_DEPTH
-from qkvflow.export import hf_folder
-from qkvflow.export.ode import save_ode_export
+from qkvflow.export.run import export_checkpoint
 from qkvflow.models import registry
-from qkvflow.models.discretise import SOLVERS, discretise
+from qkvflow.models.discretise import SOLVERS
 from qkvflow.runs import configfile, outputs
 from qkvflow.runs import model as run_model
 from qkvflow.runs.config import TrainConfig
@@ -105,22 +104,8 @@ def export(args, overrides: list[str]) -> dict:
     steps = layers(args.steps, config.model.ode.num_steps)
 
     quiet_checkpoint_warnings()
-    model, tokenizer = run_model.load_model(config, args.checkpoint)
-    discrete = discretise(model, steps, args.solver)
-    with outputs.replacing(args.output, **_output_rules(args)) as folder:  # swapped in only when complete
-        files = hf_folder.save_hf_folder(discrete, folder, tokenizer=tokenizer, ode_steps=config.model.ode.num_steps)
-        if args.ode:
-            files += save_ode_export(model, os.path.join(folder, "ode"))
-        files = [os.path.join(args.output, os.path.relpath(f, folder)) for f in files]
-    exact = steps == config.model.ode.num_steps and config.model.ode.solver == "euler"
-    return {
-        "output": args.output,
-        "model_type": discrete.config.flavour_spec.hf_model_type,
-        "layers": steps,
-        "ode_steps": config.model.ode.num_steps,
-        "equals_ode_solve": exact,
-        "files": files,
-    }
+    rules = _output_rules(args)
+    return export_checkpoint(config, args.checkpoint, args.output, steps, args.solver, ode=args.ode, rules=rules)
 
 
 def main(argv: list[str]) -> int:
