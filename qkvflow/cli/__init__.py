@@ -12,7 +12,8 @@ decide (the --config_path file, Levanter 1.2 keys, model types, paths, grids, ou
 what this module and `early` import at their top (the standard library, PyYAML, light qkvflow modules).
 Only then does `_verb` import draccus and the verb's module (`importlib.import_module(VERBS[verb][0])`;
 `qkvflow bench` imports its mode's module the same way, qkvflow.cli.bench.MODES).
-The one other lazy import is the model registry in qkvflow.cli.startup.usage, which `early` imports.
+The other lazy imports are in qkvflow.cli.startup.usage, which `early` imports: the model registry and
+draccus's docstring reader, which only a verb's own `--help` needs.
 tests/test_cli_early.py checks that none of JAX, Levanter, transformers, draccus or NumPy is imported
 on that path.
 
