@@ -8,8 +8,8 @@ and reports the median wall time and the median CPU time (user + sys of the chil
 much; wall time is what a user waits. The load average is printed before and after, with the date and
 the commit. The target (issue 62, item 3): each case under 2 s of wall time on an idle 2-core machine.
 
-The cases: `--help` of every command (qkvflow/cli/table.json), `--version`, and at least one refusal per
-verb that `qkvflow.cli.early` makes before importing JAX, Levanter, transformers or draccus. The last
+The cases: `--help` of every command (qkvflow/cli/startup/table.json), `--version`, and at least one refusal per
+verb that `qkvflow.cli.startup.early` makes before importing JAX, Levanter, transformers or draccus. The last
 row, `describe` of the quickstart config, imports the whole stack and does the work: what every case
 cost before the seam.
 """
@@ -51,11 +51,11 @@ REFUSALS = [
     ["bench", "speed", "--config_path", MISSING],
 ]
 REFERENCE = ["describe", "--config_path", Q]
-"""A command that imports the stack and works: what a refusal cost before `qkvflow.cli.early`."""
+"""A command that imports the stack and works: what a refusal cost before `qkvflow.cli.startup.early`."""
 
 
 def cases() -> list[list[str]]:
-    helps = json.loads((ROOT / "qkvflow" / "cli" / "table.json").read_text())["help"]
+    helps = json.loads((ROOT / "qkvflow" / "cli" / "startup" / "table.json").read_text())["help"]
     return [[*command.split(), "--help"] for command in helps] + [["--version"], *REFUSALS]
 
 

@@ -103,7 +103,7 @@ def test_help_all_lists_every_key(capsys):
     out = capsys.readouterr().out
     assert exit.value.code == 0
     assert "--trainer.checkpointer.base_path" in out and "--model.ode.num_steps" in out
-    assert len(out.splitlines()) > 2000  # qkvflow.cli.usage: "thousands of lines" (4,278 on 2026-11-28)
+    assert len(out.splitlines()) > 2000  # qkvflow.cli.startup.usage: "thousands of lines" (4,278 on 2026-11-28)
     said = re.search(
         r"`--help-all` lists every key with its default \(about ([\d,]+)\s", (ROOT / "docs" / "training.md").read_text()
     )
@@ -329,11 +329,11 @@ def test_bare_verbose_and_component_keys_reach_the_config(capsys, monkeypatch, v
 
 @pytest.mark.parametrize("verb", ["train", "finetune", "describe", "sweep", "export", "analyze"])
 def test_every_config_verb_parses_through_cli_parse(capsys, monkeypatch, tmp_path, verb):
-    """Each verb reads its config with qkvflow.cli.parse (--config_path, overrides, draccus) and no other
+    """Each verb reads its config with qkvflow.runs.configfile.parse (--config_path, overrides, draccus) and no other
     way: with parse replaced by a sentinel, each verb's main, given a valid config, stops at it."""
     import importlib
 
-    import qkvflow.cli
+    import qkvflow.runs.configfile
 
     class Sentinel(Exception):
         pass
@@ -344,7 +344,7 @@ def test_every_config_verb_parses_through_cli_parse(capsys, monkeypatch, tmp_pat
         calls.append((cls.__name__, list(argv), verb_name))
         raise Sentinel
 
-    monkeypatch.setattr(qkvflow.cli, "parse", sentinel)
+    monkeypatch.setattr(qkvflow.runs.configfile, "parse", sentinel)
     config = ROOT / (
         "configs/finetune/quickstart_lora.yaml" if verb in ("finetune", "sweep") else "configs/quickstart.yaml"
     )

@@ -1,7 +1,7 @@
-"""The command line's start-up seam (qkvflow.cli.early): `--help` and the refusals that need no verb
+"""The command line's start-up seam (qkvflow.cli.startup.early): `--help` and the refusals that need no verb
 module are answered without importing JAX, Levanter, transformers or draccus; each refusal is one
 line naming the value, exit status 2; Ctrl-C ends a verb with one line and exit status 130
-(qkvflow.cli.interrupt). How fast that is on a given machine is measured by benchmarks/cli_latency.py."""
+(qkvflow.cli.startup.interrupt). How fast that is on a given machine is measured by benchmarks/cli_latency.py."""
 
 import json
 import os
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from qkvflow.cli import early
+from qkvflow.cli.startup import early
 from tests.timescale import limit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -226,7 +226,11 @@ def test_the_table_is_what_the_code_renders_now():
     """table.json holds each command's help and the registered model types as the code gives them now
     (in a fresh process: other tests register model types of their own)."""
     done = subprocess.run(
-        [sys.executable, "-m", "qkvflow.cli.table", "--check"], cwd=ROOT, capture_output=True, text=True, timeout=LIMIT
+        [sys.executable, "-m", "qkvflow.cli.startup.table", "--check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=LIMIT,
     )
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -314,7 +318,7 @@ def test_sigint_ends_an_at_once_block_that_never_returns_to_python():
     after signals (as XLA's compiler does not return to Python): without the watching thread, the
     sleep below would outlast the test's limit."""
     script = (
-        "import time\nfrom qkvflow.cli import interrupt\n"
+        "import time\nfrom qkvflow.cli.startup import interrupt\n"
         "with interrupt.at_once('plan'):\n    print('ready', flush=True)\n    time.sleep(3 * 600)\n"
     )
     proc = subprocess.Popen(

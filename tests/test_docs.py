@@ -75,7 +75,7 @@ def test_every_path_the_docs_name_exists(doc):
     assert not missing, f"{doc.relative_to(ROOT)} names paths that do not exist: {missing}"
 
 
-# Every `qkvflow ...` command line of the docs parses with its verb's own parser (qkvflow.cli.dryparse):
+# Every `qkvflow ...` command line of the docs parses with its verb's own parser (qkvflow.cli.startup.dryparse):
 # a renamed or removed flag, or a value of the wrong type, fails here as a renamed path fails above.
 FENCE = re.compile(r"^\s*(```|~~~)")
 PROMPT = re.compile(r"^(?:\$ )?(?:[\w./-]*/)?qkvflow (\S.*)$")  # `qkvflow ...`, `.venv/bin/qkvflow ...`
@@ -206,7 +206,7 @@ def test_the_command_extraction_reads_what_a_reader_would_type():
 def test_a_renamed_flag_is_caught(monkeypatch):
     """The check itself: a flag the verb does not have, or a value it cannot read, is refused with the
     verb's line; the same command with the real flag parses to the value given."""
-    from qkvflow.cli.dryparse import parse_only
+    from qkvflow.cli.startup.dryparse import parse_only
     from qkvflow.errors import UserError
 
     monkeypatch.chdir(ROOT)
@@ -228,7 +228,7 @@ def test_a_renamed_flag_is_caught(monkeypatch):
 
 @pytest.mark.parametrize("where, command", documented_commands(), ids=[w for w, _ in documented_commands()])
 def test_every_documented_command_parses(where, command, monkeypatch):
-    from qkvflow.cli.dryparse import parse_only
+    from qkvflow.cli.startup.dryparse import parse_only
     from qkvflow.errors import UserError
 
     argv = completed(as_argv(command))

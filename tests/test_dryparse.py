@@ -1,9 +1,9 @@
-"""qkvflow.cli.dryparse, which tests/test_docs.py checks every documented command line with: what it lets
+"""qkvflow.cli.startup.dryparse, which tests/test_docs.py checks every documented command line with: what it lets
 through must be what the verb accepts."""
 
 import pytest
 
-from qkvflow.cli.dryparse import parse_only
+from qkvflow.cli.startup.dryparse import parse_only
 from qkvflow.errors import UserError
 
 

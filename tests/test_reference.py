@@ -1,4 +1,4 @@
-"""The configuration reference (qkvflow.cli.reference), which the documentation site's configuration page
+"""The configuration reference (qkvflow.cli.startup.reference), which the documentation site's configuration page
 is generated from: every field with its type, its default and the docstring below it, nested qkvflow
 dataclasses as dotted keys, and text that survives a markdown table."""
 
@@ -9,7 +9,7 @@ from typing import Optional
 
 import pytest
 
-from qkvflow.cli import reference
+from qkvflow.cli.startup import reference
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,11 +1,12 @@
-"""`--help` of every verb (qkvflow.cli.usage): the page it points to, and the model types it lists."""
+"""`--help` of every verb (qkvflow.cli.startup.usage): the page it points to, and the model types it lists."""
 
 import re
 from pathlib import Path
 
 import pytest
 
-from qkvflow.cli import VERBS, main, usage
+from qkvflow.cli import VERBS, main
+from qkvflow.cli.startup import usage
 
 ROOT = Path(__file__).resolve().parents[1]
 OWN_PAGES = sorted(set(VERBS) - {"bench"})
@@ -34,9 +35,9 @@ def test_each_verbs_help_ends_with_its_own_page(capsys, verb):
 
 def test_the_model_section_lists_every_registered_type_and_the_variant(capsys, monkeypatch):
     """Generated from qkvflow.models.registry: every family, one declared here for the test included. (The
-    command line prints the text rendered into qkvflow/cli/table.json, which tests/test_cli_early.py pins
+    command line prints the text rendered into qkvflow/cli/startup/table.json, which tests/test_cli_early.py pins
     to what `table.render_help` renders now.)"""
-    from qkvflow.cli import table
+    from qkvflow.cli.startup import table
     from qkvflow.models import registry
     from qkvflow.models.flavour import GPT2
 

@@ -13,7 +13,7 @@ r"""MkDocs hooks of the documentation site (mkdocs.yml, `hooks:`).
   above, and what it links to is copied too.
 * **Tables** show `\|` inside inline code as `|`, as GitHub does (`on_page_content`).
 * **The configuration reference** (docs/config.md) is generated from the config dataclasses at every
-  build (`qkvflow.cli.reference`), in place of the `CONFIG_REFERENCE` marker, with haliax's import-time
+  build (`qkvflow.cli.startup.reference`), in place of the `CONFIG_REFERENCE` marker, with haliax's import-time
   DeprecationWarning filtered (`HALIAX_IMPORT_WARNING`).
 """
 
@@ -140,10 +140,10 @@ def on_page_markdown(markdown, page, config, files):
         out.append(line)
     markdown = "".join(out)
     if CONFIG_REFERENCE in markdown:
-        from qkvflow.cli.reference import reference
-
         with warnings.catch_warnings():  # the config classes import haliax, which imports a deprecated jax name
             warnings.filterwarnings("ignore", message=HALIAX_IMPORT_WARNING, category=DeprecationWarning)
+            from qkvflow.cli.startup.reference import reference
+
             markdown = markdown.replace(CONFIG_REFERENCE, reference())
     return markdown
 

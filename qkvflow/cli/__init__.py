@@ -1,13 +1,25 @@
-"""`qkvflow VERB ...`: a thin dispatcher; each verb's work lives in its own module.
+"""`qkvflow VERB ...`: a thin dispatcher; each verb is its own module, `qkvflow/cli/<verb>.py`.
 
 Bad input (unknown or mistyped config keys, unreadable YAML, missing files, invalid values) ends
-with one line naming the problem and exit status 2, not a traceback. Every verb goes through `main`,
-which first runs `qkvflow.cli.early.check`: `--help`, the --config_path file, Levanter 1.2 keys
-(qkvflow.runs.compat), model types, paths and grids, answered or refused before JAX, Levanter or
-draccus is imported. Only then does it import the verb's module. Each verb reads its config with `parse`
-(the --config_path file and the overrides, two kinds of which draccus cannot read are rewritten by
-`overrides`), and nothing else. Ctrl-C ends every verb with one line and exit status 130
-(qkvflow.cli.interrupt).
+with one line naming the problem and exit status 2, not a traceback. Ctrl-C ends every verb with one
+line and exit status 130 (qkvflow.cli.startup.interrupt).
+
+The start-up seam, the command line's one place of lazy imports. A verb's module imports its stack
+(JAX, Levanter, draccus, transformers) at its top, which costs seconds; `--help` and a mistyped
+argument should not wait for that. So `main` answers `qkvflow --help` and `--version`, and
+`qkvflow.cli.startup.early.check` answers `VERB --help` and refuses what argv and the config file alone
+decide (the --config_path file, Levanter 1.2 keys, model types, paths, grids, outputs), importing only
+what this module and `early` import at their top (the standard library, PyYAML, light qkvflow modules).
+Only then does `_verb` import draccus and the verb's module (`importlib.import_module(VERBS[verb][0])`;
+`qkvflow bench` imports its mode's module the same way, qkvflow.cli.bench.MODES).
+The other lazy imports are in qkvflow.cli.startup.usage, which `early` imports: the model registry and
+draccus's docstring reader, which only a verb's own `--help` needs.
+tests/test_cli_early.py checks that none of JAX, Levanter, transformers, draccus or NumPy is imported
+on that path.
+
+Each verb reads its config with `qkvflow.runs.configfile.parse` (the --config_path file and the
+overrides, two kinds of which draccus cannot read are rewritten by `overrides`), and nothing else;
+what the verbs share besides is in qkvflow.cli.startup (usage, console).
 """
 
 import argparse
@@ -19,10 +31,10 @@ import sys
 import yaml
 
 from qkvflow import __version__
-from qkvflow.cli import early, interrupt
 from qkvflow.cli.bench import MODES as BENCH_MODES
+from qkvflow.cli.startup import early, interrupt
 from qkvflow.errors import UserError
-from qkvflow.runs.configfile import (  # noqa: F401  (re-exported: `qkvflow.cli.parse` is how verbs read configs)
+from qkvflow.runs.configfile import (  # noqa: F401  (re-exported for callers of the command line's parse)
     COMPONENTS,
     CONFIG_PATH,
     FLAG_VERBS,
@@ -86,18 +98,6 @@ def _argparse_raises():
         yield
     finally:
         argparse.ArgumentParser.error = original
-
-
-def quiet_checkpoint_warnings() -> None:
-    """For the verbs that only read a checkpoint (export, analyze, generate): Levanter's warnings while
-    it looks for and restores one are not the user's business, and the verb says what went wrong in
-    its own line. Its restore warns "Unknown leaf type <class 'NoneType'>" for each absent submodule
-    (e.g. a tied lm_head), and its search warns "No checkpoints found in [...]" just before the verb's
-    own error; errors still show."""
-    import logging
-
-    for name in ("levanter.tensorstore_serialization", "levanter.checkpoint"):
-        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def _config_path(argv: list[str]) -> str:
@@ -172,7 +172,7 @@ def _verb(verb: str, rest: list[str]) -> int:
     except yaml.YAMLError as e:  # an override's value (qkvflow.runs.configfile.overrides reads some as YAML)
         return _refused(verb, _not_yaml(e, rest, where))
 
-    import draccus.utils  # the stack: only now (qkvflow.cli.early)
+    import draccus.utils  # lazy: the stack, only after the early checks (the start-up seam above)
 
     try:
         with _argparse_raises():

@@ -16,9 +16,17 @@ import argparse
 import json
 import os
 
-from qkvflow.cli import quiet_checkpoint_warnings, usage
+import qkvflow.analysis.clusters
+from qkvflow.analysis.lyapunov import analyze_lyapunov, encode_prompt
+from qkvflow.analysis.spectra import analyze_spectra
+from qkvflow.cli.startup import usage
+from qkvflow.cli.startup.console import quiet_checkpoint_warnings
 from qkvflow.errors import UserError
-from qkvflow.runs import outputs
+from qkvflow.models import registry
+from qkvflow.runs import configfile, outputs
+from qkvflow.runs.config import TrainConfig
+from qkvflow.runs.corpus import with_corpus
+from qkvflow.runs.model import load_model
 
 DEFAULT_OUTPUT = "runs/analysis/{analysis}"
 
@@ -52,15 +60,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _train_config(path: str, overrides: list[str]):
-    from qkvflow import cli
-    from qkvflow.runs.config import TrainConfig
-
-    return cli.parse(TrainConfig, [cli.CONFIG_PATH, path, *overrides], "analyze")
+    return configfile.parse(TrainConfig, [configfile.CONFIG_PATH, path, *overrides], "analyze")
 
 
 def _require_ode_model(config, analysis: str, path: str) -> None:
-    from qkvflow.models import registry
-
     if not registry.is_ode(config.model):
         raise UserError(
             f"{analysis} needs an ODE model, whose weights are functions of t (type diffeqformer_* or "
@@ -69,9 +72,6 @@ def _require_ode_model(config, analysis: str, path: str) -> None:
 
 
 def spectra(args, overrides: list[str]) -> dict:
-    from qkvflow.analysis.spectra import analyze_spectra
-    from qkvflow.runs.model import load_model
-
     if args.num_times < 2:
         raise UserError(f"spectra: --num_times {args.num_times} is invalid: expected an integer >= 2")
     model, _ = load_model(_train_config(args.config_path, overrides), args.checkpoint)
@@ -79,10 +79,6 @@ def spectra(args, overrides: list[str]) -> dict:
 
 
 def lyapunov(args, overrides: list[str]) -> dict:
-    from qkvflow.analysis.lyapunov import analyze_lyapunov, encode_prompt
-    from qkvflow.runs.corpus import with_corpus
-    from qkvflow.runs.model import load_model
-
     config = _train_config(args.config_path, overrides)
     _require_ode_model(config, "lyapunov", args.config_path)
     if args.steps is not None and args.steps < 1:
@@ -93,11 +89,9 @@ def lyapunov(args, overrides: list[str]) -> dict:
 
 
 def clusters(args, overrides: list[str]) -> dict:
-    from qkvflow.analysis.clusters import analyze_clusters
-
     if overrides:
         raise UserError(f"clusters: unrecognized arguments: {' '.join(overrides)}")
-    return analyze_clusters(args.output, seed=args.seed)
+    return qkvflow.analysis.clusters.analyze_clusters(args.output, seed=args.seed)
 
 
 ANALYSES = {"spectra": spectra, "lyapunov": lyapunov, "clusters": clusters}

@@ -21,4 +21,4 @@ def main(argv: list[str]) -> int:
     mode, rest = argv[0], argv[1:]
     if mode not in MODES:
         raise UserError(f"unknown bench mode {mode!r}: expected one of {', '.join(MODES)}")
-    return importlib.import_module(MODES[mode]).main(rest) or 0
+    return importlib.import_module(MODES[mode]).main(rest) or 0  # lazy: as the dispatcher imports a verb (qkvflow.cli)

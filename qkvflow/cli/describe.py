@@ -10,8 +10,10 @@ import json
 from dataclasses import dataclass
 from typing import Optional
 
+from qkvflow.cli.startup import usage
 from qkvflow.data.vocabulary import GPT2_VOCAB, vocabulary  # noqa: F401  (GPT2_VOCAB: re-exported)
 from qkvflow.models import accounting, registry
+from qkvflow.runs import configfile
 from qkvflow.runs.config import TrainConfig
 
 
@@ -40,13 +42,10 @@ def describe(config: DescribeConfig) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from qkvflow import cli
-    from qkvflow.cli import usage
-
     if usage.wants_help(argv):
         print(usage.short_help("qkvflow describe", DescribeConfig, "Parameter counts and FLOPs of a config, as JSON."))
         return 0
 
-    config = cli.parse(DescribeConfig, usage.full_listing_args(argv), "describe")
+    config = configfile.parse(DescribeConfig, usage.full_listing_args(argv), "describe")
     print(json.dumps(describe(config), indent=2))
     return 0

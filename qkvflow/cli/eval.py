@@ -35,13 +35,18 @@ evaluations of each sequence solved alone (`nfe_per_sequence`; qkvflow.evaluatio
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
+from qkvflow.cli.startup import usage
 from qkvflow.errors import UserError
-from qkvflow.evaluation import auto_steps
+from qkvflow.evaluation import auto_steps, depth, harness
+from qkvflow.evaluation.evaluate import evaluate, write
+from qkvflow.runs import configfile
 from qkvflow.runs.config import TrainConfig
 from qkvflow.runs.finetune_config import FinetuneConfig, is_finetune_config
+from qkvflow.training.session import quiet_console
 
 TRAINING_ONLY = ("epochs", "stop_after", "log_every", "z_loss_weight", "nonfinite", "data_seed", "loss_curve")
 """TrainConfig options that evaluation does not read (hidden from --help)."""
@@ -110,50 +115,37 @@ def refuse_grids(argv: list[str], config_path: Optional[str]) -> None:
 
 def refuse_empty_tasks(argv: list[str]) -> None:
     """`--tasks ","` (or `a,,b`): the list's own message, before the config parser reads "," as YAML."""
-    from qkvflow.evaluation.harness import task_names
-
     for i, arg in enumerate(argv):
         if arg.startswith("--tasks="):
-            task_names(arg.split("=", 1)[1])
+            harness.task_names(arg.split("=", 1)[1])
         elif arg == "--tasks" and i + 1 < len(argv):
-            task_names(argv[i + 1])
+            harness.task_names(argv[i + 1])
 
 
 def read_config(argv: list[str]):
     """EvalConfig for a `qkvflow train` config, FinetuneEvalConfig for a `qkvflow finetune` one (as
     `qkvflow generate` tells them apart: a `pretrained:` section)."""
-    from qkvflow import cli
-
-    config_path, _ = cli.split_config_path(argv)
+    config_path, _ = configfile.split_config_path(argv)
     refuse_empty_tasks(argv)
     cls = EvalConfig
     if is_finetune_config(config_path):
         refuse_grids(argv, config_path)
         cls = FinetuneEvalConfig
-    return cli.parse(cls, argv, "eval", required="the run's `qkvflow train` or `qkvflow finetune` config")
+    return configfile.parse(cls, argv, "eval", required="the run's `qkvflow train` or `qkvflow finetune` config")
 
 
 def quiet_logging(verbose: bool = False) -> None:
     """The terminal shows qkvflow's warnings and everyone's errors, as in `qkvflow train` (Levanter's
     restore and data loader warn about things that are expected here)."""
-    import logging
-
-    from qkvflow.training.session import quiet_console
-
     logging.basicConfig(level=logging.INFO)
     quiet_console(verbose)
 
 
 def main(argv: list[str]) -> int:
-    from qkvflow import cli
-    from qkvflow.cli import usage
-    from qkvflow.evaluation import depth
-    from qkvflow.evaluation.evaluate import evaluate, write
-
     if usage.wants_help(argv):
         print(usage.short_help("qkvflow eval", EvalConfig, __doc__.split("\n\n")[0], hide=TRAINING_ONLY))
         return 0
-    config_path, _ = cli.split_config_path(argv)
+    config_path, _ = configfile.split_config_path(argv)
     config = read_config(usage.full_listing_args(argv))
     quiet_logging(config.verbose)
     result = evaluate(config, config_path)
@@ -163,8 +155,6 @@ def main(argv: list[str]) -> int:
     if config.per_sequence:
         print(depth.per_sequence_table(result["rows"]))
     if "lm_eval" in result:
-        from qkvflow.evaluation import harness
-
         print(harness.summary_table(result["lm_eval"]))
     if config.output is not None:
         for path in write(result, config, config_path):

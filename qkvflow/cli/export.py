@@ -8,6 +8,7 @@ as `qkvflow eval` does, a multiple of N such as 2N or N/2) and writes OUT as a
 transformers folder (`qkvflow.export.hf_folder`) with the run's tokenizer. `--ode` also writes the full
 ODE model to OUT/ode (`qkvflow.export.ode`). Further `--dotted.key value` arguments override the
 config as in `qkvflow train` (e.g. `--corpus.root`). Prints a JSON summary. See docs/export.md.
+This module parses and checks the command line; the export itself is qkvflow.export.run.
 
 OUT is written into a temporary sibling and swapped in when complete (`qkvflow.runs.outputs`); it must
 be absent, empty, or (with --overwrite) an earlier export holding only the files that export listed
@@ -18,12 +19,18 @@ checkpoint's run folder (checkpoints/<run_id>, its step-N folders included).
 
 import argparse
 import json
-import os
 
-from qkvflow.cli import quiet_checkpoint_warnings, usage
+from qkvflow.cli.startup import usage
+from qkvflow.cli.startup.console import quiet_checkpoint_warnings
 from qkvflow.errors import UserError
+from qkvflow.evaluation.depth import parse_steps
 from qkvflow.evaluation.grids import ONE_DEPTH
-from qkvflow.runs import outputs
+from qkvflow.export.run import export_checkpoint
+from qkvflow.models import registry
+from qkvflow.models.discretise import SOLVERS
+from qkvflow.runs import configfile, outputs
+from qkvflow.runs import model as run_model
+from qkvflow.runs.config import TrainConfig
 
 KIND = "hf_export"
 
@@ -52,10 +59,8 @@ def _parser() -> argparse.ArgumentParser:
 def _output_rules(args) -> dict:
     """How --output may be replaced (qkvflow.runs.outputs): never the checkpoint or the config it reads, and
     never inside the checkpoint's run folder."""
-    from qkvflow.runs.model import run_folder
-
     protect = [("--checkpoint", args.checkpoint), ("--config_path", args.config_path)]
-    outside = [("the run folder of --checkpoint", run_folder(args.checkpoint))]
+    outside = [("the run folder of --checkpoint", run_model.run_folder(args.checkpoint))]
     return {"kind": KIND, "key": "--output", "overwrite": args.overwrite, "protect": protect, "outside": outside}
 
 
@@ -66,11 +71,7 @@ def check_output(args) -> None:
 
 
 def _train_config(path: str, overrides: list[str]):
-    from qkvflow import cli
-    from qkvflow.models import registry
-    from qkvflow.runs.config import TrainConfig
-
-    config = cli.parse(TrainConfig, [cli.CONFIG_PATH, path, *overrides], "export")
+    config = configfile.parse(TrainConfig, [configfile.CONFIG_PATH, path, *overrides], "export")
     if not registry.is_ode(config.model):
         kind = registry.type_name(config.model)
         raise UserError(f"{path}: export needs a DiffEqFormer checkpoint; got model.type={kind}")
@@ -80,8 +81,6 @@ def _train_config(path: str, overrides: list[str]):
 def layers(text, trained: int) -> int:
     """--steps as export takes it: M, an integer or a multiple of the trained N (`qkvflow eval`'s forms,
     qkvflow.evaluation.depth.parse_steps), one value; default N."""
-    from qkvflow.evaluation.depth import parse_steps
-
     if text is None:
         return trained
     if str(text).strip() == "auto":  # the choice needs validation data and options of its own: eval makes it
@@ -98,35 +97,15 @@ def layers(text, trained: int) -> int:
 
 
 def export(args, overrides: list[str]) -> dict:
-    from qkvflow.models.discretise import SOLVERS, discretise
-
     if args.solver not in SOLVERS:
         raise UserError(f"export: --solver {args.solver} is invalid: expected one of {list(SOLVERS)}")
     check_output(args)
     config = _train_config(args.config_path, overrides)
     steps = layers(args.steps, config.model.ode.num_steps)
 
-    from qkvflow.export.hf_folder import save_hf_folder
-    from qkvflow.export.ode import save_ode_export
-    from qkvflow.runs.model import load_model
-
     quiet_checkpoint_warnings()
-    model, tokenizer = load_model(config, args.checkpoint)
-    discrete = discretise(model, steps, args.solver)
-    with outputs.replacing(args.output, **_output_rules(args)) as folder:  # swapped in only when complete
-        files = save_hf_folder(discrete, folder, tokenizer=tokenizer, ode_steps=config.model.ode.num_steps)
-        if args.ode:
-            files += save_ode_export(model, os.path.join(folder, "ode"))
-        files = [os.path.join(args.output, os.path.relpath(f, folder)) for f in files]
-    exact = steps == config.model.ode.num_steps and config.model.ode.solver == "euler"
-    return {
-        "output": args.output,
-        "model_type": discrete.config.flavour_spec.hf_model_type,
-        "layers": steps,
-        "ode_steps": config.model.ode.num_steps,
-        "equals_ode_solve": exact,
-        "files": files,
-    }
+    rules = _output_rules(args)
+    return export_checkpoint(config, args.checkpoint, args.output, steps, args.solver, ode=args.ode, rules=rules)
 
 
 def main(argv: list[str]) -> int:

@@ -6,8 +6,10 @@ describes the config; this module is the command: parse, run, print the summary,
 
 import sys
 
-from qkvflow.cli.train import headline
+from qkvflow.cli.startup import usage
+from qkvflow.cli.train import NONFINITE_EXIT, headline, stop_status
 from qkvflow.finetune.run import FinetuneConfig, finetune
+from qkvflow.runs import configfile
 from qkvflow.training import faults
 
 
@@ -45,16 +47,12 @@ def _run(config: FinetuneConfig) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from qkvflow import cli
-    from qkvflow.cli import usage
-    from qkvflow.cli.train import NONFINITE_EXIT, stop_status
-
     if usage.wants_help(argv):
         summary = "Discretise a pretrained ODE model at `steps: M` layers and fine-tune it (LoRA or full)."
         print(usage.short_help("qkvflow finetune", FinetuneConfig, summary, hide=("model",)))
         return 0
     try:
-        summary = _run(cli.parse(FinetuneConfig, usage.full_listing_args(argv), "finetune"))
+        summary = _run(configfile.parse(FinetuneConfig, usage.full_listing_args(argv), "finetune"))
     except faults.NonFiniteError as e:
         print(f"qkvflow finetune: error: {e}. Lower the learning rate, or set `nonfinite: skip`.", file=sys.stderr)
         return NONFINITE_EXIT

@@ -28,8 +28,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from qkvflow.cli import quiet_checkpoint_warnings
+from qkvflow.cli.eval import refuse_grids
+from qkvflow.cli.startup import usage
+from qkvflow.cli.startup.console import quiet_checkpoint_warnings
 from qkvflow.evaluation import auto_steps
+from qkvflow.inference import completions
+from qkvflow.runs import configfile
 from qkvflow.runs.config import TrainConfig
 from qkvflow.runs.finetune_config import FinetuneConfig, is_finetune_config
 
@@ -87,21 +91,15 @@ class FinetuneGenerateConfig(FinetuneConfig, GenerateOptions):
 
 
 def read_config(argv: list[str]):
-    from qkvflow import cli
-
-    path, _ = cli.split_config_path(argv)
+    path, _ = configfile.split_config_path(argv)
     cls = GenerateConfig
     if is_finetune_config(path):
-        from qkvflow.cli.eval import refuse_grids
-
         refuse_grids(argv, path)  # --steps would set the fine-tuning config's depth M, not a grid N'
         cls = FinetuneGenerateConfig
-    return cli.parse(cls, argv, "generate", required="the config the checkpoint was trained with (YAML)")
+    return configfile.parse(cls, argv, "generate", required="the config the checkpoint was trained with (YAML)")
 
 
 def main(argv: list[str]) -> int:
-    from qkvflow.cli import usage
-
     if usage.wants_help(argv):
         summary = "Text from a train or finetune checkpoint, KV-cached on Levanter's inference engine."
         own = {f.name for f in dataclasses.fields(GenerateOptions)}
@@ -110,14 +108,11 @@ def main(argv: list[str]) -> int:
         )
         print(usage.short_help("qkvflow generate", GenerateConfig, summary, hide=hide))
         return 0
-    from qkvflow import cli
-    from qkvflow.inference.completions import run
-
-    config_path, _ = cli.split_config_path(argv)
+    config_path, _ = configfile.split_config_path(argv)
     config = read_config(usage.full_listing_args(argv))
     quiet_checkpoint_warnings()  # stdout and stderr stay the completions' and errors'
-    completions = run(config, config_path)
-    for c in completions:
+    written = completions.run(config, config_path)
+    for c in written:
         if config.stream:
             print()
         else:

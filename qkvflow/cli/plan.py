@@ -5,15 +5,16 @@ and say what each device needs (qkvflow.plan; docs/plan.md)."""
 import argparse
 import json
 
-from qkvflow.plan import targets
-from qkvflow.runs import outputs
+from qkvflow.cli.startup import usage
+from qkvflow.errors import UserError
+from qkvflow.plan import backend, planner, report, search, targets
+from qkvflow.plan.config import PlanConfig, vocabulary
+from qkvflow.runs import configfile, outputs
 
 USAGE = "qkvflow plan --config_path CFG --target NAME [--devices N] [--max_batch] [--json] [--dotted.key value ...]"
 
 
 def parser() -> argparse.ArgumentParser:
-    from qkvflow.cli import usage
-
     p = argparse.ArgumentParser(
         prog="qkvflow plan", usage=USAGE, description=__doc__, add_help=False, epilog=usage.footer("plan")
     )
@@ -35,9 +36,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    from qkvflow import cli
-    from qkvflow.errors import UserError
-
     if "-h" in argv or "--help" in argv:
         print(parser().format_help())
         return 0
@@ -52,16 +50,11 @@ def main(argv: list[str]) -> int:
     if args.save_hlo:
         outputs.check_file(args.save_hlo, "--save_hlo", overwrite=args.overwrite)  # before compiling
 
-    from qkvflow.plan import backend, planner, report
-    from qkvflow.plan.config import PlanConfig, vocabulary
-
     backend.start(devices)  # before anything runs on a backend
-    config = cli.parse(PlanConfig, rest, "plan", required="a training config")
+    config = configfile.parse(PlanConfig, rest, "plan", required="a training config")
     if args.search:
-        from qkvflow.plan import search
-
         out = search.search(config, target, devices, vocabulary(config), **search.options(args, config))
-        print(json.dumps(out) if args.json else search.text(out, cli.split_config_path(rest)[0]))
+        print(json.dumps(out) if args.json else search.text(out, configfile.split_config_path(rest)[0]))
         return 0
     out = planner.plan(
         config,

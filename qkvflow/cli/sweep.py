@@ -6,9 +6,12 @@ This module parses the command line (`--depths`, `--methods` and a `qkvflow fine
 its resumption and its outputs are `qkvflow.finetune.sweep`, whose docstring describes them.
 """
 
+from qkvflow.cli.startup import usage
+from qkvflow.cli.train import stop_status
 from qkvflow.errors import UserError
 from qkvflow.finetune.run import METHODS, FinetuneConfig
 from qkvflow.finetune.sweep import sweep
+from qkvflow.runs import configfile
 
 
 def _split_grid_args(argv: list[str]) -> tuple[list[str], dict]:
@@ -62,11 +65,8 @@ def parse_methods(values, key: str = "--methods") -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    from qkvflow import cli
-    from qkvflow.cli import usage
-
     if usage.HELP_ALL in argv:  # the config keys, as `qkvflow finetune --help-all`
-        cli.parse(FinetuneConfig, ["--help"], "sweep")
+        configfile.parse(FinetuneConfig, ["--help"], "sweep")
     if usage.wants_help(argv):
         extra = (
             ("--depths M1,M2,...", "the depths M of the grid (default: sweep.depths)"),
@@ -79,7 +79,7 @@ def main(argv: list[str]) -> int:
         print(usage.short_help("qkvflow sweep", FinetuneConfig, summary, hide=("model",), extra=extra))
         return 0
     rest, grid = _split_grid_args(argv)  # sweep's own options; the rest is the finetune config
-    config = cli.parse(FinetuneConfig, rest, "sweep", required="a `qkvflow finetune` config")
+    config = configfile.parse(FinetuneConfig, rest, "sweep", required="a `qkvflow finetune` config")
     depths = parse_depths(grid["depths"]) if "depths" in grid else parse_depths(config.sweep.depths, "sweep.depths")
     methods = (
         parse_methods(grid["methods"]) if "methods" in grid else parse_methods(config.sweep.methods, "sweep.methods")
@@ -92,6 +92,4 @@ def main(argv: list[str]) -> int:
         print(f"{key:>4}: {result[key]}")
     if result["complete"]:
         return 0
-    from qkvflow.cli.train import stop_status
-
     return stop_status(result) or 1  # 130 when Ctrl-C stopped a cell

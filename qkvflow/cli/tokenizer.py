@@ -9,10 +9,16 @@ DIR must be absent, empty, or (with --overwrite) an earlier output of this comma
 it is written into a temporary sibling and swapped in when complete (`qkvflow.runs.outputs`).
 """
 
+import json
+import os
+import shlex
 from dataclasses import dataclass, field
 from typing import Optional
 
-from qkvflow.data.tokenizer import CHUNK_CHARS, EOS
+from qkvflow.cli.startup import usage
+from qkvflow.data.tokenizer import CHUNK_CHARS, EOS, build_tokenizer_folder
+from qkvflow.errors import UserError
+from qkvflow.runs import configfile
 
 LIST_OPTIONS = ("--files",)
 FLAGS = ("--overwrite", "--write_data")
@@ -46,8 +52,6 @@ class TokenizerConfig:
 def draccus_args(argv: list[str]) -> list[str]:
     """argv as draccus reads it: `--files a b c` (the values up to the next `--option`) becomes one YAML
     list, and a bare `--overwrite` / `--write_data` gets the value `true`."""
-    import json
-
     out, i = [], 0
     while i < len(argv):
         arg = argv[i]
@@ -69,9 +73,6 @@ def draccus_args(argv: list[str]) -> list[str]:
 
 
 def run(config: TokenizerConfig, say=print) -> dict:
-    from qkvflow.data.tokenizer import build_tokenizer_folder
-    from qkvflow.errors import UserError
-
     if not config.output:
         raise UserError("--output is missing: expected the folder to write the tokenizer (and the jsonl) to")
     built = build_tokenizer_folder(
@@ -99,9 +100,6 @@ def run(config: TokenizerConfig, say=print) -> dict:
 
 def _paths_hint(built) -> str:
     """The overrides that point configs/own_text.yaml (written for --output cache/own_text) at this output."""
-    import os
-    import shlex
-
     out = built.output
     if os.path.normpath(out) == os.path.join("cache", "own_text") and built.validation_documents:
         return ""
@@ -115,14 +113,11 @@ def _paths_hint(built) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from qkvflow import cli
-    from qkvflow.cli import usage
-
     if usage.wants_help(argv):
         print(usage.short_help("qkvflow tokenizer", TokenizerConfig, __doc__.split("\n\n")[0]).replace(
             "--config_path CFG [--dotted.key value ...]", "--files A.txt B.jsonl --output DIR [--vocab_size N] [--kind bpe|char]"
         ))  # fmt: skip
         return 0
-    config = cli.parse(TokenizerConfig, draccus_args(usage.full_listing_args(argv)), "tokenizer")
+    config = configfile.parse(TokenizerConfig, draccus_args(usage.full_listing_args(argv)), "tokenizer")
     run(config, say=lambda line: print(line, flush=True))
     return 0

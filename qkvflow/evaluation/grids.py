@@ -1,7 +1,7 @@
 """The grammar of `--steps` (eval, generate, export): fixed solver grids, as integers or relative to the trained N.
 
 `N/4,N/2,N,2N,4N`, `3, 2*N, 5` and `8` are grids; `steps_grammar` reads one without knowing N (what the
-command line can check before anything is loaded, `qkvflow.cli.early`), and `parse_steps` resolves it
+command line can check before anything is loaded, `qkvflow.cli.startup.early`), and `parse_steps` resolves it
 against a trained N. Only the standard library: the CLI imports this before JAX.
 """
 

@@ -5,5 +5,5 @@
     collectives(hlo_text)     # all-gather / reduce-scatter / all-reduce ...: count and bytes per step
 
 See `qkvflow.plan.planner` for the whole plan, docs/plan.md for the verb. The package itself imports
-nothing: the command line reads `qkvflow.plan.targets` before NumPy or JAX is loaded (qkvflow.cli.early).
+nothing: the command line reads `qkvflow.plan.targets` before NumPy or JAX is loaded (qkvflow.cli.startup.early).
 """

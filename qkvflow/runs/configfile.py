@@ -37,7 +37,7 @@ def split_config_path(argv: list[str]) -> tuple[str | None, list[str]]:
 
 def check_config_file(path):
     """The --config_path file: it exists, is UTF-8 YAML (a syntax error is named with PyYAML's line and
-    column), and holds a mapping of sections. Light (no draccus or Levanter): `qkvflow.cli.early` runs it
+    column), and holds a mapping of sections. Light (no draccus or Levanter): `qkvflow.cli.startup.early` runs it
     before the verb imports its stack. Returns the file as Levanter
     finds it (`path`, `path.yaml` or `path.yml`), or `path` itself if remote or None."""
     import os

@@ -36,7 +36,7 @@ def test_spectra_of_a_diffeqformer_checkpoint(diffeqformer_run, tmp_path, capsys
     grid = _run(capsys, "spectra", *run, "--at_solver_times", "--output", tmp_path / "grid")
     first = "qk_mean_abs_real_first_last"
     assert grid["points"] == 4 and grid[first][0] == pytest.approx(out[first][0])  # both grids start at t = 0
-    # Levanter's restore warns "Unknown leaf type" for absent submodules: not shown (qkvflow.cli.quiet_checkpoint_warnings)
+    # Levanter's restore warns "Unknown leaf type" for absent submodules: not shown (qkvflow.cli.startup.console)
     warned = [r.getMessage() for r in caplog.records if r.name.startswith("levanter") and r.levelno >= logging.WARNING]
     assert not warned, warned[:3]
 

@@ -10,7 +10,7 @@ passing here promises nothing more.
 Checked here, for every verb:
 
 * `--help` of each verb, `bench` mode and `analyze` analysis: printed from `table.json`, the text the
-  verbs' own code renders (`qkvflow.cli.table` writes it; a test pins it). `--help-all` is draccus's.
+  verbs' own code renders (`qkvflow.cli.startup.table` writes it; a test pins it). `--help-all` is draccus's.
 * an unknown `bench` mode or analysis, with the nearest known names (`did_you_mean`);
 * the --config_path file: it exists, is UTF-8 YAML and a mapping (`qkvflow.runs.configfile.check_config_file`);
   no Levanter 1.2 keys in it or in the overrides (`qkvflow.runs.compat`); the overrides' own
@@ -22,7 +22,7 @@ Checked here, for every verb:
   `OUTPUT_FOLDERS`): no existing file without --overwrite, nothing in the repository's tracked folders;
 * `plan`: the target, the device count and the mesh (`plan_checks`).
 
-This is the command line's one lazy import: `qkvflow.cli` imports this module and other light ones at
+This is the command line's start-up seam (the `qkvflow.cli` docstring): `qkvflow.cli` imports this module and other light ones at
 its top, and the verb's module (which imports its stack at its top) and draccus only after `check`.
 tests/test_cli_early.py checks that `--help` and every refusal here import none of JAX, Levanter,
 transformers, torch, numpy or draccus.
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import yaml
 
-from qkvflow.cli.usage import HELP_ALL
+from qkvflow.cli.startup.usage import HELP_ALL
 from qkvflow.errors import UserError
 from qkvflow.evaluation import grids
 from qkvflow.plan import targets

@@ -14,6 +14,20 @@ import enum
 import re
 import typing
 
+from draccus.wrappers import docstring
+from levanter.data.text import LmDataConfig
+from levanter.optim import AdamConfig
+from levanter.trainer import TrainerConfig
+
+from qkvflow.cli.describe import DescribeConfig
+from qkvflow.cli.eval import EvalConfig
+from qkvflow.cli.generate import GenerateConfig
+from qkvflow.cli.tokenizer import TokenizerConfig
+from qkvflow.finetune.run import FinetuneConfig
+from qkvflow.models import registry
+from qkvflow.runs.config import TrainConfig
+from qkvflow.runs.tracking import JsonlTrackerConfig
+
 MAX_DEFAULT = 60
 """Defaults whose text is longer are shown cut, with an ellipsis."""
 EXPANDED = ("qkvflow.",)
@@ -25,11 +39,9 @@ TOOL_COMMENT = re.compile(r"\s*(type:|noqa|fmt:|pragma)")
 def field_docstring(cls: type, name: str) -> str:
     """The docstring below field `name` (else the comment beside or above it), from the class of
     `cls`'s MRO that declares the field (a config made of mixins declares options in a base)."""
-    from draccus.wrappers.docstring import get_attribute_docstring
-
     for owner in cls.__mro__:
         if dataclasses.is_dataclass(owner) and name in vars(owner).get("__annotations__", {}):
-            doc = get_attribute_docstring(owner, name)
+            doc = docstring.get_attribute_docstring(owner, name)
             comments = [c for c in (doc.comment_inline, doc.comment_above) if c and not TOOL_COMMENT.match(c)]
             text = doc.docstring_below or next(iter(comments), "")
             if text:
@@ -120,15 +132,6 @@ def _own_fields(cls: type, base: type) -> list[str]:
 def reference() -> str:
     """The configuration page's body: the top-level keys, each qkvflow model family, the verbs' own
     options, then Levanter's sections."""
-    from levanter.data.text import LmDataConfig
-    from levanter.optim import AdamConfig
-    from levanter.trainer import TrainerConfig
-
-    from qkvflow.finetune.run import FinetuneConfig
-    from qkvflow.models import registry
-    from qkvflow.runs.config import TrainConfig
-    from qkvflow.runs.tracking import JsonlTrackerConfig
-
     sections = {"data", "trainer", "model", "optimizer"}
     top = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in sections]
     out = ["## Top level (`qkvflow train`)", "", table(TrainConfig, only=top), ""]
@@ -156,18 +159,13 @@ def reference() -> str:
 
 def _verb_options() -> list[str]:
     """The options each of eval, generate, describe and tokenizer adds to its config."""
-    import importlib
-
-    from qkvflow.runs.config import TrainConfig
-
     out = []
-    for verb, module, name in (
-        ("eval", "qkvflow.cli.eval", "EvalConfig"),
-        ("generate", "qkvflow.cli.generate", "GenerateConfig"),
-        ("describe", "qkvflow.cli.describe", "DescribeConfig"),
-        ("tokenizer", "qkvflow.cli.tokenizer", "TokenizerConfig"),
+    for verb, cls in (
+        ("eval", EvalConfig),
+        ("generate", GenerateConfig),
+        ("describe", DescribeConfig),
+        ("tokenizer", TokenizerConfig),
     ):
-        cls = getattr(importlib.import_module(module), name)
         own = _own_fields(cls, TrainConfig) if issubclass(cls, TrainConfig) else None
         what = "these options besides the training config's keys" if own is not None else "these options"
         out += [f"## `qkvflow {verb}`", "", f"`qkvflow {verb}` takes {what}:", "", table(cls, only=own), ""]

@@ -1,6 +1,6 @@
 """What the command line answers before the verbs' stack is imported, written down: `table.json`.
 
-`qkvflow.cli.early` answers `--help` and refuses unknown model types without importing JAX, Levanter,
+`qkvflow.cli.startup.early` answers `--help` and refuses unknown model types without importing JAX, Levanter,
 transformers or draccus, so it cannot ask the verbs or the model registry. It reads this table instead:
 
 * `help`: the exact text each command's `--help` prints (every verb, every `bench` mode and `analyze`
@@ -11,13 +11,14 @@ transformers or draccus, so it cannot ask the verbs or the model registry. It re
 * `keys`: the top-level keys of the config each draccus-parsed verb reads (`CONFIGS`; `eval finetune`
   and `generate finetune` for a `qkvflow finetune` config).
 
-`python -m qkvflow.cli.table` rewrites the file; tests/test_cli_early.py fails, naming that command,
+`python -m qkvflow.cli.startup.table` rewrites the file; tests/test_cli_early.py fails, naming that command,
 whenever the table differs from what the code renders now (a changed docstring, option or model type).
 This module imports the whole stack: only that test and the command above import it.
 """
 
 import contextlib
 import dataclasses
+import importlib
 import io
 import json
 import os
@@ -27,7 +28,9 @@ from pathlib import Path
 from levanter.models.lm_model import LmConfig
 
 import qkvflow.models  # noqa: F401  (registers qkvflow's model families)
-from qkvflow.cli import VERBS, analyze, bench
+from qkvflow.cli import VERBS, analyze, bench, describe, eval, generate, tokenizer
+from qkvflow.finetune.run import FinetuneConfig
+from qkvflow.runs.config import TrainConfig
 
 PATH = Path(__file__).with_name("table.json")
 COLUMNS = 100
@@ -44,8 +47,6 @@ def commands() -> list[list[str]]:
 
 def render_help(command: list[str]) -> str:
     """What `qkvflow COMMAND --help` prints, from the verb's own module."""
-    import importlib
-
     module = importlib.import_module(VERBS[command[0]][0])
     out = io.StringIO()
     previous = os.environ.get("COLUMNS")
@@ -71,10 +72,6 @@ def model_types() -> list[str]:
 def configs() -> dict:
     """The config class each draccus-parsed verb reads its whole command line into (a verb with argparse
     options of its own, export, analyze, plan and bench, is left out)."""
-    from qkvflow.cli import describe, eval, generate, tokenizer
-    from qkvflow.finetune.run import FinetuneConfig
-    from qkvflow.runs.config import TrainConfig
-
     return {
         "train": TrainConfig,
         "describe": describe.DescribeConfig,
@@ -111,12 +108,12 @@ def stale(written: dict, now: dict) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m qkvflow.cli.table`: rewrite table.json; with `--check`, say what is stale and exit 1."""
+    """`python -m qkvflow.cli.startup.table`: rewrite table.json; with `--check`, say what is stale and exit 1."""
     now = render()
     if "--check" in argv:
         differ = stale(json.loads(PATH.read_text(encoding="utf-8")), now)
         for what in differ:
-            print(f"{PATH.name} is stale: {what}; run `python -m qkvflow.cli.table`", file=sys.stderr)
+            print(f"{PATH.name} is stale: {what}; run `python -m qkvflow.cli.startup.table`", file=sys.stderr)
         return 1 if differ else 0
     PATH.write_text(dumps(now), encoding="utf-8")
     print(f"wrote {PATH}", file=sys.stderr)

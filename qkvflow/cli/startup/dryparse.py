@@ -14,7 +14,7 @@ they return:
 
 Whatever the verb would refuse before that point (an unknown verb, a missing config file, a Levanter
 1.2 key, an unknown model type) is refused as it would be, except that the files a command line names
-(`--checkpoint`, `--files`: `qkvflow.cli.early.PATHS`) need not exist. A renamed or removed flag, or a value of the wrong type, raises
+(`--checkpoint`, `--files`: `qkvflow.cli.startup.early.PATHS`) need not exist. A renamed or removed flag, or a value of the wrong type, raises
 `UserError` with the verb's own one-line message; the docs' command lines are checked with it
 (tests/test_docs.py).
 """
@@ -23,18 +23,20 @@ import argparse
 import contextlib
 import io
 
+from qkvflow import cli
+from qkvflow.cli.startup import early
 from qkvflow.errors import UserError
+from qkvflow.plan.config import PlanConfig
+from qkvflow.runs import configfile
+from qkvflow.runs.config import TrainConfig
 
-LEFTOVER_CONFIG = {"plan": ("qkvflow.plan.config", "PlanConfig")}
+LEFTOVER_CONFIG = {"plan": PlanConfig}
 """The config class that a verb's argparse leftovers are parsed into, where it is not the training config
 (export and analyze: `TrainConfig`; `plan` adds its own keys to it)."""
 
 
 def _leftover_config(verb: str) -> type:
-    import importlib
-
-    module, name = LEFTOVER_CONFIG.get(verb, ("qkvflow.runs.config", "TrainConfig"))
-    return getattr(importlib.import_module(module), name)
+    return LEFTOVER_CONFIG.get(verb, TrainConfig)
 
 
 class Parsed(BaseException):
@@ -50,8 +52,6 @@ def parse_only(argv: list[str]):
     """What the verb `argv[0]` parses from `argv[1:]`: a config dataclass or an argparse Namespace,
     or None for a command that only prints (`--help`). Raises UserError with the verb's message when
     the verb would refuse the command line."""
-    from qkvflow import cli
-
     verb = argv[0] if argv else ""
     err, out = io.StringIO(), io.StringIO()
     try:
@@ -71,10 +71,6 @@ def parse_only(argv: list[str]):
 
 @contextlib.contextmanager
 def _stopped_seams(verb: str):
-    from qkvflow import cli
-    from qkvflow.cli import early
-    from qkvflow.runs import configfile
-
     real_parse = configfile.parse
     real_exists = early.check_exists
     real_known = argparse.ArgumentParser.parse_known_args

@@ -55,7 +55,7 @@ def footer(verb: str) -> str:
 def model_section() -> str:
     """The `model` section's line: every model type that qkvflow declares (qkvflow.models.registry), those
     with weights W(t) (`Family.ode`) first, then Levanter's own baselines, and the DiffEqFormer's main keys."""
-    from qkvflow.models import registry
+    from qkvflow.models import registry  # lazy: imports Levanter; early imports this module for HELP_ALL
 
     ode = [f.name for f in registry.families() if f.ode]
     discrete = [f.name for f in registry.families() if not f.ode]
@@ -81,7 +81,7 @@ def short_help(
 ) -> str:
     """`prog`'s usage, its own options (`extra`, then config_cls's top-level fields that are not sections)
     and one line per section of config_cls."""
-    from draccus.wrappers.docstring import get_attribute_docstring
+    from draccus.wrappers.docstring import get_attribute_docstring  # lazy: draccus, as registry above
 
     hints = typing.get_type_hints(config_cls)
     options, sections = list(extra), []
