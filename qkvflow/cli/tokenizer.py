@@ -69,8 +69,8 @@ def draccus_args(argv: list[str]) -> list[str]:
 
 
 def run(config: TokenizerConfig, say=print) -> dict:
-    from qkvflow.data.tokenizer import build_tokenizer_folder
     from qkvflow.errors import UserError
+    from qkvflow.runs.tokenizer_folder import build_tokenizer_folder
 
     if not config.output:
         raise UserError("--output is missing: expected the folder to write the tokenizer (and the jsonl) to")
