@@ -63,7 +63,7 @@ def test_the_layout_parser_sees_imports_of_every_kind(tmp_path):
     g = graph()
     assert "qkvflow.models.generator" in g["qkvflow.models.fields.gpt2"]  # absolute, module level
     assert "qkvflow.models.discrete.model" in g["qkvflow.models.discrete"]  # relative (`from .model import`)
-    assert "qkvflow.models.discretise" in g["qkvflow.runs.model"]  # inside a function
+    assert "qkvflow.models.registry" in g["qkvflow.runs.configfile"]  # inside a function
 
 
 def test_only_the_entry_point_imports_the_verbs():

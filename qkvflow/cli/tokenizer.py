@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from qkvflow.cli.startup import usage
-from qkvflow.data.tokenizer import CHUNK_CHARS, EOS, build_tokenizer_folder
+from qkvflow.data.tokenizer import CHUNK_CHARS, EOS
 from qkvflow.errors import UserError
 from qkvflow.runs import configfile
+from qkvflow.runs.tokenizer_folder import build_tokenizer_folder
 
 LIST_OPTIONS = ("--files",)
 FLAGS = ("--overwrite", "--write_data")

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from tokenizers import Tokenizer
 
+from qkvflow.data import own_files
 from qkvflow.data.tokenizer import CHUNK_CHARS, EOS  # noqa: F401  (EOS: re-exported)
 from qkvflow.data.tokenizer import bpe_tokenizer as _bpe_tokenizer
 from qkvflow.data.tokenizer import char_tokenizer as _char_tokenizer
@@ -74,8 +75,6 @@ class PreparedCorpus:
         import dataclasses
 
         from levanter.data.text import DatasetComponent, LmDataConfig, UrlDatasetSourceConfig
-
-        from qkvflow.data import own_files
 
         if eval_split not in EVAL_SPLITS:
             raise ValueError(f"eval_split={eval_split!r}: expected one of {', '.join(EVAL_SPLITS)}")
@@ -224,8 +223,6 @@ def _check_replaceable(out: Path, name: str) -> None:
         or manifest.get("name") != name
         or "format_version" not in manifest
     ):
-        from qkvflow.errors import UserError
-
         raise UserError(
             f"corpus: {out} exists but is not a qkvflow build of the {name} corpus (no manifest.json naming it): "
             "refusing to replace it; move it away or choose another corpus.root"

@@ -5,6 +5,7 @@ else, for the default `gpt2`, GPT-2's 50,257 tokens."""
 
 import os
 
+from qkvflow.data.corpora import check_corpus, corpus_vocab_size
 from qkvflow.errors import UserError
 
 GPT2_VOCAB = 50257
@@ -17,8 +18,6 @@ def vocabulary(config) -> tuple[int, str]:
             raise UserError(f"vocab_size={config.vocab_size!r} is invalid: expected null or an integer >= 1")
         return config.vocab_size, "vocab_size"
     if config.corpus is not None:
-        from qkvflow.data.corpora import check_corpus, corpus_vocab_size
-
         c = config.corpus
         check_corpus(c)
         try:

@@ -42,6 +42,7 @@ import levanter
 import levanter.tracker
 
 from qkvflow.errors import UserError
+from qkvflow.export.hf_folder import prompt_tokenizer, save_hf_folder
 from qkvflow.plotting import plot_loss_curve
 from qkvflow.runs import outputs
 from qkvflow.runs.finetune_config import (  # the config and its checks; also what `qkvflow sweep` imports here
@@ -59,8 +60,8 @@ from qkvflow.runs.finetune_config import (  # the config and its checks; also wh
     pretrained_depth,
 )
 from qkvflow.runs.model import add_lora, frozen_base, load_base, lora_modules, merged_model
-from qkvflow.runs.tracking import metrics_file
-from qkvflow.training import faults, loop, preflight
+from qkvflow.runs.tracking import metrics_file, read_metrics
+from qkvflow.training import faults, loop, preflight, session
 from qkvflow.training.loss import train_loss
 
 __all__ = [
@@ -113,8 +114,6 @@ def _carry_over(summary: dict, previous: dict, jsonl) -> None:
         if key not in summary and key in previous:
             summary[key] = previous[key]
     if "train_loss" not in summary and jsonl is not None:  # no summary written before (e.g. a crash): the metrics
-        from qkvflow.runs.tracking import read_metrics
-
         steps = read_metrics(metrics_file(jsonl.path, summary["run_id"]))
         losses = [steps[s]["train/loss"] for s in sorted(steps) if "train/loss" in steps[s]]
         if losses:
@@ -139,8 +138,6 @@ def finetune(config: FinetuneConfig) -> dict:
 
 
 def _finetune(config: FinetuneConfig, preemption: faults.Preemption, cleanup: contextlib.ExitStack) -> dict:
-    from qkvflow.training import session
-
     preflight.check_outputs(config)  # the write probes first: before any work
     check_exports(config)
     check_values(config)
@@ -269,8 +266,6 @@ def check_exports(config: FinetuneConfig) -> None:
 
 
 def export(config: FinetuneConfig, model, base, tokenizer, run_id: str, summary: dict) -> None:
-    from qkvflow.export.hf_folder import save_hf_folder
-
     e = config.export
     # Levanter loads a MarinTokenizer; the transformers folder and the PEFT adapter are saved with the
     # Hugging Face tokenizer it wraps (as qkvflow.runs.model.load_model hands to `qkvflow export`).
@@ -300,8 +295,6 @@ def export(config: FinetuneConfig, model, base, tokenizer, run_id: str, summary:
         )
     elif e.peft_dir is not None:
         from levanter.adaptor.lora import save_peft_pretrained
-
-        from qkvflow.export.hf_folder import prompt_tokenizer
 
         path = os.path.join(e.peft_dir, run_id)
         base_path = os.path.abspath(os.path.join(e.hf_dir, run_id)) if (e.hf_dir and not e.merged) else None

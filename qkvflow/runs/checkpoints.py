@@ -21,7 +21,9 @@ from haliax import Axis
 
 from qkvflow.errors import UserError
 from qkvflow.models import layout
+from qkvflow.runs.checkpoint_arrays import array_shapes
 from qkvflow.runs.config import TrainConfig
+from qkvflow.runs.corpus import with_corpus
 
 
 class UnreadableCheckpoint(UserError):
@@ -103,8 +105,6 @@ def _holds_per_weight_layout(shape, path: str) -> bool:
     stacking, `qkvflow.models.layout`) where the model `shape` stacks them."""
     if not layout.is_stacked(shape):
         return False
-    from qkvflow.runs.checkpoint_arrays import array_shapes
-
     try:
         return layout.holds_per_weight(array_shapes(path))
     except Exception:  # noqa: BLE001  (unreadable metadata: Levanter's restore below names the problem)
@@ -127,8 +127,6 @@ def load_model(config: TrainConfig, checkpoint: str, *, vocab_size: int | None =
     The tokenizer is the Hugging Face one (Levanter loads a `MarinTokenizer`; exports and prompts need
     the transformers API). The vocabulary size comes from it unless `vocab_size` is given.
     """
-    from qkvflow.runs.corpus import with_corpus
-
     config = with_corpus(config)
     tokenizer = config.data.the_tokenizer
     if hasattr(tokenizer, "as_hf_tokenizer"):
@@ -177,8 +175,6 @@ def other_variant(model_config, checkpoint: str, Vocab: Axis) -> str | None:
     import dataclasses
 
     from levanter.utils.jax_utils import leaf_key_paths
-
-    from qkvflow.runs.checkpoint_arrays import array_shapes
 
     variant = getattr(model_config, "variant", None)
     if variant is None:

@@ -9,10 +9,8 @@ line") and what to write instead:
     configs/x.yaml: trainer.fsdp_axis was removed in marin-levanter; use trainer.mesh.param_mapping (e.g. {embed: data})
 
 Only the structural position matters: `seq_len` under `model` is flagged, a `seq_len` of the user's own
-under `bench` is not. Call it from every verb's config parsing, before `draccus.parse`:
-
-    from qkvflow.runs.compat import check_config
-    check_config(config_path, args)   # config_path may be None; args are the command-line overrides
+under `bench` is not. Every verb's config parsing calls `check_config(config_path, args)` before
+`draccus.parse` (`config_path` may be None; `args` are the command-line overrides).
 """
 
 from typing import Any, Iterable, Mapping, Optional, Sequence

@@ -8,14 +8,14 @@ function, so the command line and the library accept the same files; `qkvflow.cl
 import contextlib
 import json
 
+from qkvflow.errors import UserError
+
 CONFIG_PATH = "--config_path"
 
 
 def split_config_path(argv: list[str]) -> tuple[str | None, list[str]]:
     """(the --config_path value or None, argv without it). `--config_path X` and `--config_path=X`;
     given more than once, or without a value, is a UserError."""
-    from qkvflow.errors import UserError
-
     paths, rest = [], []
     i = 0
     while i < len(argv):
@@ -43,8 +43,6 @@ def check_config_file(path):
     import os
 
     import yaml
-
-    from qkvflow.errors import UserError
 
     if path is None or "://" in path:
         return path  # remote configs are read by Levanter (fsspec)
@@ -104,13 +102,11 @@ def parse(cls, argv: list[str], verb: str, *, required: str | None = None):
     import draccus
     import levanter.config  # noqa: F401  (registers Levanter's draccus codecs: dtypes, jmp.Policy, timedelta, ...)
 
-    from qkvflow.models.registry import only_named_types
+    from qkvflow.models.registry import only_named_types  # lazy: registry imports Levanter; CLI light path
 
     memoise_field_docstrings()
     path, args = split_config_path(argv)
     if path is None and required:
-        from qkvflow.errors import UserError
-
         raise UserError(f"{CONFIG_PATH} is missing: expected {required}")
     if path is not None:
         path = _readable_config(path)
@@ -289,8 +285,6 @@ def overrides(verb: str, args: list[str]) -> list[str]:
             out.append(arg)
         i += 1
     if at is not None and any(a == COMPONENTS or a.startswith(COMPONENTS + "=") for a in out if a):
-        from qkvflow.errors import UserError
-
         raise UserError(f"{COMPONENTS} is given whole and also by key ({COMPONENTS}.NAME.KEY): expected one of the two")
     if at is not None:
         out[at : at + 1] = [COMPONENTS, json.dumps(merged)]
@@ -307,8 +301,6 @@ def _deep_merge(into: dict, tree: dict) -> None:
 
 def _user_cause(error: BaseException):
     """The first UserError among an exception's causes (draccus wraps what a constructor raised)."""
-    from qkvflow.errors import UserError
-
     seen = set()
     while error is not None and id(error) not in seen:
         if isinstance(error, UserError):

@@ -17,9 +17,12 @@ import levanter.checkpoint
 from levanter.adaptor.lora import LoraConfig
 from levanter.models.lm_model import LmConfig
 
+import qkvflow.models  # noqa: F401  (declares every model family, so parallel_* configs parse and are refused)
 from qkvflow.errors import UserError
+from qkvflow.models import registry
+from qkvflow.runs.checkpoint_arrays import array_shapes
 from qkvflow.runs.config import TrainConfig
-from qkvflow.runs.configfile import check_config_file
+from qkvflow.runs.configfile import _readable_config, _user_cause, check_config_file, parse
 
 METHODS = ("lora", "full")
 SOLVERS = ("euler",)
@@ -81,8 +84,6 @@ class FinetuneConfig(TrainConfig):
 
 
 def is_ode_config(model_config) -> bool:
-    from qkvflow.models import registry
-
     return registry.is_ode(model_config)
 
 
@@ -123,9 +124,6 @@ def load_pretrained_config(config: FinetuneConfig) -> TrainConfig:
     `steps`; any other model (a baseline) is fine-tuned as it is, at its own depth."""
     import draccus
 
-    import qkvflow.models  # noqa: F401  (declares every model family, so parallel_* configs parse and are refused)
-    from qkvflow.runs.configfile import _user_cause, parse
-
     path = config.pretrained.config_path
     check_config_file(path)
     try:
@@ -158,8 +156,6 @@ def check_pretrained_checkpoint(config: FinetuneConfig, pretrained: TrainConfig)
     """The checkpoint must hold the kind of model the config names: for a DiffEqFormer a generator of
     W(t), not e.g. a GPT-2 baseline's model, and for a baseline no generator; read from its array
     layout, before any device work (a baseline's remaining mismatches are named when it loads)."""
-    from qkvflow.runs.checkpoint_arrays import array_shapes
-
     latest = levanter.checkpoint.discover_latest_checkpoint(config.pretrained.checkpoint)
     arrays = [name.split("/") for name in array_shapes(str(latest)) if name.startswith("model/")]
     found = sorted({parts[1] for parts in arrays if len(parts) > 1})
@@ -182,8 +178,6 @@ def check_pretrained_checkpoint(config: FinetuneConfig, pretrained: TrainConfig)
 
 def checkpoint_vocab(checkpoint: str) -> Optional[int]:
     """The vocabulary size the ODE checkpoint was trained with (its token embedding's rows)."""
-    from qkvflow.runs.checkpoint_arrays import array_shapes
-
     latest = levanter.checkpoint.discover_latest_checkpoint(checkpoint)
     shape = array_shapes(str(latest)).get("model/token_embeddings/weight")
     return None if shape is None else int(shape[0])
@@ -194,8 +188,6 @@ def is_finetune_config(path: Optional[str]) -> bool:
     how `qkvflow generate` and `qkvflow eval` tell a fine-tuning run from a training run. An unreadable
     file is not one (the config parser then names the problem)."""
     import yaml
-
-    from qkvflow.runs.configfile import _readable_config
 
     if path is None:
         return False

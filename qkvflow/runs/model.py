@@ -33,8 +33,11 @@ from haliax import Axis
 from levanter.adaptor.lora import LoraConfig, lora_trainable_params_filter, loraize, merge_lora_modules
 
 from qkvflow.errors import UserError
+from qkvflow.models.discretise import discretise
+from qkvflow.runs import data_checks, finetune_config
 from qkvflow.runs.checkpoints import load_model, loaded, missing_arrays, name_some, newest_step, restore_error
 from qkvflow.runs.config import TrainConfig
+from qkvflow.runs.corpus import with_corpus
 from qkvflow.runs.finetune_config import FinetuneConfig, checkpoint_vocab, is_ode_config
 
 __all__ = [
@@ -56,8 +59,6 @@ __all__ = [
 
 def discretise_model(model, steps: int, solver: str):
     """The ODE model as an M-layer parallel-block transformer (qkvflow.models.discretise)."""
-    from qkvflow.models.discretise import discretise
-
     return discretise(model, steps, solver=solver)
 
 
@@ -148,9 +149,6 @@ def load_finetuned(config, checkpoint: str):
     With `finetune: full` every parameter comes from the checkpoint. The model is a `steps`-layer
     parallel transformer."""
     from levanter.trainer_state import make_floating_point_trainable_filter
-
-    from qkvflow.runs import data_checks, finetune_config
-    from qkvflow.runs.corpus import with_corpus
 
     finetune_config.check_values(config)
     pretrained = finetune_config.load_pretrained_config(config)

@@ -43,6 +43,7 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from qkvflow import __version__
 from qkvflow.errors import UserError
 
 MARKER = "qkvflow_output.json"
@@ -132,8 +133,6 @@ def read_marker(folder: str):
 
 def write_marker(folder: str, kind: str) -> None:
     """Record `folder` as a qkvflow output of `kind` with the files it holds now (written last)."""
-    from qkvflow import __version__
-
     marker = {"kind": kind, "qkvflow_version": __version__, "files": [f for f in _files(folder) if f != MARKER]}
     with open(os.path.join(folder, MARKER), "w") as f:
         json.dump(marker, f, indent=1)

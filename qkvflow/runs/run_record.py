@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional
 
 from qkvflow.errors import UserError
 from qkvflow.runs import outputs
+from qkvflow.runs.tracking import JsonlTrackerConfig, metrics_file
 
 RECORD_FILE = "run_config.json"
 """The record's name, in the run's checkpoint folder (beside its `step-N` folders)."""
@@ -230,8 +231,6 @@ def _read_json(path: str) -> Optional[dict]:
 
 def _first_hparams(trainer_config) -> Optional[tuple[str, dict]]:
     """(metrics file, the config of the run's first start) from the jsonl tracker's metrics.jsonl, if any."""
-    from qkvflow.runs.tracking import JsonlTrackerConfig, metrics_file
-
     trackers = trainer_config.tracker if isinstance(trainer_config.tracker, (list, tuple)) else [trainer_config.tracker]
     for tracker in trackers:
         if not isinstance(tracker, JsonlTrackerConfig):

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import optax
 
 from qkvflow.errors import UserError
+from qkvflow.runs.checkpoint_arrays import array_dtypes
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 AUTO = "auto"
@@ -53,8 +54,6 @@ def stored_dtype(checkpoint: str) -> Optional[str]:
     qkvflow stores every projection's first moment in one dtype (`with_hypernetwork_mu_dtype`); a checkpoint
     holding several was not written by this rule, and no dtype to resume with follows from it: it is
     refused in one line naming the checkpoint and the dtypes, rather than resumed in one picked from them."""
-    from qkvflow.runs.checkpoint_arrays import array_dtypes
-
     found = {
         dtype
         for key, dtype in array_dtypes(checkpoint).items()

@@ -17,8 +17,15 @@ so a failed start never touches an existing checkpoint.
 import levanter.checkpoint
 
 from qkvflow.errors import UserError
+from qkvflow.models import layout
+from qkvflow.runs.checkpoint_arrays import array_shapes, is_ocdbt
 from qkvflow.runs.configfile import check_config_file  # noqa: F401  (moved: the CLI checks it before heavy imports)
 from qkvflow.runs.data_checks import check_data
+from qkvflow.runs.outputs import check_writable
+from qkvflow.runs.tracking import JsonlTrackerConfig
+from qkvflow.training.faults import NONFINITE_MODES
+from qkvflow.training.loss import check_vocab_block
+from qkvflow.training.moments import resolve
 
 
 def _positive(key: str, value, *, allow_none=False, minimum=1) -> None:
@@ -47,18 +54,12 @@ def check_run_id(run_id) -> None:
 
 
 def check_values(config) -> None:
-    from qkvflow.training.faults import NONFINITE_MODES
-
     t = config.trainer
     check_run_id(t.id)
     if hasattr(config, "hypernetwork_mu_dtype"):
-        from qkvflow.training.moments import resolve
-
         resolve(config.hypernetwork_mu_dtype)
     _positive("trainer.num_train_steps", t.num_train_steps)
     if getattr(config, "loss_vocab_block", None) is not None:
-        from qkvflow.training.loss import check_vocab_block
-
         _positive("loss_vocab_block", config.loss_vocab_block)
         check_vocab_block(config.model.model_type, config.loss_vocab_block)
     if isinstance(t.train_batch_size, int):
@@ -135,8 +136,6 @@ def check_resume(config, Vocab):
     from haliax import NamedArray
     from levanter.utils.jax_utils import leaf_key_paths
 
-    from qkvflow.runs.checkpoint_arrays import array_shapes, is_ocdbt
-
     t = config.trainer
     if t.load_checkpoint is False:
         return
@@ -162,8 +161,6 @@ def check_resume(config, Vocab):
     leaves = jax.tree_util.tree_leaves(shapes, is_leaf=is_named)
     keys = jax.tree_util.tree_leaves(names, is_leaf=lambda x: isinstance(x, str))
     stored_shapes = array_shapes(str(latest))
-    from qkvflow.models import layout
-
     if layout.is_stacked(shapes) and layout.holds_per_weight(stored_shapes):
         raise UserError(
             f"checkpoint {latest!r} was written by qkvflow 0.2.0 with one hypernetwork per weight "
@@ -237,9 +234,6 @@ def check_outputs(config) -> None:
     `trainer.checkpointer.base_path`, the jsonl tracker's `path`, a tensorboard tracker's `logdir` and
     `trainer.log_dir`. Runs before the corpus, the tokenizer and Levanter's initialisation."""
     from levanter.tracker.tensorboard import TensorboardConfig
-
-    from qkvflow.runs.outputs import check_writable
-    from qkvflow.runs.tracking import JsonlTrackerConfig
 
     t = config.trainer
     check_run_id(t.id)  # a path-like id would put the run's files elsewhere

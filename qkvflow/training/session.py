@@ -20,12 +20,14 @@ import jax
 import levanter
 from haliax import Axis
 
+from qkvflow.data import cache_lock
 from qkvflow.errors import UserError
 from qkvflow.runs import data_checks, run_record
 from qkvflow.runs.config import TrainConfig
 from qkvflow.runs.corpus import announce_corpus, with_corpus
 from qkvflow.runs.runlock import RunLock, RunLocks
-from qkvflow.training import distributed, preflight
+from qkvflow.runs.tracking import JsonlTrackerConfig
+from qkvflow.training import distributed, faults, preflight
 
 
 def _initialize(config: TrainConfig, before_writes: Callable[[], None] = lambda: None) -> Optional[RunLocks]:
@@ -146,8 +148,6 @@ def _fix_log_file_name(log_dir: str, before: set) -> None:
 def run_locks(trainer_config, run_id: str) -> RunLocks:
     """The locks of everything run `run_id` writes (qkvflow.runs.runlock): its checkpoint folder, the
     folder of each jsonl tracker (metrics.jsonl, the loss curve) and its log file in `trainer.log_dir`."""
-    from qkvflow.runs.tracking import JsonlTrackerConfig
-
     t = trainer_config
     locks = [RunLock(t.checkpointer.expanded_path(run_id))]
     trackers = t.tracker if isinstance(t.tracker, (list, tuple)) else [t.tracker]
@@ -200,9 +200,6 @@ def build_caches(data) -> dict:
     qkvflow did on Levanter 1.2) would leave process 0 waiting on that broadcast forever.
 
     Returns the number of tokens of each split that has data."""
-    from qkvflow.data import cache_lock
-    from qkvflow.training import faults
-
     _say(f"preparing the token cache in {data.cache_dir} (the first run tokenizes the data) ...")
     start = time.perf_counter()
     tokens: dict = {}
@@ -244,8 +241,6 @@ def start(config: TrainConfig, cleanup: contextlib.ExitStack, prepare: Optional[
     token caches are built and every split must hold one sequence of that axis. So a refused run leaves
     no trace: no empty checkpoints/<id>, no metrics.jsonl, no hparams appended to an existing run's."""
     from haliax.partitioning import round_axis_for_partitioning, set_mesh
-
-    from qkvflow.training import faults
 
     record = run_record.check(config, with_corpus)  # a resumed id with another model, data, optimizer: refused
     parsed = config

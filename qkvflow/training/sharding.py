@@ -30,6 +30,8 @@ from haliax.partitioning import pspec_for_axis
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 from levanter.utils.mesh import MeshConfig
 
+from qkvflow.training.faults import leaf_paths
+
 
 def parameter_axis_mapping(mesh: Optional[MeshConfig] = None) -> dict:
     """Levanter's logical -> mesh axis mapping for parameters and optimizer state (default `trainer.mesh`:
@@ -98,8 +100,6 @@ def _shard_shape(shape, spec: PartitionSpec, mesh: AbstractMesh) -> tuple[int, .
 
 def array_bytes(tree, mapping, mesh) -> list[tuple[str, int, int]]:
     """(path, bytes on the fullest device, bytes unsharded) for each array of a tree of shapes."""
-    from qkvflow.training.faults import leaf_paths
-
     is_named = lambda x: isinstance(x, NamedArray)  # noqa: E731
     leaves = jax.tree_util.tree_leaves(tree, is_leaf=is_named)
     paths = leaf_paths(tree)  # one per array; a NamedArray has one

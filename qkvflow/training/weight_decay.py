@@ -32,6 +32,7 @@ import equinox as eqx
 import jax
 
 from qkvflow.models import registry
+from qkvflow.models.generator import stack_groups
 
 
 def decay_regex(model_config) -> Optional[str]:
@@ -46,8 +47,6 @@ def decay_regex(model_config) -> Optional[str]:
     elif getattr(model_config, "variant", "qkvflow") == "official":  # q, k, v share the module q_k_v
         generated = rf"generator\.modules\.({matrices}|q_k_v)\.(weight\.weight|mlp\.lin\d+\.weight)"
     else:  # stacked hypernetworks: the matrices' projection groups and their stack of time MLPs
-        from qkvflow.models.generator import stack_groups
-
         groups = "|".join(re.escape(g.key) for g in stack_groups(specs) if g.kind == "matrix")
         generated = rf"generator\.(projections\.({groups})|mlps\.matrix\.lin\d+\.weight)"
     return rf"^({generated}|lm_head)$"
