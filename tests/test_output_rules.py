@@ -1,4 +1,4 @@
-"""Every verb that writes a file follows qkvflow.runs.outputs (docs/checkpoints.md, "Where outputs go"): on the command
+"""Every verb that writes a file follows qkvflow.outputs (docs/checkpoints.md, "Where outputs go"): on the command
 line, in-process, each refusal is exit 2 with one line, before any work, and leaves the bytes where they were.
 
 The rule itself (rename into place, a failed write, the tracked lists) is tests/test_outputs.py's; here each
@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from qkvflow import cli
-from qkvflow.runs import outputs
+from qkvflow import cli, outputs
 from tests.train_utils import TINY
 
 ROOT = outputs.ROOT

@@ -1,4 +1,4 @@
-"""qkvflow.runs.outputs: the write probe, the safe replacement of output folders and files, and the repository's
+"""qkvflow.outputs: the write probe, the safe replacement of output folders and files, and the repository's
 tracked folders, in-process.
 
 Every refusal must be one line naming the key and the path, and leave every file where it was.
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from qkvflow import outputs
 from qkvflow.errors import UserError
-from qkvflow.runs import outputs
-from qkvflow.runs.outputs import (
+from qkvflow.outputs import (
     MARKER,
     check_file,
     check_replaceable,
@@ -386,11 +386,11 @@ def test_the_tracked_lists_are_gits():
 
 
 def test_the_rules_import_without_the_heavy_stack():
-    """The CLI checks outputs before it imports JAX: qkvflow.runs.outputs pulls in none of the heavy libraries."""
+    """The CLI checks outputs before it imports JAX: qkvflow.outputs pulls in none of the heavy libraries."""
     import sys
 
     heavy = ("jax", "numpy", "levanter", "transformers", "equinox", "haliax")
-    code = f"import sys, qkvflow.runs.outputs; print([m for m in {heavy!r} if m in sys.modules])"
+    code = f"import sys, qkvflow.outputs; print([m for m in {heavy!r} if m in sys.modules])"
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert found.strip() == "[]"
 

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from qkvflow.errors import UserError
+from qkvflow.outputs import check_outside
 from qkvflow.runs.model import run_folder
-from qkvflow.runs.outputs import check_outside
 
 
 def _run(tmp_path):

@@ -14,7 +14,7 @@
   checkpoints of a `bench compare` study.
 * depth_merge (`bench depth`): the depth curves of several `bench compare` studies as one report.
 
-Their output files follow qkvflow.runs.outputs (an existing file is replaced only with --overwrite, and none
+Their output files follow qkvflow.outputs (an existing file is replaced only with --overwrite, and none
 is written into the repository's tracked folders); `OUT_DIR` is the default folder of scaling, quality
 and exits. The packages import nothing in their `__init__`: `qkvflow.cli.bench` imports a mode's module
 only when that mode runs.

@@ -15,16 +15,16 @@ and seed elsewhere). Merging them:
   (+0.01 nats at 2N and 4N): a model whose curve stays at 0 runs at any depth.
 
 Writes D/NAME.json, .md (qkvflow.bench.comparison.depth_curves.markdown) and .png; D is checked and replaced as every
-qkvflow output is (qkvflow.runs.outputs).
+qkvflow output is (qkvflow.outputs).
 """
 
 import argparse
 import json
 from pathlib import Path
 
+from qkvflow import outputs
 from qkvflow.bench.comparison import depth_curves
 from qkvflow.errors import UserError
-from qkvflow.runs import outputs
 
 KIND = "bench depth report"
 SOLVER_ORDER = ("euler", "midpoint", "ralston", "heun", "rk4", "tsit5", "dopri5")

@@ -25,13 +25,13 @@ from pathlib import Path
 
 import numpy as np
 
+from qkvflow import outputs
 from qkvflow.bench import OUT_DIR
 from qkvflow.data import cache_lock
 from qkvflow.errors import UserError
 from qkvflow.evaluation import exits as ex
 from qkvflow.evaluation import perplexity
 from qkvflow.models.related.adaptive import AdaptiveGpt2Config, AdaptiveLMHeadModel
-from qkvflow.runs import outputs
 from qkvflow.runs.config import TrainConfig
 from qkvflow.runs.configfile import parse
 from qkvflow.runs.corpus import with_corpus

@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from qkvflow import outputs
 from qkvflow.bench import OUT_DIR
 from qkvflow.errors import UserError
-from qkvflow.runs import outputs
-from qkvflow.runs.outputs import check_writable
+from qkvflow.outputs import check_writable
 from qkvflow.runs.tracking import metrics_file, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]

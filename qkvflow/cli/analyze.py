@@ -7,7 +7,7 @@
 Further `--dotted.key value` arguments override the config as in `qkvflow train` (for example
 `--corpus.root`). Each analysis writes PNG figures (and for lyapunov an HTML page) under --output
 and prints a JSON summary with the numbers and the paths written. --output follows the rules of
-every other verb's output folder (qkvflow.runs.outputs): it is written whole and swapped in at the end,
+every other verb's output folder (qkvflow.outputs): it is written whole and swapped in at the end,
 and only an absent or empty folder or (with --overwrite) an earlier output of the same analysis is
 replaced. Bad input raises UserError, which the CLI prints as one line.
 """
@@ -17,13 +17,14 @@ import json
 import os
 
 import qkvflow.analysis.clusters
+from qkvflow import outputs
 from qkvflow.analysis.lyapunov import analyze_lyapunov, encode_prompt
 from qkvflow.analysis.spectra import analyze_spectra
 from qkvflow.cli.startup import usage
 from qkvflow.cli.startup.console import quiet_checkpoint_warnings
 from qkvflow.errors import UserError
 from qkvflow.models import registry
-from qkvflow.runs import configfile, outputs
+from qkvflow.runs import configfile
 from qkvflow.runs.config import TrainConfig
 from qkvflow.runs.corpus import with_corpus
 from qkvflow.runs.model import load_model

@@ -24,7 +24,7 @@ With a corpus, `--auto_split selection` makes that choice on the selection half 
 every grid on corpus.eval_split (e.g. `--corpus.eval_split test`). `qkvflow generate --steps auto`
 decodes on the grid chosen that way. The table is printed; with
 --output it is also written as depth.md and depth.json, with the plot depth.png (perplexity against
-vector-field evaluations), into DIR (qkvflow.runs.outputs: an absent or empty folder, or an earlier
+vector-field evaluations), into DIR (qkvflow.outputs: an absent or empty folder, or an earlier
 `qkvflow eval` output with --overwrite). --tasks runs lm-evaluation-harness tasks through Levanter's
 harness (qkvflow.evaluation.harness; `pip install 'qkvflow[eval]'`) on the model of every row: at
 each grid of --steps/--solver/--tolerances, printed as a second table with one row per grid, task and

@@ -10,7 +10,7 @@ ODE model to OUT/ode (`qkvflow.export.ode`). Further `--dotted.key value` argume
 config as in `qkvflow train` (e.g. `--corpus.root`). Prints a JSON summary. See docs/export.md.
 This module parses and checks the command line; the export itself is qkvflow.export.run.
 
-OUT is written into a temporary sibling and swapped in when complete (`qkvflow.runs.outputs`); it must
+OUT is written into a temporary sibling and swapped in when complete (`qkvflow.outputs`); it must
 be absent, empty, or (with --overwrite) an earlier export holding only the files that export listed
 in its `qkvflow_output.json`. The current folder, its ancestors, the home folder and any folder
 holding the checkpoint or the config are never replaced, and nothing is written inside the
@@ -20,6 +20,7 @@ checkpoint's run folder (checkpoints/<run_id>, its step-N folders included).
 import argparse
 import json
 
+from qkvflow import outputs
 from qkvflow.cli.startup import usage
 from qkvflow.cli.startup.console import quiet_checkpoint_warnings
 from qkvflow.errors import UserError
@@ -28,7 +29,7 @@ from qkvflow.evaluation.grids import ONE_DEPTH
 from qkvflow.export.run import export_checkpoint
 from qkvflow.models import registry
 from qkvflow.models.discretise import SOLVERS
-from qkvflow.runs import configfile, outputs
+from qkvflow.runs import configfile
 from qkvflow.runs import model as run_model
 from qkvflow.runs.config import TrainConfig
 
@@ -57,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _output_rules(args) -> dict:
-    """How --output may be replaced (qkvflow.runs.outputs): never the checkpoint or the config it reads, and
+    """How --output may be replaced (qkvflow.outputs): never the checkpoint or the config it reads, and
     never inside the checkpoint's run folder."""
     protect = [("--checkpoint", args.checkpoint), ("--config_path", args.config_path)]
     outside = [("the run folder of --checkpoint", run_model.run_folder(args.checkpoint))]

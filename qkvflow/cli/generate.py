@@ -16,7 +16,7 @@ choice is printed on stderr. Temperature 0 (the default) is greedy.
 
 Prints each completion (the generated text without the prompt) on stdout, one per prompt in order;
 `--output_jsonl F` also writes one JSON object per prompt: prompt, completion, finish_reason, tokens
-(F is checked before any work, as every output file (qkvflow.runs.outputs): not a folder, outside the
+(F is checked before any work, as every output file (qkvflow.outputs): not a folder, outside the
 checkpoint's run folder and the repository's tracked folders, an existing file only with --overwrite;
 it is written whole into a temporary file beside F and renamed onto it).
 `--stop S` ends a completion at the first S (excluded; `\\n` and `\\t` stand for newline and tab).

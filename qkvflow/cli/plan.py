@@ -5,11 +5,12 @@ and say what each device needs (qkvflow.plan; docs/plan.md)."""
 import argparse
 import json
 
+from qkvflow import outputs
 from qkvflow.cli.startup import usage
 from qkvflow.errors import UserError
 from qkvflow.plan import backend, planner, report, search, targets
 from qkvflow.plan.config import PlanConfig, vocabulary
-from qkvflow.runs import configfile, outputs
+from qkvflow.runs import configfile
 
 USAGE = "qkvflow plan --config_path CFG --target NAME [--devices N] [--max_batch] [--json] [--dotted.key value ...]"
 

@@ -6,7 +6,7 @@ train/validation jsonl, ready for `qkvflow train --config_path configs/own_text.
 
 What is read, how documents are split and what `vocab_size` means for each kind: `qkvflow.data.tokenizer`.
 DIR must be absent, empty, or (with --overwrite) an earlier output of this command holding nothing else;
-it is written into a temporary sibling and swapped in when complete (`qkvflow.runs.outputs`).
+it is written into a temporary sibling and swapped in when complete (`qkvflow.outputs`).
 """
 
 import json
@@ -17,9 +17,9 @@ from typing import Optional
 
 from qkvflow.cli.startup import usage
 from qkvflow.data.tokenizer import CHUNK_CHARS, EOS
+from qkvflow.data.tokenizer_folder import build_tokenizer_folder
 from qkvflow.errors import UserError
 from qkvflow.runs import configfile
-from qkvflow.runs.tokenizer_folder import build_tokenizer_folder
 
 LIST_OPTIONS = ("--files",)
 FLAGS = ("--overwrite", "--write_data")

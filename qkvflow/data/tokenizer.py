@@ -1,7 +1,7 @@
 """Tokenizers trained offline on your own text: reading ``.txt`` and ``.jsonl`` files into documents,
 splitting them into train and validation, and training a tokenizer on them. Writing the result as a folder
-for Levanter's data pipeline (``qkvflow tokenizer``) is ``qkvflow.runs.tokenizer_folder``: it writes a
-qkvflow output, under the rules of ``qkvflow.runs.outputs``, a layer above this one.
+for Levanter's data pipeline (``qkvflow tokenizer``) is ``qkvflow.data.tokenizer_folder``: it writes a
+qkvflow output, under the rules of ``qkvflow.outputs``, a layer above this one.
 
 Documents. A ``.jsonl`` line is one JSON object whose ``text_key`` field (a string) is one document. A ``.txt``
 file is one document, cut after the first line end past every ``chunk_chars`` characters (``chunk``; joined

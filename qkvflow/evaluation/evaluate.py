@@ -7,7 +7,7 @@ evaluation computes it (`qkvflow.evaluation.perplexity`), with lm-evaluation-har
     points(config)                       the grids of --steps/--solver/--tolerances (or --auto_grids)
     evaluate(config, config_path)        the table's rows (and lm-eval's results) as a dict
     score_grids(config, model, grid, ..) the rows: one model, every grid (also what `generate --steps auto` scores)
-    write(result, config, config_path)   depth.md, depth.json and depth.png into --output (qkvflow.runs.outputs)
+    write(result, config, config_path)   depth.md, depth.json and depth.png into --output (qkvflow.outputs)
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import json
 import os
 from typing import Optional
 
+from qkvflow import outputs
 from qkvflow.errors import UserError
 from qkvflow.evaluation import auto_steps
 from qkvflow.evaluation.auto_steps import check_auto, is_auto, mark_auto, on_auto_split
-from qkvflow.runs import outputs
 from qkvflow.runs.finetune_config import FinetuneConfig
 
 KIND = "eval_table"

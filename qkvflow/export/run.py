@@ -4,17 +4,17 @@ options and its checks are in qkvflow.cli.export).
 The run's model is loaded from the checkpoint (`qkvflow.runs.model`), discretised into M parallel
 blocks (`qkvflow.models.discretise`) and written as a transformers folder with the run's tokenizer
 (`qkvflow.export.hf_folder`); with `ode`, the full ODE model too, into OUT/ode (`qkvflow.export.ode`).
-OUT is written into a temporary sibling and swapped in when complete (`qkvflow.runs.outputs.replacing`,
+OUT is written into a temporary sibling and swapped in when complete (`qkvflow.outputs.replacing`,
 under the replacement rules the caller gives).
 """
 
 import os
 
+from qkvflow import outputs
 from qkvflow.export import hf_folder
 from qkvflow.export.ode import save_ode_export
 from qkvflow.models.discretise import discretise
 from qkvflow.runs import model as run_model
-from qkvflow.runs import outputs
 
 
 def export_checkpoint(config, checkpoint: str, output: str, steps: int, solver: str, *, ode: bool, rules: dict) -> dict:

@@ -23,7 +23,7 @@ At the end, `export:` optionally writes the model in Hugging Face format (`hf_di
 model, or with `merged: false` the un-fine-tuned discretised base) and the adapter in PEFT format
 (`peft_dir`, LoRA only), each into `<dir>/<run_id>`; and `finetune_summary.json` beside the
 checkpoints, which `qkvflow sweep` reads. The exports replace only earlier exports of qkvflow
-(`qkvflow.runs.outputs`: written into a temporary sibling and swapped in; a folder without qkvflow's marker,
+(`qkvflow.outputs`: written into a temporary sibling and swapped in; a folder without qkvflow's marker,
 or holding the pretrained checkpoint, its config or this run's checkpoints, is refused before training).
 """
 
@@ -41,10 +41,10 @@ import jax
 import levanter
 import levanter.tracker
 
+from qkvflow import outputs
 from qkvflow.errors import UserError
 from qkvflow.export.hf_folder import prompt_tokenizer, save_hf_folder
 from qkvflow.plotting import plot_loss_curve
-from qkvflow.runs import outputs
 from qkvflow.runs.finetune_config import (  # the config and its checks; also what `qkvflow sweep` imports here
     METHODS,
     SOLVERS,
@@ -253,7 +253,7 @@ def _protected(config: FinetuneConfig, run_id: str) -> list[tuple[str, str]]:
 
 def check_exports(config: FinetuneConfig) -> None:
     """Before training: each export folder can be written and, if it exists, is an earlier export of
-    qkvflow (`qkvflow.runs.outputs.check_replaceable`), so that hours of fine-tuning never end in a refusal."""
+    qkvflow (`qkvflow.outputs.check_replaceable`), so that hours of fine-tuning never end in a refusal."""
     e = config.export
     run_id = config.trainer.id
     if run_id is None:  # Levanter picks one at start-up: only the parent folders are known

@@ -12,7 +12,7 @@ Outputs in `sweep.out_dir` (default `sweeps/<trainer.id>`): `sweep.csv` and `swe
 cell: M, method, trainable and total parameters, validation loss of the discretised model before
 fine-tuning, final train loss, validation loss and perplexity after) and
 `sweep.png`, validation perplexity against M with one line per method (the paper's Fig. 6).
-`sweep.out_dir` is qkvflow's own folder: it is rewritten whole after each cell (`qkvflow.runs.outputs`:
+`sweep.out_dir` is qkvflow's own folder: it is rewritten whole after each cell (`qkvflow.outputs`:
 a temporary sibling swapped in), so it must be absent, empty or an earlier sweep's output; that and
 every cell's exports are checked before the first cell trains.
 """
@@ -22,9 +22,9 @@ import dataclasses
 import os
 import sys
 
+from qkvflow import outputs
 from qkvflow.errors import UserError
 from qkvflow.finetune.run import check_exports, check_values, finetune, read_summary
-from qkvflow.runs import outputs
 from qkvflow.training import preflight
 
 KIND = "sweep"

@@ -14,10 +14,10 @@ import json
 import os
 import sys
 
+from qkvflow import outputs
 from qkvflow.errors import UserError
 from qkvflow.evaluation import auto_steps
 from qkvflow.evaluation.grids import ONE_GRID
-from qkvflow.runs import outputs
 from qkvflow.runs.finetune_config import FinetuneConfig
 
 
@@ -122,8 +122,8 @@ def tokenizer_of(config):
 
 def check_output(config, config_path=None) -> dict:
     """--output_jsonl: a file that can be written, not a file generate reads, not inside the checkpoint's run
-    folder, an existing file only with --overwrite (`qkvflow.runs.outputs.check_file`); checked before any work,
-    as `qkvflow export` checks --output. Returns the rules for `qkvflow.runs.outputs.writing_file`."""
+    folder, an existing file only with --overwrite (`qkvflow.outputs.check_file`); checked before any work,
+    as `qkvflow export` checks --output. Returns the rules for `qkvflow.outputs.writing_file`."""
     from qkvflow.runs.model import run_folder
 
     if config.output_jsonl is None:

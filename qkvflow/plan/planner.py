@@ -20,10 +20,10 @@ import math
 import os
 import re
 
+from qkvflow import outputs
 from qkvflow.errors import UserError
 from qkvflow.plan import backend, calibration, hlo, roofline, step
 from qkvflow.plan.targets import Target
-from qkvflow.runs import outputs
 
 MEM_FRACTION_DEFAULT = 0.75
 """JAX's default XLA_PYTHON_CLIENT_MEM_FRACTION on a GPU (JAX's "GPU memory allocation" page,
@@ -160,7 +160,7 @@ def plan(
     config, target: Target, devices: int, vocab: int, *, search_max_batch: bool = False, hlo_file=None, overwrite=False
 ) -> dict:
     """Compile `config`'s training step for `devices` of `target`; the plan as one JSON-able dict
-    (and the optimised HLO text in `hlo_file`, if given, as every output file: `qkvflow.runs.outputs`)."""
+    (and the optimised HLO text in `hlo_file`, if given, as every output file: `qkvflow.outputs`)."""
     if devices < 1:
         raise UserError(f"--devices {devices} is invalid: expected an integer >= 1")
     slices = tpu_slices(config) if target.platform == "tpu" else 1

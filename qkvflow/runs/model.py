@@ -129,7 +129,7 @@ def merged_model(model, base, lora: LoraConfig, lora_seed: int = 0):
 def run_folder(checkpoint: str) -> str:
     """The run folder of a checkpoint argument: the parent of a step folder (one that holds Levanter's
     `metadata.json`, as `newest_step` tells them apart), else the argument itself (checkpoints/<run_id>).
-    What the verbs write nothing into: its step-N folders are the run's (`qkvflow.runs.outputs.check_outside`)."""
+    What the verbs write nothing into: its step-N folders are the run's (`qkvflow.outputs.check_outside`)."""
     import os
 
     checkpoint = str(checkpoint)

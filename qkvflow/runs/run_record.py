@@ -33,8 +33,8 @@ import re
 import sys
 from typing import Any, Callable, Optional
 
+from qkvflow import outputs
 from qkvflow.errors import UserError
-from qkvflow.runs import outputs
 from qkvflow.runs.tracking import JsonlTrackerConfig, metrics_file
 
 RECORD_FILE = "run_config.json"

@@ -18,7 +18,7 @@ from levanter.tracker import Tracker
 from levanter.tracker.json_logger import _to_jsonable
 from levanter.tracker.tracker import TrackerConfig
 
-from qkvflow.runs import outputs
+from qkvflow import outputs
 
 
 class JsonlTracker(Tracker):
@@ -106,7 +106,7 @@ def read_metrics(file: str) -> dict[int, dict[str, float]]:
 def drop_steps_from(file: str, start: int) -> int:
     """Remove the "log" records of steps >= `start` (0-based, as logged) from `file`, and lines cut
     short by a kill; keep everything else (hparams, summaries, artifacts). Called by a run that
-    resumes at step `start`, before it logs again. The file is rewritten atomically (`qkvflow.runs.outputs.replace_whole`), so a kill during the rewrite leaves the old or the new file.
+    resumes at step `start`, before it logs again. The file is rewritten atomically (`qkvflow.outputs.replace_whole`), so a kill during the rewrite leaves the old or the new file.
     Returns the number of lines dropped."""
     if not os.path.exists(file):
         return 0

@@ -18,10 +18,10 @@ import levanter.checkpoint
 
 from qkvflow.errors import UserError
 from qkvflow.models import layout
+from qkvflow.outputs import check_writable
 from qkvflow.runs.checkpoint_arrays import array_shapes, is_ocdbt
 from qkvflow.runs.configfile import check_config_file  # noqa: F401  (moved: the CLI checks it before heavy imports)
 from qkvflow.runs.data_checks import check_data
-from qkvflow.runs.outputs import check_writable
 from qkvflow.runs.tracking import JsonlTrackerConfig
 from qkvflow.training.faults import NONFINITE_MODES
 from qkvflow.training.loss import check_vocab_block
@@ -230,7 +230,7 @@ def _trackers(trainer_config) -> list:
 
 
 def check_outputs(config) -> None:
-    """Probe (`qkvflow.runs.outputs.check_writable`) every local folder the run will write to:
+    """Probe (`qkvflow.outputs.check_writable`) every local folder the run will write to:
     `trainer.checkpointer.base_path`, the jsonl tracker's `path`, a tensorboard tracker's `logdir` and
     `trainer.log_dir`. Runs before the corpus, the tokenizer and Levanter's initialisation."""
     from levanter.tracker.tensorboard import TensorboardConfig

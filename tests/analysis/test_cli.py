@@ -122,7 +122,7 @@ def test_an_unwritable_output_is_refused_before_the_analysis(tmp_path, capsys, m
 
 def test_output_follows_the_output_folder_rules(tmp_path, capsys, monkeypatch):
     """--output is replaced only when it is absent, empty or (with --overwrite) an earlier output of the same
-    analysis (qkvflow.runs.outputs); a user's folder, the current folder and another analysis's output are refused
+    analysis (qkvflow.outputs); a user's folder, the current folder and another analysis's output are refused
     before the analysis runs, and every file in them survives."""
     out = tmp_path / "out"
     first = _run(capsys, "clusters", "--output", out)

@@ -14,7 +14,7 @@ import yaml
 from qkvflow.bench.comparison import compare, run_processes, stats
 from qkvflow.data.corpora import default_shared_dir
 from qkvflow.errors import UserError
-from qkvflow.runs.outputs import MARKER
+from qkvflow.outputs import MARKER
 from qkvflow.runs.tracking import metrics_file
 from tests import warm
 from tests.timescale import limit
@@ -396,7 +396,7 @@ def test_the_report_goes_to_the_work_folder_and_an_out_dir_is_checked_like_every
 
 def _own_corpus(folder: Path) -> None:
     """A tiny corpus as `qkvflow tokenizer` makes it (a 300-token byte-level BPE, train/validation jsonl)."""
-    from qkvflow.runs.tokenizer_folder import build_tokenizer_folder
+    from qkvflow.data.tokenizer_folder import build_tokenizer_folder
 
     words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly boxers".split()
     docs = [" ".join(words[(i * 7 + j) % len(words)] for j in range(40)) for i in range(60)]

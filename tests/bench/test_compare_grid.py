@@ -10,9 +10,9 @@ import subprocess
 import pytest
 import yaml
 
+from qkvflow import outputs
 from qkvflow.bench.comparison import compare
 from qkvflow.errors import UserError
-from qkvflow.runs import outputs
 from tests.bench.test_compare import FakeRuns, _main
 
 

@@ -1,4 +1,4 @@
-"""`qkvflow tokenizer` (qkvflow.data.tokenizer, qkvflow.runs.tokenizer_folder, qkvflow.cli.tokenizer): tokenizers
+"""`qkvflow tokenizer` (qkvflow.data.tokenizer, qkvflow.data.tokenizer_folder, qkvflow.cli.tokenizer): tokenizers
 trained offline on the user's own text, the train/validation jsonl written beside them, bad input, and one
 training run on the result."""
 
@@ -20,8 +20,8 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
 from transformers import AutoTokenizer  # noqa: E402
 
 from qkvflow.cli import main as cli_main  # noqa: E402
-from qkvflow.runs.outputs import MARKER  # noqa: E402
-from qkvflow.runs.tokenizer_folder import build_tokenizer_folder  # noqa: E402
+from qkvflow.data.tokenizer_folder import build_tokenizer_folder  # noqa: E402
+from qkvflow.outputs import MARKER  # noqa: E402
 from tests.timescale import limit  # noqa: E402
 from tests.train_utils import ROOT, cli_in_one_process, train_env  # noqa: E402
 

@@ -139,7 +139,7 @@ def test_other_depths_match_the_discrete_model_generate_and_overwrite(runs, tmp_
     from transformers import AutoModelForCausalLM
 
     from qkvflow.models.discretise import discretise
-    from qkvflow.runs.outputs import MARKER
+    from qkvflow.outputs import MARKER
 
     config_path, checkpoint, model = runs["diffeqformer_llama"]
     out = tmp_path / "hf"

@@ -23,7 +23,7 @@ one grid does not fit every model, its own `learning_rates` (`--learning_rates` 
 The report is <name>.json, a markdown table <name>.md and a figure <name>.png (each model's test loss
 per seed, and mean +- sd; qkvflow.bench.comparison.report), written into the work folder's `report/`, or
 into `--out_dir`: a folder for this report alone, checked and replaced as every qkvflow output is
-(qkvflow.runs.outputs: absent, empty, or an earlier report; never the work folder or a folder holding it,
+(qkvflow.outputs: absent, empty, or an earlier report; never the work folder or a folder holding it,
 never inside the repository's shipped folders). The paths written are printed. The base config and every
 model's run config (parsed as `qkvflow train` parses it: qkvflow.bench.comparison.run_configs) are checked, and the
 matched widths solved, before the work folder is claimed.
@@ -48,6 +48,7 @@ import signal
 import sys
 from pathlib import Path
 
+from qkvflow import outputs
 from qkvflow.bench.comparison import depth_curves, halves, lr_grid, matching, run_configs, study_folder
 from qkvflow.bench.comparison.pool import Interrupted, Pool, raising_on, stop_report
 from qkvflow.bench.comparison.report import markdown, report, write_report
@@ -63,8 +64,7 @@ from qkvflow.bench.comparison.study import (
     run_config,
     run_id,
 )
-from qkvflow.runs import outputs
-from qkvflow.runs.outputs import check_writable
+from qkvflow.outputs import check_writable
 
 REPORT_KIND = "bench compare report"
 

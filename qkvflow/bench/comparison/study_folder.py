@@ -7,7 +7,7 @@ run there yet (no config, result or checkpoint of `<model>-lr<rate>-s<seed>`) ma
 and its record is updated. Anything else is refused in one line that says how to start over. A folder
 without `study.json` must be empty or absent.
 
-Outputs stay out of the repository's tracked folders (`qkvflow.runs.outputs.check_outside_repository`):
+Outputs stay out of the repository's tracked folders (`qkvflow.outputs.check_outside_repository`):
 a report written under `benchmarks/results/` would mix with the results the repository ships.
 """
 
@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 
 from qkvflow.errors import UserError
-from qkvflow.runs.outputs import check_writable
+from qkvflow.outputs import check_writable
 
 
 def has_runs(workdir: Path, model: str) -> bool:

@@ -24,9 +24,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from qkvflow import outputs
 from qkvflow.bench import OUT_DIR
 from qkvflow.errors import UserError
-from qkvflow.runs import outputs
 
 ROOT = Path(__file__).resolve().parents[3]
 SWEEPS = {

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qkvflow import outputs
 from qkvflow.bench.performance.baseline import baseline_config
 from qkvflow.bench.performance.config import apply_overrides, load_config, with_attention
 from qkvflow.bench.performance.flops import nominal_peak_flops, train_flops_per_token
@@ -40,7 +41,6 @@ from qkvflow.bench.performance.peak import matmul_peak
 from qkvflow.bench.performance.step import DTYPES, Step
 from qkvflow.errors import UserError
 from qkvflow.nn import attention
-from qkvflow.runs import outputs
 
 
 def parser(prog="qkvflow bench speed") -> argparse.ArgumentParser:
@@ -72,7 +72,7 @@ def parser(prog="qkvflow bench speed") -> argparse.ArgumentParser:
         help="the cross-entropy's vocabulary block for both models (loss_vocab_block; at least the vocabulary: "
         "one product; default: each model's own)",
     )
-    p.add_argument("--json_out", default=None, help="also write the result to this JSON file (qkvflow.runs.outputs)")
+    p.add_argument("--json_out", default=None, help="also write the result to this JSON file (qkvflow.outputs)")
     p.add_argument("--overwrite", action="store_true", help=outputs.OVERWRITE_HELP)
     p.add_argument("--only", choices=("both", "ode", "baseline"), default="both")
     p.add_argument("--no_peak", action="store_true", help="skip the matmul-peak measurement")

@@ -18,7 +18,7 @@ Checked here, for every verb:
 * every `model.type` given (file or overrides) is registered (`table.json`'s `model_types`), and, for the
   verbs whose whole command line is their config, every top-level key is a field of it (`check_keys`);
 * paths the verb reads exist (`PATHS`), and `--steps` is a grid (`qkvflow.evaluation.grids`);
-* the files and folders it writes follow `qkvflow.runs.outputs` as far as argv alone can say (`OUTPUT_FILES`,
+* the files and folders it writes follow `qkvflow.outputs` as far as argv alone can say (`OUTPUT_FILES`,
   `OUTPUT_FOLDERS`): no existing file without --overwrite, nothing in the repository's tracked folders;
 * `plan`: the target, the device count and the mesh (`plan_checks`).
 
@@ -38,11 +38,12 @@ from pathlib import Path
 
 import yaml
 
+from qkvflow import outputs
 from qkvflow.cli.startup.usage import HELP_ALL
 from qkvflow.errors import UserError
 from qkvflow.evaluation import grids
 from qkvflow.plan import targets
-from qkvflow.runs import configfile, outputs
+from qkvflow.runs import configfile
 from qkvflow.runs.compat import check_config
 
 TABLE = Path(__file__).with_name("table.json")
@@ -66,7 +67,7 @@ WHAT = {
 }
 
 OUTPUT_FILES = {"generate": ("--output_jsonl",), "plan": ("--save_hlo",), "bench speed": ("--json_out",)}
-"""Per command, the options naming a file it writes (`qkvflow.runs.outputs.check_file`: not an existing file
+"""Per command, the options naming a file it writes (`qkvflow.outputs.check_file`: not an existing file
 without --overwrite, not in the repository's tracked folders)."""
 
 OUTPUT_FOLDERS = {
@@ -77,7 +78,7 @@ OUTPUT_FOLDERS = {
     **{f"bench {mode}": ("--out_dir",) for mode in ("compare", "depth", "scaling", "exits", "quality")},
 }
 """Per command, the options naming a folder it writes: never in the repository's tracked folders
-(`qkvflow.runs.outputs.check_outside_repository`); whether an existing folder may be replaced needs the verb."""
+(`qkvflow.outputs.check_outside_repository`); whether an existing folder may be replaced needs the verb."""
 
 STEPS = {"eval": (grids.GRIDS, False), "generate": (grids.ONE_GRID, True), "export": (grids.ONE_DEPTH, True)}
 """Per verb taking solver grids as `--steps`: (what it takes, whether only one grid), besides `auto`."""

@@ -10,11 +10,11 @@ into train and validation, trains a tokenizer on them and writes ``output`` as o
 * ``train.jsonl``, ``validation.jsonl``: one ``{"text": ...}`` document per line, what Levanter's ``url``
   data source reads (it does not read ``.txt``);
 * ``sources.json``: the files read (with their sha256), the settings and the counts; and the
-  ``qkvflow_output.json`` marker (``qkvflow.runs.outputs``) that makes the folder replaceable by a later run.
+  ``qkvflow_output.json`` marker (``qkvflow.outputs``) that makes the folder replaceable by a later run.
 
 How documents are read and split and what ``vocab_size`` means for each kind of tokenizer:
 ``qkvflow.data.tokenizer``, whose functions this module calls. It sits here, above ``qkvflow.data``, because
-the folder is a qkvflow output and is written by the output rules of ``qkvflow.runs.outputs``.
+the folder is a qkvflow output and is written by the output rules of ``qkvflow.outputs``.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from qkvflow import outputs
 from qkvflow.data.tokenizer import (
     CHUNK_CHARS,
     EOS,
@@ -37,7 +38,6 @@ from qkvflow.data.tokenizer import (
     validation_indices,
 )
 from qkvflow.errors import UserError
-from qkvflow.runs import outputs
 
 KIND = "tokenizer"  # the kind of output in qkvflow_output.json
 LEVANTER_CACHE = "levanter_cache"  # where configs/own_text.yaml puts Levanter's token cache
@@ -116,7 +116,7 @@ def build_tokenizer_folder(
 ) -> Built:
     """Read ``files``, split, train and write ``output`` (see the module docstring). Every check on the
     arguments, the output folder and the files runs before anything is written; ``output`` is written
-    into a temporary sibling and swapped in when complete (``qkvflow.runs.outputs.replacing``)."""
+    into a temporary sibling and swapped in when complete (``qkvflow.outputs.replacing``)."""
     check_vocab_size(kind, vocab_size)
     if isinstance(chunk_chars, bool) or not isinstance(chunk_chars, int) or chunk_chars < 0:
         raise UserError(

@@ -49,7 +49,7 @@ from qkvflow.errors import UserError
 MARKER = "qkvflow_output.json"
 OVERWRITE_HELP = "Replace an existing output file or an earlier qkvflow output folder (refused without it)."
 """The help text of `--overwrite`, the same in every verb that writes files."""
-ROOT = Path(__file__).resolve().parents[2]  # the checkout: qkvflow/runs/outputs.py is two folders down
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: qkvflow/outputs.py is one folder down
 SHIPPED = (".ci", "benchmarks", "configs", "docs", "launch", "qkvflow", "tests")
 """The repository's top-level folders that git tracks (tests/test_outputs.py compares with git)."""
 SHIPPED_FILES = (".gitignore", "CHANGELOG.md", "README.md", "mkdocs.yml", "pyproject.toml")
