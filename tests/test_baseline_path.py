@@ -4,7 +4,7 @@ Every comparison in docs/results.md pairs a DiffEqFormer with Levanter's GPT-2 (
 `qkvflow train`, which hands Levanter's `Trainer` its own pieces (`loop.make_trainer`): the loss
 (`loss.train_loss`: `lm_loss`, and `levanter_loss_in_blocks` when `loss_vocab_block` is set), the
 weight-decay mask (`weight_decay.with_decay_mask`), the first-moment dtype of the hypernetwork
-projections (`moments.with_hypernetwork_mu_dtype`, bfloat16 by default since d7d9628) and the
+projections (`adam.with_hypernetwork_mu_dtype`, bfloat16 by default since d7d9628) and the
 non-finite guard (`faults.guard_nonfinite`). For a model without hypernetworks the first three must leave
 the step exactly as Levanter's `train_lm` builds it (levanter/main/train_lm.py: the optimizer
 `config.optimizer.build(num_train_steps)`, the loss `model.compute_next_token_loss(example, key=key,

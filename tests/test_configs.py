@@ -20,7 +20,7 @@ from qkvflow.data.heldout import HeldOutHfDatasetSourceConfig
 from qkvflow.finetune.run import FinetuneConfig
 from qkvflow.models.diffeqformer import DiffEqFormerGpt2Config, DiffEqFormerLlamaConfig
 from qkvflow.runs.config import TrainConfig
-from qkvflow.training.weight_decay import with_decay_mask
+from qkvflow.training.adam import with_decay_mask
 from tests.helpers import config_class, parse_config
 
 ROOT = Path(__file__).resolve().parents[1]

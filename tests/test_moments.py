@@ -14,7 +14,7 @@ import pytest
 from levanter.optim import AdamConfig
 
 from qkvflow.errors import UserError
-from qkvflow.training.moments import with_hypernetwork_mu_dtype
+from qkvflow.training.adam import with_hypernetwork_mu_dtype
 from tests.helpers import tiny_config, tiny_model
 
 
@@ -81,7 +81,7 @@ def test_mu_of_exactly_the_projections_is_bfloat16_and_follows_optax_rule():
 
 def test_bfloat16_for_new_runs_by_default_and_bad_values_get_one_line():
     from qkvflow.runs.config import TrainConfig
-    from qkvflow.training.moments import resolve
+    from qkvflow.training.adam import resolve
 
     assert TrainConfig().hypernetwork_mu_dtype == "auto"
     assert resolve("auto") == jnp.bfloat16 and resolve(None) == jnp.float32 and resolve("float32") == jnp.float32
@@ -116,7 +116,7 @@ def _checkpoint(folder, mu_dtypes: dict) -> str:
     ],
 )
 def test_a_resumed_run_keeps_the_dtype_its_checkpoint_stores(tmp_path, stored, value, want):
-    from qkvflow.training.moments import for_resume
+    from qkvflow.training.adam import for_resume
 
     mu = {f"opt_state/inner/inner_state/1/mu/generator/projections/{n}": stored for n in ("w1", "q+k+v")}
     mu["opt_state/inner/inner_state/1/mu/token_embeddings/weight"] = "<f4"  # not a projection: never read
@@ -126,7 +126,7 @@ def test_a_resumed_run_keeps_the_dtype_its_checkpoint_stores(tmp_path, stored, v
 
 
 def test_resuming_with_another_dtype_than_stored_is_refused_in_one_line(tmp_path):
-    from qkvflow.training.moments import for_resume
+    from qkvflow.training.adam import for_resume
 
     path = _checkpoint(tmp_path, {"opt_state/inner/inner_state/1/mu/generator/projections/w1": "bfloat16"})
     with pytest.raises(UserError) as error:
@@ -157,7 +157,7 @@ def test_bench_speed_times_the_optimizer_state_a_new_run_has():
 def test_a_checkpoint_with_projection_moments_of_several_dtypes_is_refused_in_one_line(tmp_path):
     """qkvflow stores every projection's first moment in one dtype; a checkpoint holding two decides no
     dtype, whatever is asked for: refused, naming the checkpoint and both dtypes, not resumed in either."""
-    from qkvflow.training.moments import for_resume
+    from qkvflow.training.adam import for_resume
 
     mu = "opt_state/inner/inner_state/1/mu/generator/projections"
     path = _checkpoint(tmp_path, {f"{mu}/w1": "bfloat16", f"{mu}/w2": "<f4"})
@@ -180,7 +180,7 @@ def test_the_stored_dtype_is_read_from_the_zarr_v3_arrays_levanter_writes(tmp_pa
     from levanter.tensorstore_serialization import build_kvstore_spec
 
     from qkvflow.runs.checkpoint_arrays import array_dtypes, is_ocdbt
-    from qkvflow.training.moments import for_resume
+    from qkvflow.training.adam import for_resume
 
     arrays = {
         "model/generator/projections/w1": ts.float32,

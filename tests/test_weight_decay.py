@@ -14,7 +14,7 @@ from levanter.optim import AdamConfig
 from levanter.utils.jax_utils import leaf_key_paths
 
 from qkvflow.models import registry
-from qkvflow.training.weight_decay import decayed_parameter_count, with_decay_mask
+from qkvflow.training.adam import decayed_parameter_count, with_decay_mask
 
 # The weight matrices of one layer, written out here from the block designs (not read from the code):
 # GPT-2's c_attn split into Q, K, V, its c_proj O, its MLP's c_fc W1 and c_proj W2; Llama's

@@ -42,7 +42,7 @@ class Group:
     @property
     def mlp(self) -> str:
         """Which stack of time MLPs makes this group's embeddings: one for matrices, one for the rest
-        (they differ in weight decay, `qkvflow.training.weight_decay`, so they stay separate arrays)."""
+        (they differ in weight decay, `qkvflow.training.adam`, so they stay separate arrays)."""
         return "matrix" if self.kind == "matrix" else "vector"
 
 

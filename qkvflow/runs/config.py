@@ -45,7 +45,7 @@ class TrainConfig:
     optimizer: OptimizerConfig = field(default_factory=AdamConfig)
     hypernetwork_mu_dtype: Optional[str] = "auto"
     """Dtype in which Adam's first moment of a DiffEqFormer's hypernetwork projections is stored between
-    steps (optax's `mu_dtype` rule, `qkvflow.training.moments`): `bfloat16`, or `float32` (null too) like
+    steps (optax's `mu_dtype` rule, `qkvflow.training.adam`): `bfloat16`, or `float32` (null too) like
     every other moment. `auto`: bfloat16 for a new run; a resumed run keeps the dtype its checkpoint stores."""
     epochs: int = 0
     """Passes over the training data: 0 reads it once (the run ends early if it runs out);

@@ -87,7 +87,7 @@ MAY_CHANGE: tuple[str, ...] = (
     "nonfinite",
     "trainer.crash_on_nan",
     "trainer.crash_on_inf",
-    # checked against the checkpoint's own dtype (qkvflow.training.moments.for_resume)
+    # checked against the checkpoint's own dtype (qkvflow.training.adam.for_resume)
     "hypernetwork_mu_dtype",
     # where files are kept, not what they hold
     "corpus.root",

@@ -2,10 +2,10 @@
 
     session        a run's start-up: its checks, processes, Levanter's initialisation, the run lock, caches
     preflight      the config checks that run before anything is built
+    run            a pretraining run, start to summary (what `qkvflow train` runs)
     loop           the run loop and the trainer it builds
-    loss           the training loss (with dial_loss, the depth-dial recipes' part)
-    moments        Adam's first moment of the hypernetwork projections in a narrower dtype
-    weight_decay   which parameters weight decay shrinks
+    loss           the training loss (with the depth-dial recipes' part)
+    adam           Adam's first moment of the hypernetwork projections in a narrower dtype; the decay mask
     faults         non-finite steps, interrupted checkpoint writes, preemption (with preemption)
     distributed    multi-process start-up
     sharding       per-device memory of parameters and optimizer state, from shapes alone

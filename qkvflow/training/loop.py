@@ -42,7 +42,7 @@ from qkvflow.evaluation.perplexity import eval_losses
 from qkvflow.runs import run_record
 from qkvflow.runs.checkpoints import restore_error
 from qkvflow.runs.tracking import JsonlTrackerConfig, drop_steps_from, metrics_file
-from qkvflow.training import faults, moments, weight_decay
+from qkvflow.training import adam, faults
 
 logger = logging.getLogger("qkvflow.training")
 
@@ -191,10 +191,8 @@ def make_trainer(config, loss_fn, inject=None, trainer_config=None) -> tuple[Tra
     non-finite guard, crash_on_nan/inf off (the guard decides, after the step). `qkvflow plan`
     compiles this trainer's step; `trainer_config` replaces `config.trainer`."""
     t = dataclasses.replace(trainer_config or config.trainer, crash_on_nan=False, crash_on_inf=False)
-    optimizer_config = weight_decay.with_decay_mask(config.optimizer, config.model)
-    optimizer = moments.with_hypernetwork_mu_dtype(
-        optimizer_config.build(t.num_train_steps), config.hypernetwork_mu_dtype
-    )
+    optimizer_config = adam.with_decay_mask(config.optimizer, config.model)
+    optimizer = adam.with_hypernetwork_mu_dtype(optimizer_config.build(t.num_train_steps), config.hypernetwork_mu_dtype)
     optimizer = faults.guard_nonfinite(optimizer, inject)
     return Trainer(t, optimizer, loss_fn, add_default_hooks=False), optimizer_config
 
@@ -233,7 +231,7 @@ def train_run(
     if start > 0:
         print(f"resuming run {run_id} after step {start}", flush=True)  # every process: where each one starts
     total, trainable = parameter_count(state.model), parameter_count(state.trainable_model)
-    decayed = weight_decay.decayed_parameter_count(optimizer_config, state.trainable_model)
+    decayed = adam.decayed_parameter_count(optimizer_config, state.trainable_model)
     summary.update(run_id=run_id, checkpoints=t.checkpointer.expanded_path(run_id), parameter_count=total)
     summary["decayed_parameter_count"] = decayed
     if trainable != total:

@@ -7,22 +7,32 @@ still goes through its final norm, the N-ODE's is already the readout's hidden l
 DiffEqFormer's `exits: aligned` the loss is the mean over the N grid-time exits
 (`qkvflow.models.related.ode_exits`), each exit's loss logged as `train/ode_exit_loss_k`.
 With a DiffEqFormer's `dial` recipes on, a training step (one given a key) solves on the grid they draw
-and adds their terms (`qkvflow.training.dial_loss`); evaluation solves on the config's grid.
+and adds their terms (the last section below); evaluation solves on the config's grid.
 Other models (Levanter's GPT-2/Llama baselines) go through their own `compute_next_token_loss`.
+
+The depth-dial recipes' part (`qkvflow.models.depth_dial`): `dial_flow` replaces the model's `flow` in
+`lm_loss` when a recipe is on and the
+loss has Levanter's training key: it returns x(T) of the drawn solve (whose next-token loss is the
+loss), the kinetic energy, the solver statistics, the recipes' added loss
+
+    consistency_weight * KL(p_fine || p_coarse) + jacobian_weight * int ||dF/dx||_F^2 dt / tokens
+
+and their metrics (`train/dial_*`).
 """
 
 import functools
 
+import haliax as hax
 import jax.numpy as jnp
 from levanter.metrics import Metric, ReductionType
 from levanter.models.lm_model import LmExample, LmHeadModel
 from levanter.models.loss import maybe_fused_next_token_loss
 
 from qkvflow.errors import UserError
+from qkvflow.models.depth_dial import drawn_solves
 from qkvflow.models.diffeqformer import DiffEqFormerLMHeadModel
 from qkvflow.models.related.node_lm import NodeTransformerLMHeadModel
 from qkvflow.models.related.ode_exits import aligned_loss
-from qkvflow.training.dial_loss import dial_flow
 
 
 def lm_loss(model: LmHeadModel, example: LmExample, *, key=None, z_loss_weight: float = 0.0, vocab_block=None):
@@ -128,3 +138,48 @@ def _with_ode_terms(model, loss, energy, stats, metrics: dict):
         metrics["ode_kinetic_energy"] = Metric.from_value(energy, ReductionType.MEAN)
         loss = loss + 0.5 * model.config.kinetic_weight * energy
     return loss, metrics
+
+
+# --- the depth dial's recipes ----------------------------------------------------------------------------
+
+
+def consistency_kl(logits_coarse: jnp.ndarray, logits_fine: jnp.ndarray, weight=None) -> jnp.ndarray:
+    """Weighted mean over positions of KL(p_fine || p_coarse) = sum_v p_fine (log p_fine - log p_coarse),
+    p = softmax over the last axis (computed in float32); `weight` (the positions' loss weights, shaped
+    like the logits less their last axis) None: every position counts alike."""
+    log_c = _log_softmax(logits_coarse)
+    log_f = _log_softmax(logits_fine)
+    kl = jnp.sum(jnp.exp(log_f) * (log_f - log_c), axis=-1)
+    if weight is None:
+        return jnp.mean(kl)
+    weight = jnp.asarray(weight, jnp.float32)
+    return jnp.sum(weight * kl) / jnp.maximum(jnp.sum(weight), 1e-9)
+
+
+def _log_softmax(logits):
+    logits = logits.astype(jnp.float32)
+    shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
+    return shifted - jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
+
+
+def dial_flow(model, example, weight, key):
+    """(x(T) as a NamedArray before the final norm, energy or None, OdeStats, added loss, metrics)."""
+    dial = model.config.dial
+    x, fine, energy, frobenius, stats, count = drawn_solves(model, example.tokens, example.attn_mask, key)
+    axes = (*example.tokens.axes, model.Embed)
+    x = hax.named(x, axes)
+    added = jnp.zeros((), jnp.float32)
+    metrics = {"dial_steps": Metric.from_value(count.astype(jnp.float32), ReductionType.MEAN)}
+    if fine is not None:
+        head = model.get_lm_head()
+        coarse_logits = hax.dot(model.final_norm(x), head, axis=model.Embed)
+        fine_logits = hax.dot(model.final_norm(hax.named(fine, axes)), head, axis=model.Embed)
+        order = (*example.tokens.axes, model.Vocab)
+        w = None if weight is None else weight.rearrange(example.tokens.axes).array
+        kl = consistency_kl(coarse_logits.rearrange(order).array, fine_logits.rearrange(order).array, w)
+        metrics["dial_consistency_kl"] = Metric.from_value(kl, ReductionType.MEAN)
+        added = added + dial.consistency_weight * kl
+    if frobenius is not None:
+        metrics["dial_jacobian_frobenius"] = Metric.from_value(frobenius, ReductionType.MEAN)
+        added = added + dial.jacobian_weight * frobenius
+    return x, energy, stats, added, metrics

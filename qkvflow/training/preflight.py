@@ -23,9 +23,9 @@ from qkvflow.runs.checkpoint_arrays import array_shapes, is_ocdbt
 from qkvflow.runs.configfile import check_config_file  # noqa: F401  (moved: the CLI checks it before heavy imports)
 from qkvflow.runs.data_checks import check_data
 from qkvflow.runs.tracking import JsonlTrackerConfig
+from qkvflow.training.adam import resolve
 from qkvflow.training.faults import NONFINITE_MODES
 from qkvflow.training.loss import check_vocab_block
-from qkvflow.training.moments import resolve
 
 
 def _positive(key: str, value, *, allow_none=False, minimum=1) -> None:

@@ -26,7 +26,7 @@ import levanter.tracker
 from qkvflow.plotting import plot_loss_curve
 from qkvflow.runs.config import TrainConfig
 from qkvflow.runs.tracking import metrics_file
-from qkvflow.training import faults, halting_phase, loop, moments, preflight, session
+from qkvflow.training import adam, faults, halting_phase, loop, preflight, session
 from qkvflow.training.loss import train_loss
 
 
@@ -50,7 +50,7 @@ def _train(config: TrainConfig, preemption: faults.Preemption, cleanup: contextl
         # only its halting head trains; its own checkpoints hold only the head, so check_resume does not apply
         config, model, is_trainable = halting_phase.prepare(config, Vocab, model_key)
         resume_from = None if model is not None else preflight.check_resume(config, Vocab)
-        mu_dtype = moments.for_resume(config.hypernetwork_mu_dtype, resume_from)  # auto: as the run began
+        mu_dtype = adam.for_resume(config.hypernetwork_mu_dtype, resume_from)  # auto: as the run began
         config = dataclasses.replace(config, hypernetwork_mu_dtype=mu_dtype)
         return (config, model, is_trainable, resume_from, model_key), config.model.max_Pos
 

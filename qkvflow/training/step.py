@@ -6,9 +6,9 @@ same loss and optimizer state. This module is their one door into `qkvflow.train
 
 from levanter.trainer import Trainer
 
+from qkvflow.training.adam import with_hypernetwork_mu_dtype
 from qkvflow.training.loop import make_trainer
 from qkvflow.training.loss import lm_loss, train_loss
-from qkvflow.training.moments import with_hypernetwork_mu_dtype
 from qkvflow.training.preflight import check_values
 
 __all__ = ["check_values", "lm_loss", "trainer", "with_hypernetwork_mu_dtype"]

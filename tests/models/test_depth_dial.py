@@ -1,4 +1,4 @@
-"""The depth-dial training recipes (qkvflow.models.depth_dial, qkvflow.training.dial_loss), each against a
+"""The depth-dial training recipes (qkvflow.models.depth_dial, qkvflow.training.loss), each against a
 reference written here: Euler and Heun on the drawn grid, the KL from its definition, the Jacobian from
 the explicit matrix. Resume of a run that draws grids: tests/test_train.py."""
 
@@ -18,8 +18,7 @@ from levanter.models.lm_model import LmExample
 from qkvflow.errors import UserError
 from qkvflow.integrate.config import OdeConfig
 from qkvflow.models.depth_dial import DepthDialConfig, drawn_solves, refine, sample_grid, solve, stage_shift
-from qkvflow.training.dial_loss import consistency_kl
-from qkvflow.training.loss import lm_loss
+from qkvflow.training.loss import consistency_kl, lm_loss
 from tests.helpers import Batch, random_tokens, smooth_model, tiny_config
 
 EPS = np.finfo(np.float32).eps
