@@ -20,6 +20,7 @@ from haliax import NamedArray
 
 from qkvflow.errors import UserError
 from qkvflow.integrate.weight_source import generate_batched
+from qkvflow.models.diffeqformer import DiffEqFormerLMHeadModel
 
 
 @dataclass(frozen=True)
@@ -94,8 +95,6 @@ def circuits_of(model, num_times: int, times: Optional[np.ndarray] = None) -> At
     or at `num_times` evenly spaced t in [0, 1] when `times` is None."""
     from levanter.models.gpt2 import Gpt2LMHeadModel
     from levanter.models.llama import LlamaLMHeadModel
-
-    from qkvflow.models.diffeqformer import DiffEqFormerLMHeadModel
 
     if isinstance(model, DiffEqFormerLMHeadModel):
         return from_generator(model.generator, np.linspace(0.0, 1.0, num_times) if times is None else times)

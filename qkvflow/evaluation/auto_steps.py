@@ -29,7 +29,9 @@ import dataclasses
 import math
 from typing import Optional, Sequence
 
+from qkvflow.data.corpora import EVAL_SPLITS
 from qkvflow.errors import UserError
+from qkvflow.evaluation.grids import parse_steps
 
 GRIDS = "N/4,N/2,N,2N,4N"
 """The candidates of `--steps auto` (`--auto_grids`), relative to the trained N."""
@@ -42,8 +44,6 @@ OPTIONS = ("--auto_grids", "--auto_tolerance", "--auto_split")
 def candidates(text: str, trained: int) -> list[int]:
     """The grids of `--auto_grids`, parsed as `--steps` (`qkvflow.evaluation.depth.parse_steps`); of the
     default N/4,N/2,N,2N,4N, the fractions that are not whole numbers are left out (N = 2: 1, 2, 4, 8)."""
-    from qkvflow.evaluation.depth import parse_steps
-
     if text.strip() == GRIDS:
         return [trained * k // 4 for k in (1, 2, 4, 8, 16) if trained * k % 4 == 0]
     return parse_steps(text, trained, key="auto_grids")
@@ -100,8 +100,6 @@ def check_auto(config) -> None:
         return
     check_tolerance(config.auto_tolerance)
     if config.auto_split is not None:
-        from qkvflow.data.corpora import EVAL_SPLITS
-
         if config.corpus is None:
             raise UserError(
                 f"--auto_split {config.auto_split}: needs a corpus: section (its selection and test halves); "

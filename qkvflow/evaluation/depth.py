@@ -31,7 +31,8 @@ import numpy as np
 from qkvflow.errors import UserError
 from qkvflow.evaluation.grids import parse_list, parse_steps  # noqa: F401  (the grammar, light for the CLI)
 from qkvflow.integrate.config import OdeConfig
-from qkvflow.integrate.solvers import EMBEDDED_ERROR, SOLVERS
+from qkvflow.integrate.solve import build_solver
+from qkvflow.integrate.solvers import EMBEDDED_ERROR, SOLVERS, evaluations
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,9 +114,6 @@ def with_ode(model, ode: OdeConfig):
 
 
 def fixed_evaluations(ode: OdeConfig) -> int:
-    from qkvflow.integrate.solve import build_solver
-    from qkvflow.integrate.solvers import evaluations
-
     return int(evaluations(build_solver(ode), ode.num_steps))
 
 

@@ -17,18 +17,21 @@ import os
 from typing import Optional
 
 from qkvflow import outputs
+from qkvflow.data import cache_lock
 from qkvflow.errors import UserError
-from qkvflow.evaluation import auto_steps
+from qkvflow.evaluation import auto_steps, depth, harness, perplexity
 from qkvflow.evaluation.auto_steps import check_auto, is_auto, mark_auto, on_auto_split
+from qkvflow.evaluation.grids import parse_list, parse_steps
+from qkvflow.models import registry
+from qkvflow.runs.corpus import announce_corpus, with_corpus
 from qkvflow.runs.finetune_config import FinetuneConfig
+from qkvflow.runs.model import load_run_model, newest_step, run_folder
 
 KIND = "eval_table"
 FILES = ("depth.md", "depth.json", "depth.png")
 
 
 def _output_rules(config, config_path: Optional[str]) -> dict:
-    from qkvflow.runs.model import run_folder
-
     protect = [("--checkpoint", config.checkpoint), ("--config_path", config_path)]
     outside = [("the run folder of --checkpoint", run_folder(config.checkpoint))]
     if isinstance(config, FinetuneConfig):
@@ -39,16 +42,12 @@ def _output_rules(config, config_path: Optional[str]) -> dict:
 
 def check(config, config_path: Optional[str]) -> None:
     """Bad options and outputs, before any work."""
-    from qkvflow.runs.model import newest_step
-
     if not config.checkpoint:
         raise UserError("--checkpoint is missing: expected the run's checkpoint folder (checkpoints/<run_id>)")
     newest_step(config.checkpoint, name="--checkpoint")  # also refuses a step with unreadable metadata, as train does
     if not isinstance(config, FinetuneConfig) and not is_ode(config.model):
         given = [f"--{k}" for k in ("steps", "solver", "tolerances") if getattr(config, k) is not None]
         if given:
-            from qkvflow.models import registry
-
             kind = registry.type_name(config.model)
             raise UserError(
                 f"{' and '.join(given)}: model.type={kind} has a fixed depth; solver grids apply to DiffEqFormer checkpoints"
@@ -64,9 +63,7 @@ def check(config, config_path: Optional[str]) -> None:
                 f"--max_examples {config.max_examples} is invalid: expected an integer >= 1 (examples per task)"
             )
     if config.tasks is not None:
-        from qkvflow.evaluation.harness import task_names
-
-        task_names(config.tasks)
+        harness.task_names(config.tasks)
     if config.per_sequence and config.tolerances is None:
         raise UserError(
             "--per_sequence: needs --tolerances (a fixed grid takes the same evaluations for every sequence)"
@@ -77,35 +74,26 @@ def check(config, config_path: Optional[str]) -> None:
 
 
 def is_ode(model_config) -> bool:
-    from qkvflow.models import registry
-
     return registry.is_ode(model_config)
 
 
 def points(config):
-    from qkvflow.evaluation.depth import grid_points, parse_list, parse_steps
-
     if is_auto(config):
         steps = auto_steps.candidates(config.auto_grids, config.model.ode.num_steps)
     else:
         steps = parse_steps(config.steps, config.model.ode.num_steps)
     solvers = parse_list(config.solver, "solver", str, "comma-separated solver names, e.g. euler,rk4")
     tolerances = parse_list(config.tolerances, "tolerances", float, "comma-separated positive numbers, e.g. 1e-2,1e-3")
-    return grid_points(config.model.ode, steps, solvers, tolerances, config.adaptive_solver)
+    return depth.grid_points(config.model.ode, steps, solvers, tolerances, config.adaptive_solver)
 
 
 def evaluate(config, config_path: Optional[str] = None) -> dict:
     """The rows of the table (and lm-eval's results with --tasks) as a dict."""
-    from qkvflow.runs.corpus import announce_corpus, with_corpus
-    from qkvflow.runs.model import load_run_model
-
     check(config, config_path)
     finetuned = isinstance(config, FinetuneConfig)
     grid = points(config) if not finetuned and is_ode(config.model) else None
     each = None
     if config.tasks is not None:
-        from qkvflow.evaluation import harness
-
         harness.check_installed()
         task_spec = harness.task_spec(config.tasks)
         harness.preload(task_spec)
@@ -143,9 +131,6 @@ def score_grids(config, model, grid, hf_tokenizer, each=None) -> tuple[list[dict
     `each(row, model at that grid)` runs after each row."""
     import haliax as hax
     import haliax.partitioning
-
-    from qkvflow.data import cache_lock
-    from qkvflow.evaluation import depth, perplexity
 
     t = config.trainer
     if not cache_lock.build(config.data, "validation"):  # tokenized on the first evaluation of this data
@@ -188,8 +173,6 @@ def score_grids(config, model, grid, hf_tokenizer, each=None) -> tuple[list[dict
 
 
 def write(result: dict, config, config_path: Optional[str]) -> list[str]:
-    from qkvflow.evaluation import depth
-
     with outputs.replacing(config.output, **_output_rules(config, config_path)) as folder:
         with open(os.path.join(folder, "depth.md"), "w") as f:
             f.write(depth.markdown_table(result["rows"]) + "\n")

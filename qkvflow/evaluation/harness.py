@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from qkvflow.errors import UserError
+from qkvflow.evaluation import rolling
 
 INSTALL = "pip install 'qkvflow[eval]'"
 SUPPORTED = ("loglikelihood", "multiple_choice", "loglikelihood_rolling")
@@ -249,8 +250,6 @@ def run(model, config, spec: list, max_examples: Optional[int] = None, *, log_sa
     """lm-eval's results dict (`results`, `n-samples`, ..., Levanter's `averages`; `samples` with log_samples).
     Call `preload(spec)` first (qkvflow eval does, before loading the model)."""
     from levanter.eval_harness import LmEvalHarnessConfig, run_lm_eval_harness
-
-    from qkvflow.evaluation import rolling
 
     t = config.trainer
     harness_config = LmEvalHarnessConfig(task_spec=spec, max_examples=max_examples, log_samples=log_samples)

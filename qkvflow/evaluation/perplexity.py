@@ -32,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from levanter.utils.tree_utils import inference_mode
 
+from qkvflow.errors import UserError
+
 LN2 = math.log(2.0)
 
 
@@ -85,8 +87,6 @@ def make_evaluator(config, Pos, tokenizer):
     """Levanter's TaggedEvaluator over `config.data`'s validation sets, as `qkvflow train` builds it
     (qkvflow.training.loop.make_evaluator): same loss, batch axis, mesh, compute mapping and example cap."""
     import levanter.eval
-
-    from qkvflow.errors import UserError
 
     t = config.trainer
     eval_sets = config.data.tagged_eval_sets(Pos)

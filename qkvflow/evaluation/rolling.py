@@ -29,11 +29,12 @@ from levanter.data.loader import stack_batches
 from levanter.data.packing import PromptCompletion, greedy_pack_prompt_completions
 from levanter.eval_harness import LevanterHarnessLM
 from levanter.utils.background_iterable import BackgroundIterator
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 
 def rolling_windows(tokens: list[int], prefix_token: int, max_seq_len: int) -> list[tuple[list[int], list[int]]]:
     """lm-eval's disjoint (context, predicted) windows of one document, as its Hugging Face model builds them."""
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # the optional `eval` extra
+
     return [
         make_disjoint_window(w)
         for w in get_rolling_token_windows(tokens, prefix_token=prefix_token, max_seq_len=max_seq_len, context_len=1)

@@ -20,6 +20,7 @@ from haliax.state_dict import to_torch_compatible_state_dict
 from levanter.layers.rotary import DefaultRotaryEmbeddingsConfig
 
 from qkvflow.errors import UserError
+from qkvflow.export.hf import configuration_qkvflow
 
 HF_DIR = os.path.join(os.path.dirname(__file__), "hf")
 WEIGHTS_FILE = "model.safetensors"
@@ -109,8 +110,6 @@ def _drop_trailing_eos(processor, eos_id: int) -> bool:
 
 def hf_config(model, *, ode_steps=None, tokenizer=None):
     """The transformers config of `model` (a ParallelLMHeadModel)."""
-    from qkvflow.export.hf import configuration_qkvflow
-
     config = model.config
     flavour = config.flavour_spec
     if config.sequential:

@@ -29,6 +29,8 @@ from haliax import Axis
 from haliax.state_dict import from_state_dict, to_state_dict
 
 from qkvflow.errors import UserError
+from qkvflow.models import registry
+from qkvflow.models.layout import per_weight_model, per_weight_shape, stacked_model
 
 FORMAT, VERSION = "qkvflow-ode", 2
 """2: W(t) carries the 1/d_emb multiplier (qkvflow.nn.time_dependent); version-1 folders predate it."""
@@ -46,8 +48,6 @@ def _encode_config(config) -> dict:
 def save_ode_export(model, folder: str) -> list[str]:
     """Write `model` (a DiffEqFormerLMHeadModel) to `folder`; return the paths written."""
     from safetensors.numpy import save_file
-
-    from qkvflow.models.layout import per_weight_model
 
     os.makedirs(folder, exist_ok=True)
     model = per_weight_model(model)  # version 2 stores each weight's hypernetwork under its own name
@@ -85,8 +85,6 @@ def load_ode_export(folder: str):
     """The DiffEqFormerLMHeadModel saved in `folder` by `save_ode_export`."""
     from safetensors.numpy import load_file
 
-    from qkvflow.models import registry
-
     path = os.path.join(folder, CONFIG_FILE)
     try:
         with open(path) as f:
@@ -102,7 +100,5 @@ def load_ode_export(folder: str):
             "with the qkvflow that trained it)"
         )
     config = registry.decode(meta["model"])
-    from qkvflow.models.layout import per_weight_shape, stacked_model
-
     template = per_weight_shape(config.build, Axis("vocab", meta["vocab_size"]), key=jrandom.PRNGKey(0))
     return stacked_model(from_state_dict(template, load_file(os.path.join(folder, WEIGHTS_FILE))))

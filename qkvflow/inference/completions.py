@@ -16,9 +16,15 @@ import sys
 
 from qkvflow import outputs
 from qkvflow.errors import UserError
-from qkvflow.evaluation import auto_steps
-from qkvflow.evaluation.grids import ONE_GRID
+from qkvflow.evaluation import auto_steps, depth, evaluate
+from qkvflow.evaluation.grids import ONE_GRID, parse_steps
+from qkvflow.inference import generate as decoding
+from qkvflow.inference.schedule import schedule
+from qkvflow.models import registry
+from qkvflow.runs import data_checks
+from qkvflow.runs.corpus import with_corpus
 from qkvflow.runs.finetune_config import FinetuneConfig
+from qkvflow.runs.model import load_run_model, run_folder
 
 
 def _unescape(text: str) -> str:
@@ -26,9 +32,7 @@ def _unescape(text: str) -> str:
 
 
 def sampling_options(config):
-    from qkvflow.inference.generate import SamplingOptions
-
-    options = SamplingOptions(
+    options = decoding.SamplingOptions(
         max_new_tokens=config.max_new_tokens,
         temperature=config.temperature,
         top_p=config.top_p,
@@ -62,10 +66,6 @@ def read_prompts(config) -> list[str]:
 def decoding_steps(config):
     """--steps as decoding takes it: None (the trained grid), N' (an int), or "auto"; bad values, an
     adaptive solver and a model of fixed depth are refused before any model is loaded."""
-    from qkvflow.evaluation.depth import parse_steps
-    from qkvflow.inference.schedule import schedule
-    from qkvflow.models import registry
-
     if isinstance(config, FinetuneConfig):
         return None  # a fine-tuning config's own `steps` is its depth M, not a grid N' (refuse_grids)
     model, auto = config.model, auto_steps.is_auto(config)
@@ -91,14 +91,10 @@ def decoding_steps(config):
 
 def choose_steps(config, model, tokenizer) -> int:
     """--steps auto: N' scored on the run's validation data (qkvflow.evaluation.evaluate.score_grids)."""
-    from qkvflow.evaluation.depth import grid_points
-    from qkvflow.evaluation.evaluate import score_grids
-    from qkvflow.runs.corpus import with_corpus
-
     config = with_corpus(auto_steps.on_auto_split(config))
     ode = config.model.ode
-    grid = grid_points(ode, auto_steps.candidates(config.auto_grids, ode.num_steps))
-    rows, _ = score_grids(config, model, grid, tokenizer)
+    grid = depth.grid_points(ode, auto_steps.candidates(config.auto_grids, ode.num_steps))
+    rows, _ = evaluate.score_grids(config, model, grid, tokenizer)
     chosen = auto_steps.mark_auto(rows, config.auto_tolerance, split=config.auto_split)
     print(chosen["summary"], file=sys.stderr, flush=True)
     return chosen["chosen"]["steps"]
@@ -106,16 +102,11 @@ def choose_steps(config, model, tokenizer) -> int:
 
 def load(config):
     """(model, tokenizer) of the checkpoint: the trained model, or the fine-tuned one with LoRA merged."""
-    from qkvflow.runs.model import load_run_model
-
     return load_run_model(config, config.checkpoint)
 
 
 def tokenizer_of(config):
     """The run's tokenizer (Hugging Face API), read before the model so that prompts are checked first."""
-    from qkvflow.runs import data_checks
-    from qkvflow.runs.corpus import with_corpus
-
     tokenizer = data_checks.load_tokenizer(with_corpus(config).data)
     return tokenizer.as_hf_tokenizer() if hasattr(tokenizer, "as_hf_tokenizer") else tokenizer
 
@@ -124,8 +115,6 @@ def check_output(config, config_path=None) -> dict:
     """--output_jsonl: a file that can be written, not a file generate reads, not inside the checkpoint's run
     folder, an existing file only with --overwrite (`qkvflow.outputs.check_file`); checked before any work,
     as `qkvflow export` checks --output. Returns the rules for `qkvflow.outputs.writing_file`."""
-    from qkvflow.runs.model import run_folder
-
     if config.output_jsonl is None:
         return {}
     protect = [("--prompts_file", config.prompts_file), ("--config_path", config_path)]
@@ -138,8 +127,6 @@ def check_output(config, config_path=None) -> dict:
 def run(config, config_path=None) -> list:
     """The completions of `config`'s prompts, printed by the caller; also written to --output_jsonl. Every
     option and the output path are checked before the model is loaded."""
-    from qkvflow.inference.generate import EngineSizes, encode_prompts, generate
-
     options = sampling_options(config)
     prompts = read_prompts(config)
     if config.max_seqs < 1:
@@ -152,15 +139,21 @@ def run(config, config_path=None) -> list:
     rules = check_output(config, config_path)
     context = config.model.max_seq_len if config.model is not None else None
     if context is not None:
-        encode_prompts(tokenizer_of(config), prompts, context, options.max_new_tokens)
+        decoding.encode_prompts(tokenizer_of(config), prompts, context, options.max_new_tokens)
     model, tokenizer = load(config)
     stream = None
     if config.stream:
         stream = lambda i, text: print(text, end="", flush=True)  # noqa: E731
     if steps == "auto":
         steps = choose_steps(config, model, tokenizer)
-    completions = generate(
-        model, tokenizer, prompts, options, steps=steps, sizes=EngineSizes(max_seqs=config.max_seqs), stream=stream
+    completions = decoding.generate(
+        model,
+        tokenizer,
+        prompts,
+        options,
+        steps=steps,
+        sizes=decoding.EngineSizes(max_seqs=config.max_seqs),
+        stream=stream,
     )
     if config.output_jsonl:
         rows = [{"prompt": c.prompt, "completion": c.text, "finish_reason": c.finish_reason, "tokens": c.tokens}

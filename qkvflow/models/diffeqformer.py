@@ -20,6 +20,9 @@ The model implements Levanter's `LmHeadModel`, so Levanter's trainer, evaluator 
 use a GPT-2. `flow` also returns the kinetic energy and solver statistics; qkvflow's training loss
 (`qkvflow.training.loss`) adds the kinetic penalty and logs the evaluations, while evaluation sees the
 plain language-model loss.
+
+This module runs past 400 lines on purpose: the config, its families, the field and the model read as
+one page from top to bottom, as nanoGPT's model.py does; the parts they use live in their own modules.
 """
 
 import dataclasses
@@ -42,6 +45,7 @@ from qkvflow.errors import check as _check
 from qkvflow.integrate.config import OdeConfig
 from qkvflow.integrate.solve import OdeStats, integrate
 from qkvflow.integrate.weight_source import WeightSource
+from qkvflow.models.accounting import forward_flops_per_token
 from qkvflow.models.depth_dial import DepthDialConfig
 from qkvflow.models.fields.dropout import dropout, time_key
 from qkvflow.models.flavour import GPT2, LLAMA, Flavour
@@ -240,8 +244,6 @@ class DiffEqFormerConfig(LmConfig):
         return DiffEqFormerLMHeadModel
 
     def flops_per_token(self, vocab_size: int, context_length: int) -> Optional[float]:
-        from qkvflow.models.accounting import forward_flops_per_token
-
         return forward_flops_per_token(self, vocab_size, context_length)
 
 

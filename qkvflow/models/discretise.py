@@ -24,7 +24,7 @@ from qkvflow.errors import UserError
 from qkvflow.integrate.config import OdeConfig
 from qkvflow.integrate.weight_source import evaluation_times, generate_batched, weight_times
 from qkvflow.models import registry
-from qkvflow.models.diffeqformer import DiffEqFormerConfig
+from qkvflow.models.diffeqformer import DiffEqFormerConfig, DiffEqFormerLMHeadModel
 from qkvflow.models.discrete.layers import ParallelAttention, ParallelBlock, make_mlp, make_norm
 from qkvflow.models.discrete.model import ParallelConfig, ParallelLMHeadModel, ParallelTransformer
 
@@ -93,8 +93,6 @@ def _blocks(config: ParallelConfig, w: dict, dt: float) -> ParallelBlock:
 
 def discretise(model, steps: int, solver: str = "euler") -> ParallelLMHeadModel:
     """The M = `steps`-layer parallel transformer that computes `model`'s M-step Euler solve."""
-    from qkvflow.models.diffeqformer import DiffEqFormerLMHeadModel
-
     if not isinstance(model, DiffEqFormerLMHeadModel):
         raise UserError(f"discretise needs a DiffEqFormerLMHeadModel; got {type(model).__name__}")
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:

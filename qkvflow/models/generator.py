@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import jax.random as jrandom
 from haliax import Axis, NamedArray
 
+from qkvflow.models.per_weight import PerWeightGenerator
 from qkvflow.models.weight_spec import WeightSpec, matrix_std
 from qkvflow.nn.projection import project_stacked
 from qkvflow.nn.random import normal
@@ -96,8 +97,6 @@ class HyperGenerator(eqx.Module):
         "fan_in", 1/sqrt(fan_in); biases start at 0 and norm scales at 1. Every weight is initialised
         as in the per-weight layout, with the same keys, then stacked: the arrays are bit-identical.
         """
-        from qkvflow.models.per_weight import PerWeightGenerator
-
         return HyperGenerator.from_per_weight(PerWeightGenerator.init(specs, config, key=key), specs)
 
     @staticmethod
@@ -120,8 +119,6 @@ class HyperGenerator(eqx.Module):
 
     def per_weight(self):
         """The same generator in the per-weight layout (what checkpoints before stacking hold)."""
-        from qkvflow.models.per_weight import PerWeightGenerator
-
         return PerWeightGenerator(self.time_embedding, self.shared_mlp, self.weights)
 
     @property

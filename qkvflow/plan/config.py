@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 from typing import Optional
 
+from qkvflow.data.vocabulary import vocabulary as describe_vocabulary
 from qkvflow.runs.config import TrainConfig
 
 
@@ -17,8 +18,6 @@ class PlanConfig(TrainConfig):
 
 
 def vocabulary(config: PlanConfig) -> int:
-    from qkvflow.data.vocabulary import vocabulary as describe_vocabulary
-
     if config.vocab_size is None and (config.bench or {}).get("vocab_size"):
         return int(config.bench["vocab_size"])
     return describe_vocabulary(config)[0]

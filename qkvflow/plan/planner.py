@@ -21,6 +21,7 @@ import os
 import re
 
 from qkvflow import outputs
+from qkvflow.bench.performance.flops import train_flops_per_token
 from qkvflow.errors import UserError
 from qkvflow.plan import backend, calibration, hlo, roofline, step
 from qkvflow.plan.targets import Target
@@ -89,8 +90,6 @@ def tpu_slices(config) -> int:
 
 
 def model_flops_per_device(config, vocab: int, batch: int, devices: int) -> float:
-    from qkvflow.bench.performance.flops import train_flops_per_token
-
     tokens = batch * config.model.max_seq_len
     return train_flops_per_token(config.model, vocab, tokens)["train_per_token"] * tokens / devices
 

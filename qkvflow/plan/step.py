@@ -35,15 +35,15 @@ from haliax.partitioning import infer_resource_partitions, round_axis_for_partit
 from jax.sharding import NamedSharding, PartitionSpec
 
 from qkvflow.errors import UserError
+from qkvflow.nn import attention
 from qkvflow.plan.targets import Target
+from qkvflow.training import step as training_step
 
 
 def with_attention(model_config, platform: str, compute_dtype):
     """`model_config` with an unset `attn_backend` (Levanter's default) replaced by the kernel the
     process-wide choice ($QKVFLOW_ATTENTION, default auto) resolves to on `platform`."""
     from levanter.layers.attention import AttentionBackend
-
-    from qkvflow.nn import attention
 
     backend = getattr(model_config, "attn_backend", None)
     if backend is not None and backend != AttentionBackend.DEFAULT:
@@ -179,8 +179,6 @@ def compile_step(config, target: Target, devices: list, vocab_size: int, batch: 
     `trainer.train_batch_size`)."""
     from levanter.tracker import NoopConfig
     from levanter.trainer_state import TrainerState
-
-    from qkvflow.training import step as training_step
 
     t = config.trainer
     if batch is not None:

@@ -8,6 +8,8 @@ works without qkvflow installed. With qkvflow installed, `qkvflow.export.hf.regi
 Auto classes know the model types, and `from_pretrained(DIR)` needs no remote code.
 """
 
+from .configuration_qkvflow import QkvflowParallelGpt2Config, QkvflowParallelLlamaConfig
+
 MODEL_TYPES = ("qkvflow_parallel_gpt2", "qkvflow_parallel_llama")
 SOURCE_FILES = ("configuration_qkvflow.py", "modeling_qkvflow.py")
 
@@ -16,8 +18,10 @@ def register() -> None:
     """Register both flavours with AutoConfig and AutoModelForCausalLM (idempotent)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .configuration_qkvflow import QkvflowParallelGpt2Config, QkvflowParallelLlamaConfig
-    from .modeling_qkvflow import QkvflowParallelGpt2ForCausalLM, QkvflowParallelLlamaForCausalLM
+    from .modeling_qkvflow import (  # lazy: torch is the optional `hf` extra; this package imports without it
+        QkvflowParallelGpt2ForCausalLM,
+        QkvflowParallelLlamaForCausalLM,
+    )
 
     for config_cls, model_cls in (
         (QkvflowParallelGpt2Config, QkvflowParallelGpt2ForCausalLM),
