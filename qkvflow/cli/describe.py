@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from qkvflow.cli.startup import usage
-from qkvflow.data.vocabulary import GPT2_VOCAB, vocabulary  # noqa: F401  (GPT2_VOCAB: re-exported)
+from qkvflow.data.vocabulary import vocabulary
 from qkvflow.models import accounting, registry
 from qkvflow.runs import configfile
 from qkvflow.runs.config import TrainConfig

@@ -15,7 +15,6 @@ Several processes (multi-host, or several processes on one machine) run the same
 metrics, the loss curve and checkpoint metadata; every process writes its shards of the arrays.
 """
 
-import logging
 import signal
 import sys
 
@@ -24,8 +23,6 @@ from qkvflow.runs import configfile
 from qkvflow.runs.config import TrainConfig
 from qkvflow.training import faults
 from qkvflow.training.run import train
-
-logger = logging.getLogger("qkvflow.cli.train")
 
 
 def headline(summary: dict, config: TrainConfig) -> str:

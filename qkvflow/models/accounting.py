@@ -18,6 +18,7 @@ from levanter.utils.flop_utils import lm_flops_per_token
 from qkvflow.integrate.solve import build_solver
 from qkvflow.integrate.solvers import evaluations
 from qkvflow.integrate.weight_source import evaluation_times
+from qkvflow.models.registry import is_ode
 
 
 def model_shapes(config, vocab_size: int):
@@ -74,3 +75,18 @@ def hypernetwork_flops_per_forward(config, vocab_size: int) -> float:
     times = evaluation_times(config.ode)
     n_times = len(times) if times is not None else nominal_evaluations(config)
     return 2.0 * count(model.generator) * n_times
+
+
+def train_flops_per_token(config, vocab: int, tokens_per_batch: int) -> dict:
+    """Model FLOPs of one training step per token, Levanter's convention: 3 x forward (the ODE's forward
+    includes its hypernetwork's share; no rematerialisation).
+    Attention's FLOPs are at the full context (`max_seq_len`), as every benchmark step uses it."""
+    forward = float(config.flops_per_token(vocab, config.max_seq_len))
+    hyper = 0.0
+    if is_ode(config):
+        hyper = hypernetwork_flops_per_forward(config, vocab) / tokens_per_batch
+    return {
+        "forward_per_token": forward,
+        "hypernetwork_forward_per_token": hyper,
+        "train_per_token": 3.0 * (forward + hyper),
+    }

@@ -21,8 +21,8 @@ import os
 import re
 
 from qkvflow import outputs
-from qkvflow.bench.performance.flops import train_flops_per_token
 from qkvflow.errors import UserError
+from qkvflow.models.accounting import train_flops_per_token
 from qkvflow.plan import backend, calibration, hlo, roofline, step
 from qkvflow.plan.targets import Target
 

@@ -1,27 +1,10 @@
-"""The FLOPs of `qkvflow bench speed`'s MFU: the model's per token, and the device's nominal peak.
+"""The peak of `qkvflow bench speed`'s MFU (its model FLOPs are `qkvflow.models.accounting.train_flops_per_token`).
 
-Model FLOPs are Levanter's convention, 3 x forward (the ODE's forward includes its hypernetwork; none
-include rematerialisation). The peak is one device's, from Levanter's table (`fray.device_flops`) for the
+The peak is one device's, from Levanter's table (`fray.device_flops`) for the
 device kind and compute dtype, or `--peak-flops`; there is none for a CPU.
 """
 
 import jax
-
-from qkvflow.models import accounting, registry
-
-
-def train_flops_per_token(config, vocab: int, tokens_per_batch: int) -> dict:
-    """Model FLOPs of one training step per token: 3 x forward, plus the hypernetwork's share.
-    Attention's FLOPs are at the full context (`max_seq_len`), as every benchmark step uses it."""
-    forward = float(config.flops_per_token(vocab, config.max_seq_len))
-    hyper = 0.0
-    if registry.is_ode(config):
-        hyper = accounting.hypernetwork_flops_per_forward(config, vocab) / tokens_per_batch
-    return {
-        "forward_per_token": forward,
-        "hypernetwork_forward_per_token": hyper,
-        "train_per_token": 3.0 * (forward + hyper),
-    }
 
 
 def nominal_peak_flops(dtype: str, override: float | None) -> dict:
