@@ -34,17 +34,7 @@ from qkvflow import __version__
 from qkvflow.cli.bench import MODES as BENCH_MODES
 from qkvflow.cli.startup import early, interrupt
 from qkvflow.errors import UserError
-from qkvflow.runs.configfile import (  # noqa: F401  (re-exported for callers of the command line's parse)
-    COMPONENTS,
-    CONFIG_PATH,
-    FLAG_VERBS,
-    FLAGS,
-    _user_cause,
-    blamed_flag,
-    overrides,
-    parse,
-    split_config_path,
-)
+from qkvflow.runs.configfile import _user_cause, blamed_flag, overrides, parse  # noqa: F401  (re-exported: `qkvflow.cli.parse` is how scripts read a config)
 
 VERBS = {
     "train": ("qkvflow.cli.train", "train a model with Levanter (--config_path CFG [--key value ...])"),

@@ -121,7 +121,7 @@ def _stopped_seams(verb: str):
             depth[0] -= 1
         raise Parsed((namespace, config))
 
-    configfile.parse = cli.parse = parse
+    configfile.parse = parse  # the verbs call it through the module
     argparse.ArgumentParser.parse_known_args = parse_known_args
     argparse.ArgumentParser.parse_args = parse_args
     early.check_exists = lambda option, value: None  # a command line parses whatever its files
@@ -129,6 +129,6 @@ def _stopped_seams(verb: str):
         yield
     finally:
         early.check_exists = real_exists
-        configfile.parse = cli.parse = real_parse
+        configfile.parse = real_parse
         argparse.ArgumentParser.parse_known_args = real_known
         argparse.ArgumentParser.parse_args = real_args
