@@ -6,8 +6,8 @@
             attention kernel for every model;
 * baseline: Levanter's GPT-2 or Llama of the same shape (layers = vector-field evaluations);
 * step:     the timed training step (loss, gradient, Levanter's Adam), compiled as Levanter's trainer does;
-* flops:    model FLOPs per token and the device's nominal peak, for MFU;
-* peak:     the device's measured matmul rate, the denominator of "fraction of peak";
+* peak:     the device's peak FLOP/s: the measured matmul rate ("fraction of peak") and the nominal
+            peak behind MFU (the model FLOPs are qkvflow.models.accounting's);
 * memory:   memory figures, each labelled with what it measures;
 * scaling:  the `bench scaling` verb: `bench speed` in a fresh subprocess per point along one axis (ODE
             steps, d_emb, sequence length, batch); CSV + PNG.

@@ -35,9 +35,8 @@ import numpy as np
 from qkvflow import outputs
 from qkvflow.bench.performance.baseline import baseline_config
 from qkvflow.bench.performance.config import apply_overrides, load_config, with_attention
-from qkvflow.bench.performance.flops import nominal_peak_flops
 from qkvflow.bench.performance.memory import device_peak_bytes, process_peak, xla_memory
-from qkvflow.bench.performance.peak import matmul_peak
+from qkvflow.bench.performance.peak import matmul_peak, nominal_peak_flops
 from qkvflow.bench.performance.step import DTYPES, Step
 from qkvflow.errors import UserError
 from qkvflow.models.accounting import train_flops_per_token
